@@ -1,0 +1,63 @@
+"""What can go wrong in a job, sorted by whether trying again can help.
+
+The task layer retries only `TransientError` (and the library errors `as_transient` names); every
+other error fails the run at once with its message recorded.
+"""
+
+from __future__ import annotations
+
+
+class MailpipeError(Exception):
+    """Base of mailpipe's own errors."""
+
+
+class TransientError(MailpipeError):
+    """Worth retrying: the cause is outside the email (a service down, busy or throttling).
+
+    `retry_after` is a hint in seconds from whoever knows better than our backoff (a rate limiter,
+    a `Retry-After` header); None means use the exponential backoff.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PermanentError(MailpipeError):
+    """Retrying cannot help: the email or the request itself is at fault."""
+
+
+class UnknownEmail(PermanentError):
+    """The job names an email id that has no `email_message` row."""
+
+
+class InputRejected(PermanentError):
+    """The email breaks a limit (size, nesting, part count) or cannot be read as an email."""
+
+
+class BlobMissing(PermanentError):
+    """The row points at a blob key that the store does not have."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors of the services around a job that are worth retrying.
+
+    Library errors are named one by one: a database, Redis or S3 that cannot be reached or
+    answered "busy". Anything not named here is a bug or bad input and is not retried.
+    """
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import ReadTimeoutError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from sqlalchemy.exc import DBAPIError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+    if isinstance(exc, TransientError):
+        return True
+    if isinstance(exc, OperationalError | PoolTimeoutError):
+        return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(
+        exc, RedisConnectionError | RedisTimeoutError | BotoConnectionError | ReadTimeoutError
+    )

@@ -1,0 +1,124 @@
+"""One typed settings object, read from the environment (prefix ``MAILPIPE_``).
+
+Every default is the embedded setup: a SQLite file, a local blob folder, the local Redis, model
+calls off and the `rules` classifier. Production overrides them through the environment only; no
+secret has a default here.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_LABELS = (
+    "invoice",
+    "newsletter",
+    "security",
+    "bounce",
+    "spam",
+    "personal",
+    "support",
+    "calendar",
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MAILPIPE_", frozen=True, extra="ignore")
+
+    # Where things live.
+    database_url: str = "sqlite:///var/mailpipe.db"
+    broker_url: str = "redis://localhost:6379/0"
+    blob_url: str = "file://var/blobs"
+    s3_endpoint_url: str | None = None
+    queue: str = "mailpipe"
+    # Put before every Redis key of mailpipe and kombu, so that several environments (or the
+    # demo and a fleet) can share one Redis without seeing each other's jobs and markers.
+    redis_prefix: str = ""
+
+    # Classification.
+    model_backend: Literal["rules", "bedrock"] = "rules"
+    rules_file: Path | None = None
+    labels: tuple[str, ...] = DEFAULT_LABELS
+    bedrock_model_id: str = "anthropic.claude-3-5-haiku-20241022-v1:0"
+    bedrock_region: str = "us-east-1"
+    bedrock_max_tokens: int = Field(256, ge=16, le=4096)
+    classifier_text_budget: int = Field(24_000, ge=1_000)  # characters of email + documents
+    model_rate_per_s: float = Field(5.0, gt=0)  # fleet-wide model calls per second
+    model_burst: int = Field(5, ge=1)
+    model_max_in_flight: int = Field(16, ge=1)  # fleet-wide model calls at once
+
+    # Jobs: time limits, retries and the broker's redelivery window (seconds).
+    visibility_timeout: int = Field(900, ge=10)
+    task_soft_time_limit: int = Field(240, ge=1)
+    task_time_limit: int = Field(300, ge=2)
+    max_retries: int = Field(3, ge=0)
+    retry_backoff_base: float = Field(10.0, gt=0)
+    retry_backoff_max: int = Field(300, ge=1)
+    lease_ttl: int = Field(30, ge=3)  # renewed every third of it while the job runs
+    dedup_ttl: int = Field(3600, ge=10)  # longest a lost job's marker can block its email
+
+    # Workers.
+    worker_concurrency: int = Field(2, ge=1)
+    worker_max_tasks_per_child: int = Field(1000, ge=1)
+    soft_shutdown_timeout: float = Field(90.0, ge=0)  # inside ECS's 120 s stopTimeout
+
+    # Parsing limits: an email over any of them is rejected, not retried.
+    max_email_bytes: int = Field(50 * 1024 * 1024, ge=1024)
+    max_mime_depth: int = Field(25, ge=1)
+    max_mime_parts: int = Field(1000, ge=1)
+    body_text_max_chars: int = Field(200_000, ge=1000)
+
+    # Documents (attachments converted to text).
+    doc_max_bytes: int = Field(25 * 1024 * 1024, ge=1)
+    doc_max_per_email: int = Field(100, ge=0)
+    doc_max_pages: int = Field(500, ge=1)
+    doc_max_uncompressed_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    doc_max_zip_entries: int = Field(5_000, ge=1)
+    doc_max_zip_ratio: float = Field(200.0, gt=1)
+    doc_time_limit: float = Field(30.0, gt=0)
+    doc_max_text_chars: int = Field(2_000_000, ge=1000)
+    doc_inline_text_bytes: int = Field(64 * 1024, ge=0)  # longer text goes to blob storage
+
+    # Sweeper.
+    sweep_interval: float = Field(300.0, gt=0)
+    sweep_batch_size: int = Field(1000, ge=1)
+    stall_after: int = Field(1800, ge=0)  # open runs already classified count as stalled after this
+    max_sweeps: int = Field(3, ge=1)
+    beat_lock_timeout: int = Field(60, ge=5)
+
+    # Metrics.
+    metrics_namespace: str | None = None  # unset: metrics go to the log
+    metrics_interval: float = Field(60.0, gt=0)
+
+    # Flower.
+    flower_basic_auth: str | None = None  # "user:password[,user2:password2]"
+
+    @model_validator(mode="after")
+    def _check_time_budget(self) -> Settings:
+        if self.task_soft_time_limit >= self.task_time_limit:
+            raise ValueError(
+                "MAILPIPE_TASK_SOFT_TIME_LIMIT must be below MAILPIPE_TASK_TIME_LIMIT so that a job "
+                "can record its error before it is killed"
+            )
+        if self.visibility_timeout <= self.task_time_limit + self.retry_backoff_max:
+            raise ValueError(
+                "MAILPIPE_VISIBILITY_TIMEOUT must exceed MAILPIPE_TASK_TIME_LIMIT + "
+                f"MAILPIPE_RETRY_BACKOFF_MAX ({self.task_time_limit} + {self.retry_backoff_max}), "
+                "or the broker redelivers jobs that are still running or waiting to retry"
+            )
+        return self
+
+    @property
+    def max_attempts(self) -> int:
+        """The first try and `max_retries` retries."""
+        return self.max_retries + 1
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read once from the environment."""
+    return Settings()
