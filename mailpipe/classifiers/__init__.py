@@ -1,0 +1,71 @@
+"""Classifiers: what an email is about, as labels from the configured label set.
+
+Two interchangeable backends behind one small interface, chosen by ``MAILPIPE_MODEL_BACKEND``:
+``rules`` (local keyword, regex and sender rules) and ``bedrock`` (Amazon Bedrock ``converse``).
+A classifier raises `mailpipe.errors.TransientError` for throttling and outages and
+`mailpipe.errors.PermanentError` for input or output it cannot use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from mailpipe.settings import Settings
+
+
+@dataclass(frozen=True)
+class DocumentText:
+    """The converted text of one attachment."""
+
+    filename: str
+    content_type: str
+    text: str
+
+
+@dataclass(frozen=True)
+class EmailForClassifier:
+    """What a classifier may read of an email. Every field is untrusted text from a stranger."""
+
+    subject: str
+    sender: str
+    recipients: tuple[str, ...]
+    date: str | None
+    body_text: str
+    documents: tuple[DocumentText, ...] = ()
+
+
+@dataclass(frozen=True)
+class LabelScore:
+    label: str
+    confidence: float
+
+
+@dataclass(frozen=True)
+class ClassificationResult:
+    labels: tuple[LabelScore, ...]
+    model_id: str
+    prompt_version: str
+    output: dict[str, Any] = field(default_factory=dict)
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    latency_ms: int = 0
+
+
+class Classifier(Protocol):
+    model_id: str
+    remote: bool  # True: calls a paid provider, so every call takes a fleet-wide rate-limit slot
+
+    def classify(self, email: EmailForClassifier) -> ClassificationResult: ...
+
+
+def make_classifier(settings: Settings) -> Classifier:
+    """The backend the settings name."""
+    if settings.model_backend == "bedrock":
+        from mailpipe.classifiers.bedrock import BedrockClassifier
+
+        return BedrockClassifier.from_settings(settings)
+    from mailpipe.classifiers.rules import RulesClassifier
+
+    return RulesClassifier.from_settings(settings)
