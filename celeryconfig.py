@@ -1,0 +1,64 @@
+"""Celery configuration for every mailpipe process: lowercase Celery keys, values from the one
+settings object (`mailpipe.settings`), each with the reason it is set."""
+
+from kombu import Queue
+
+from mailpipe.queues import TaskName, control_queue, email_queue
+from mailpipe.settings import get_settings
+
+_settings = get_settings()
+
+broker_url = _settings.broker_url
+# Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
+# longest retry backoff (checked at start-up), so Redis never redelivers a job that is still
+# running or waiting out its retry countdown.
+broker_transport_options = {
+    "visibility_timeout": _settings.visibility_timeout,
+    "global_keyprefix": _settings.redis_prefix,
+}
+# A restarted Redis or a deploy that starts workers before Redis must not crash them.
+broker_connection_retry_on_startup = True
+
+# JSON only: a pickle payload would let whoever can write to Redis run code in the workers.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+event_serializer = "json"
+# Outcomes live in the database; a result backend would be a second, unread copy.
+task_ignore_result = True
+
+# Ack after the job, not before: a worker that dies mid-job leaves the message to be redelivered.
+task_acks_late = True
+# ...and a child killed mid-job (OOM, segfault) requeues its message instead of dropping it.
+task_reject_on_worker_lost = True
+# One message reserved per free child: a long job never holds others hostage behind it.
+worker_prefetch_multiplier = 1
+
+# The soft limit raises inside the job so it can record the error; the hard limit kills the child.
+task_soft_time_limit = _settings.task_soft_time_limit
+task_time_limit = _settings.task_time_limit
+# Recycling children bounds what a leak in a parser library can grow to.
+worker_max_tasks_per_child = _settings.worker_max_tasks_per_child
+# Jobs at a time per worker process (ECS task); fleet capacity is tasks x this.
+worker_concurrency = _settings.worker_concurrency
+# On SIGTERM (with REMAP_SIGTERM=SIGQUIT) running jobs get this long to finish before they are
+# requeued; 90 s leaves 30 s of ECS's 120 s stopTimeout for the requeue and exit.
+worker_soft_shutdown_timeout = _settings.soft_shutdown_timeout
+
+# Task events feed Flower's live view of workers and failed jobs.
+worker_send_task_events = True
+task_send_sent_event = True
+# STARTED state makes running jobs visible in Flower, not just queued and finished ones.
+task_track_started = True
+
+task_default_queue = email_queue(_settings)
+# Workers consume both lists by default; housekeeping never waits behind the email backlog.
+task_queues = (Queue(email_queue(_settings)), Queue(control_queue(_settings)))
+task_routes = {TaskName.SWEEP.value: {"queue": control_queue(_settings)}}
+
+# The sweeper turns the database back into work; beat fires it. Only the beat holding the Redis
+# lock fires, so a second beat process is a standby, not a second schedule (mailpipe.beat).
+beat_scheduler = "mailpipe.beat:LockedScheduler"
+beat_schedule = {
+    "sweep": {"task": TaskName.SWEEP.value, "schedule": _settings.sweep_interval},
+}

@@ -1,0 +1,59 @@
+"""Every Celery signal handler of mailpipe, each explained in a line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery.signals import (
+    beat_init,
+    before_task_publish,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+)
+
+from mailpipe import flags, resources
+from mailpipe.queuestats import ENQUEUED_AT_HEADER
+
+log = logging.getLogger(__name__)
+
+
+@worker_process_init.connect
+def _fresh_resources_in_child(**_: Any) -> None:
+    """Connections do not survive fork: each worker child builds its own."""
+    resources.reset()
+
+
+@worker_process_shutdown.connect
+def _close_resources_in_child(**_: Any) -> None:
+    """Close the child's pools cleanly when it is recycled (max tasks per child)."""
+    resources.get_resources().close()
+
+
+@before_task_publish.connect
+def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """The oldest waiting job's age is read from this stamp (OldestJobAgeSeconds)."""
+    if headers is not None:
+        headers.setdefault(ENQUEUED_AT_HEADER, time.time())
+
+
+@worker_ready.connect
+@beat_init.connect
+def _sweep_at_start_when_model_calls_are_on(sender: Any = None, **_: Any) -> None:
+    """Runs that waited for model calls are picked up at once, not at the next scheduled sweep."""
+    from mailpipe.tasks import sweep
+
+    res = resources.get_resources()
+    try:
+        with res.db.session() as session:
+            enabled = flags.model_calls_enabled(session)
+    except Exception:  # noqa: BLE001 - no schema yet or database down: the schedule covers it
+        log.warning("could not read the model-calls switch at start", exc_info=True)
+        return
+    if enabled:
+        sweep.apply_async()
+    # The main process must not keep connections that its forked children would inherit.
+    resources.get_resources().close()
+    resources.reset()
