@@ -1,0 +1,211 @@
+"""The sweeper: turns the database, the source of truth, back into work (DESIGN: Sweeper).
+
+Rules, applied in keyset batches over small partial indexes, so a sweep costs in proportion to
+its candidates and not to the emails stored:
+
+- an email with no pipeline run is re-added (its run is created, swept once);
+- an open run whose job was started or re-added and never finished is re-added, model calls on
+  or off (a lost job stays lost otherwise);
+- with model calls on, an open run is re-added at once when the email was never classified, and
+  after `MAILPIPE_STALL_AFTER` seconds (default 1800) since its last change when it was;
+- with model calls off, runs waiting for them are left alone;
+- an email whose job is queued or running (its dedup marker is set) is never counted as stalled
+  and never enqueued twice;
+- each re-add increments the run's sweep_count; a run already swept `MAILPIPE_MAX_SWEEPS` times
+  (default 3) that is still stalled is failed and its email marked for review.
+
+Two sweeps at once (a manual one and a scheduled one) cannot double anything: a Redis lock lets
+one run, and every enqueue goes through the dedup marker anyway. This module never imports Celery;
+the task shell passes in how to enqueue and how to count live workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import and_, or_, select, update
+
+from mailpipe import flags, redis_keys
+from mailpipe.enqueue import EnqueueResult, is_queued
+from mailpipe.metrics import BacklogMetrics, MetricsSink
+from mailpipe.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
+from mailpipe.pipeline import runs
+from mailpipe.queuestats import queue_stats
+from mailpipe.resources import Resources
+
+log = logging.getLogger(__name__)
+
+Enqueue = Callable[[Sequence[int]], EnqueueResult]
+
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class SweepResult:
+    ran: bool = True
+    model_calls: bool = False
+    readded_no_run: int = 0
+    readded_stalled: int = 0
+    skipped_queued: int = 0
+    marked_for_review: int = 0
+    queue_depth: int = 0
+    backlog_per_task: float = 0.0
+    readded_ids: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, object]:
+        data = asdict(self)
+        data.pop("readded_ids")
+        return data
+
+
+def sweep(
+    res: Resources,
+    enqueue: Enqueue,
+    count_workers: Callable[[], int],
+    sink: MetricsSink,
+) -> SweepResult:
+    settings = res.settings
+    token = uuid.uuid4().hex
+    # The lock outlives any sane sweep; it only guards against a second sweep at the same time.
+    if not res.redis.set(redis_keys.sweep_lock(), token, nx=True, ex=600):
+        log.info("sweep skipped: another sweep is running")
+        return SweepResult(ran=False)
+    try:
+        result = _sweep(res, enqueue)
+    finally:
+        res.redis.eval(_RELEASE, 1, redis_keys.sweep_lock(), token)
+
+    stats = queue_stats(res.redis, settings.queue)
+    metrics = BacklogMetrics(
+        queue=settings.queue,
+        queue_depth=stats.depth,
+        oldest_job_age_s=stats.oldest_age_s or 0.0,
+        running_tasks=count_workers(),
+    )
+    result.queue_depth = metrics.queue_depth
+    result.backlog_per_task = metrics.backlog_per_task
+    sink.send(metrics)
+    with res.db.transaction() as session:
+        session.add(
+            SweepReport(
+                finished_at=utcnow(),
+                readded_no_run=result.readded_no_run,
+                readded_stalled=result.readded_stalled,
+                skipped_queued=result.skipped_queued,
+                marked_for_review=result.marked_for_review,
+                queue_depth=result.queue_depth,
+                backlog_per_task=result.backlog_per_task,
+            )
+        )
+    log.info("sweep: %s", result.summary())
+    return result
+
+
+def _sweep(res: Resources, enqueue: Enqueue) -> SweepResult:
+    with res.db.session() as session:
+        model_calls = flags.model_calls_enabled(session)
+    result = SweepResult(model_calls=model_calls)
+    # Open runs first: the runs this sweep creates for emails without one are not looked at twice.
+    _sweep_open_runs(res, enqueue, result, model_calls)
+    _sweep_emails_without_run(res, enqueue, result)
+    return result
+
+
+def _sweep_emails_without_run(res: Resources, enqueue: Enqueue, result: SweepResult) -> None:
+    last_id = 0
+    while True:
+        with res.db.session() as session:
+            ids = list(
+                session.scalars(
+                    select(EmailMessage.id)
+                    .where(EmailMessage.has_run.is_(False), EmailMessage.id > last_id)
+                    .order_by(EmailMessage.id)
+                    .limit(res.settings.sweep_batch_size)
+                )
+            )
+        if not ids:
+            return
+        last_id = ids[-1]
+        waiting = _not_queued(res, ids, result)
+        sent = enqueue(waiting).sent if waiting else []
+        if sent:
+            with res.db.transaction() as session:
+                runs.ensure_runs(session, sent)
+                _count_sweep(session, sent)
+        result.readded_no_run += len(sent)
+        result.readded_ids.extend(sent)
+
+
+def _sweep_open_runs(
+    res: Resources, enqueue: Enqueue, result: SweepResult, model_calls: bool
+) -> None:
+    settings = res.settings
+    unfinished = or_(PipelineRun.attempts > 0, PipelineRun.sweep_count > 0)
+    if model_calls:
+        cutoff = utcnow() - timedelta(seconds=settings.stall_after)
+        stalled = or_(
+            unfinished, PipelineRun.classified_at.is_(None), PipelineRun.updated_at < cutoff
+        )
+    else:
+        stalled = unfinished
+    last_id = 0
+    while True:
+        with res.db.session() as session:
+            rows = session.execute(
+                select(PipelineRun.id, PipelineRun.email_id, PipelineRun.sweep_count)
+                .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > last_id, stalled))
+                .order_by(PipelineRun.id)
+                .limit(settings.sweep_batch_size)
+            ).all()
+        if not rows:
+            return
+        last_id = rows[-1].id
+        waiting = set(_not_queued(res, [row.email_id for row in rows], result))
+        exhausted = [r.email_id for r in rows if r.email_id in waiting and r.sweep_count >= settings.max_sweeps]
+        retry = [r.email_id for r in rows if r.email_id in waiting and r.sweep_count < settings.max_sweeps]
+        if exhausted:
+            with res.db.transaction() as session:
+                _mark_for_review(session, exhausted, settings.max_sweeps)
+            result.marked_for_review += len(exhausted)
+        sent = enqueue(retry).sent if retry else []
+        if sent:
+            with res.db.transaction() as session:
+                _count_sweep(session, sent)
+        result.readded_stalled += len(sent)
+        result.readded_ids.extend(sent)
+
+
+def _not_queued(res: Resources, email_ids: list[int], result: SweepResult) -> list[int]:
+    queued = is_queued(res, email_ids)
+    result.skipped_queued += sum(queued)
+    return [email_id for email_id, busy in zip(email_ids, queued) if not busy]
+
+
+def _count_sweep(session, email_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    session.execute(
+        update(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids))
+        .values(sweep_count=PipelineRun.sweep_count + 1, last_swept_at=utcnow())
+    )
+
+
+def _mark_for_review(session, email_ids: list[int], max_sweeps: int) -> None:  # type: ignore[no-untyped-def]
+    reason = f"stalled: re-added {max_sweeps} times by the sweeper without finishing"
+    now = utcnow()
+    session.execute(
+        update(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
+        .values(status=RunStatus.FAILED, error=reason, closed_at=now, attempt_started_at=None)
+    )
+    session.execute(
+        update(EmailMessage)
+        .where(EmailMessage.id.in_(email_ids))
+        .values(needs_review=True, review_reason=reason)
+    )
