@@ -1,0 +1,95 @@
+"""Real `celery beat` subprocesses: one active scheduler, takeover, and recovery after a flush."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from mailpipe import flags, localfleet
+from mailpipe.models import Classification, EmailMessage, PipelineRun
+from tests.integration.conftest import wait_for, wait_until_closed
+
+SWEEP_INTERVAL = 2
+LOCK_TIMEOUT = 6
+
+
+def fleet_env(**extra: str) -> dict[str, str]:
+    """Its own Redis key prefix: the session's shared worker never sees these jobs."""
+    env = dict(os.environ)
+    env["MAILPIPE_REDIS_PREFIX"] = f"fleet{uuid.uuid4().hex[:8]}:"
+    env["MAILPIPE_SWEEP_INTERVAL"] = str(SWEEP_INTERVAL)
+    env["MAILPIPE_BEAT_LOCK_TIMEOUT"] = str(LOCK_TIMEOUT)
+    env.update(extra)
+    return env
+
+
+def test_two_beats_fire_each_sweep_once_and_the_standby_takes_over(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = fleet_env()
+    control = env["MAILPIPE_REDIS_PREFIX"] + "mailpipe.control"
+    lock = env["MAILPIPE_REDIS_PREFIX"] + "mailpipe:beat:lock"
+    beats = [localfleet.beat(env, tmp_path, name).start() for name in ("beat-a", "beat-b")]
+    try:
+        wait_for(lambda: res.redis.exists(lock), 30, "a beat to take the lock")
+        start, sent_before = time.monotonic(), res.redis.llen(control)
+        time.sleep(5 * SWEEP_INTERVAL)
+        elapsed, sent = time.monotonic() - start, res.redis.llen(control) - sent_before
+        # One schedule fires: at most one sweep per interval (plus one at a boundary), not two.
+        assert 3 <= sent <= elapsed / SWEEP_INTERVAL + 1, sent
+
+        holder_pid = int(res.redis.get(lock).decode().split(":")[1])
+        [active] = [b for b in beats if b.pid == holder_pid]
+        [standby] = [b for b in beats if b is not active]
+        active.kill()
+        killed_at, sent_at_kill = time.monotonic(), res.redis.llen(control)
+        wait_for(lambda: res.redis.llen(control) > sent_at_kill, 60, "the standby to fire")
+        takeover = time.monotonic() - killed_at
+        assert int(res.redis.get(lock).decode().split(":")[1]) == standby.pid
+        # Within the lock timeout plus one check interval (well inside two minutes).
+        assert takeover <= LOCK_TIMEOUT + LOCK_TIMEOUT / 3 + SWEEP_INTERVAL + 2, takeover
+    finally:
+        for beat in beats:
+            beat.stop()
+
+
+def test_flush_while_200_emails_wait_then_each_is_processed_once(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = fleet_env()
+    prefix = env["MAILPIPE_REDIS_PREFIX"]
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    folder = tmp_path / "inbox"
+    folder.mkdir()
+    for i in range(200):
+        (folder / f"{i:03}.eml").write_bytes(
+            f"From: a@example.org\r\nSubject: Invoice {i}\r\nMessage-ID: <f{i}@x>\r\n\r\nAmount due {i}\r\n".encode()
+        )
+    ingest = subprocess.run(
+        [sys.executable, "-m", "mailpipe.cli", "ingest", str(folder)],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    assert "stored 200, enqueued 200" in ingest.stdout
+    assert res.redis.llen(prefix + "mailpipe") == 200
+
+    for key in res.redis.scan_iter(match=prefix + "*"):  # Redis restarted without persistence
+        res.redis.delete(key)
+
+    worker = localfleet.worker(env, tmp_path, name="flush-worker").start()
+    beat = localfleet.beat(env, tmp_path).start()
+    try:
+        worker.wait_ready()
+        with res.db.session() as session:
+            ids = list(session.scalars(select(EmailMessage.id)))
+        statuses = wait_until_closed(res, ids, timeout=180)
+    finally:
+        beat.stop()
+        worker.stop()
+    assert len(ids) == 200 and set(statuses.values()) == {"succeeded"}
+    with res.db.session() as session:
+        assert set(session.scalars(select(PipelineRun.attempts))) == {1}  # each processed once
+        assert set(session.scalars(select(PipelineRun.sweep_count))) == {1}  # re-added once
+        assert session.scalar(select(func.count()).select_from(Classification)) == 200
