@@ -1,0 +1,237 @@
+"""The `bedrock` classifier: Amazon Bedrock's `converse` API with labels as forced tool use.
+
+The model must answer by calling one tool whose input schema lists the configured labels, so the
+answer is structured data checked against that list, not prose to be scraped. Errors are sorted
+for the task layer: throttling, outages and timeouts are `TransientError` (retried with backoff);
+requests Bedrock rejects and answers we cannot use are `PermanentError` (the run fails at once).
+
+Nothing here logs the email: not the body, not the prompt, not the model's text. Keep the
+`botocore` logger above DEBUG in production, because botocore logs request bodies at DEBUG.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
+from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME, build_prompt, tool_config
+from mailpipe.errors import PermanentError, TransientError
+
+if TYPE_CHECKING:
+    from mailpipe.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Error codes worth another try later. Botocore's standard retry mode has already retried some of
+# them (throttling, 5xx, timeouts) within the call; what reaches us outlasted those retries.
+_TRANSIENT_CODES = frozenset(
+    {
+        "ThrottlingException",
+        "ServiceUnavailableException",
+        "ModelNotReadyException",
+        "InternalServerException",
+        "ModelTimeoutException",
+        # The model failed while running; Bedrock documents it as retryable, and the task layer's
+        # retry cap bounds the cost if it is not.
+        "ModelErrorException",
+    }
+)
+# When throttled without a Retry-After header: long enough for a per-minute quota window to move
+# on noticeably, short enough that a brief burst does not stall the email for minutes.
+THROTTLE_RETRY_AFTER_S = 10.0
+
+# Worst case of one `classify` call: 3 attempts x (connect 5 s + read 30 s) + botocore's backoff
+# (under 4 s at 3 attempts) is about 110 s. That stays under the fleet rate limiter's slot TTL
+# (120 s), so a slow call never loses its slot, and well inside the task soft time limit.
+# A label call answers in seconds (a few hundred output tokens), so 30 s of silence means trouble.
+_CONNECT_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 30.0
+_MAX_ATTEMPTS = 3
+
+
+class BedrockClassifier:
+    """Classify emails with a Bedrock model through `converse` and a forced labels tool.
+
+    The boto3 client is built in the constructor from a fresh session (boto3's default session is
+    not thread-safe), so build the classifier per process, after fork. Without `endpoint_url`,
+    boto3 honours `AWS_ENDPOINT_URL_BEDROCK_RUNTIME` and `AWS_ENDPOINT_URL` itself.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        labels: Sequence[str],
+        region: str,
+        max_tokens: int = 256,
+        text_budget: int = 24_000,
+        endpoint_url: str | None = None,
+        max_attempts: int = _MAX_ATTEMPTS,
+        connect_timeout: float = _CONNECT_TIMEOUT_S,
+        read_timeout: float = _READ_TIMEOUT_S,
+    ) -> None:
+        if not labels or len(set(labels)) != len(labels):
+            raise ValueError("labels must be a non-empty list without repeats")
+        self.model_id = model_id
+        self.remote = True  # a paid call: the pipeline takes a fleet-wide rate-limit slot for it
+        self._labels = tuple(labels)
+        self._max_tokens = max_tokens
+        self._text_budget = text_budget
+        self._tool_config = tool_config(self._labels)
+        self._client = boto3.session.Session().client(
+            "bedrock-runtime",
+            region_name=region,
+            endpoint_url=endpoint_url,
+            config=Config(
+                # `total_max_attempts` counts the first try; botocore's `max_attempts` key would
+                # count retries only, so {"max_attempts": 3} means four calls.
+                retries={"mode": "standard", "total_max_attempts": max_attempts},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+            ),
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BedrockClassifier:
+        return cls(
+            model_id=settings.bedrock_model_id,
+            labels=settings.labels,
+            region=settings.bedrock_region,
+            max_tokens=settings.bedrock_max_tokens,
+            text_budget=settings.classifier_text_budget,
+        )
+
+    def classify(self, email: EmailForClassifier) -> ClassificationResult:
+        """Labels for `email`. Not idempotent by itself (each call is billed); callers store it."""
+        prompt = build_prompt(email, self._labels, self._text_budget)
+        started = time.monotonic()
+        try:
+            response = self._client.converse(
+                modelId=self.model_id,
+                system=[{"text": prompt.system}],
+                messages=[{"role": "user", "content": [{"text": prompt.user}]}],
+                inferenceConfig={"maxTokens": self._max_tokens, "temperature": 0},
+                toolConfig=self._tool_config,
+            )
+        except ClientError as error:
+            raise _classify_client_error(error) from error
+        except (BotoConnectionError, HTTPClientError) as error:
+            # Connection refused or reset, connect or read timeout: the service, not the email.
+            raise TransientError(f"bedrock unreachable: {error}") from error
+        measured_ms = round((time.monotonic() - started) * 1000)
+
+        tool_input = _tool_input(response)
+        labels = _labels(tool_input, self._labels)
+        usage = response.get("usage", {})
+        latency_ms = response.get("metrics", {}).get("latencyMs")
+        result = ClassificationResult(
+            labels=labels,
+            model_id=self.model_id,
+            prompt_version=PROMPT_VERSION,
+            output=tool_input,
+            input_tokens=usage.get("inputTokens"),
+            output_tokens=usage.get("outputTokens"),
+            latency_ms=latency_ms if isinstance(latency_ms, int) else measured_ms,
+        )
+        log.debug(
+            "classified with %s (prompt %s%s): %d labels, %s in / %s out tokens, %d ms",
+            self.model_id,
+            PROMPT_VERSION,
+            ", truncated" if prompt.truncated else "",
+            len(labels),
+            result.input_tokens,
+            result.output_tokens,
+            result.latency_ms,
+        )
+        return result
+
+
+def _classify_client_error(error: ClientError) -> TransientError | PermanentError:
+    """The mailpipe error for an error response from Bedrock."""
+    details = error.response.get("Error", {})
+    code = details.get("Code", "")
+    message = details.get("Message", "")
+    metadata = error.response.get("ResponseMetadata", {})
+    status = metadata.get("HTTPStatusCode", 0)
+    if code == "ThrottlingException":
+        retry_after = _retry_after(metadata.get("HTTPHeaders", {}))
+        return TransientError(f"bedrock throttled the call: {message}", retry_after=retry_after)
+    if code in _TRANSIENT_CODES or status >= 500:
+        return TransientError(f"bedrock unavailable ({code or status}): {message}")
+    # ValidationException (bad request, input too long), AccessDeniedException (no model access
+    # granted or IAM), ResourceNotFoundException (wrong model id or region), and any other 4xx:
+    # the same request fails the same way next time.
+    return PermanentError(f"bedrock rejected the request ({code or status}): {message}")
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    """Seconds to wait from the response headers (botocore lower-cases them), else our default."""
+    for name, scale in (("x-amz-retry-after", 0.001), ("retry-after", 1.0)):
+        try:
+            seconds = float(headers[name]) * scale
+        except (KeyError, ValueError):
+            continue
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+    return THROTTLE_RETRY_AFTER_S
+
+
+def _tool_input(response: Mapping[str, Any]) -> dict[str, Any]:
+    """The input of the one call of our tool in the response.
+
+    Error messages describe the output's shape, never its text: the text may quote the email.
+    """
+    content = response.get("output", {}).get("message", {}).get("content", [])
+    calls = [
+        block["toolUse"]
+        for block in content
+        if isinstance(block, dict) and block.get("toolUse", {}).get("name") == TOOL_NAME
+    ]
+    if len(calls) != 1:
+        raise PermanentError(
+            f"unusable model output: {len(calls)} calls of {TOOL_NAME} in {len(content)} content "
+            f"blocks (stopReason={response.get('stopReason')})"
+        )
+    tool_input = calls[0].get("input")
+    if not isinstance(tool_input, dict):
+        raise PermanentError(f"unusable model output: {TOOL_NAME} input is not an object")
+    return tool_input
+
+
+def _labels(tool_input: Mapping[str, Any], allowed: Sequence[str]) -> tuple[LabelScore, ...]:
+    """The label scores in the tool input, checked against the configured labels.
+
+    Keys the schema does not name are ignored rather than rejected: they do not change the answer.
+    A label given twice keeps its highest confidence, for the same reason.
+    """
+    items = tool_input.get("labels")
+    if not isinstance(items, list):
+        raise PermanentError("unusable model output: 'labels' is not a list")
+    scores: dict[str, float] = {}
+    for item in items:
+        if not isinstance(item, dict):
+            raise PermanentError("unusable model output: a labels item is not an object")
+        label, confidence = item.get("label"), item.get("confidence")
+        if label not in allowed:
+            raise PermanentError(
+                f"unusable model output: label {str(label)[:40]!r} is not a configured label"
+            )
+        if (
+            isinstance(confidence, bool)
+            or not isinstance(confidence, int | float)
+            or not 0 <= confidence <= 1
+        ):
+            raise PermanentError(
+                f"unusable model output: confidence of {label!r} is not a number from 0 to 1"
+            )
+        scores[label] = max(float(confidence), scores.get(label, 0.0))
+    return tuple(LabelScore(label, confidence) for label, confidence in scores.items())

@@ -1,0 +1,201 @@
+"""The fleet rate limiter under real contention: several OS processes, one real Redis.
+
+Each process stands in for a worker on its own host: it builds its own Redis client and limiter
+and hammers `slot()`. Grant times are the Redis server times the limiter yields, the clock its
+bucket runs on, so the bound below is checked exactly, not up to clock skew between processes.
+
+The bound: with rate r and burst B, every window of length t holds at most B + r*t grants (the
+bucket holds at most B tokens when the window opens, gains at most r*t during it, never goes
+below zero, and each grant takes one token). For 1 s windows that is B + r.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from multiprocessing.synchronize import Barrier
+
+import pytest
+from redis import Redis, RedisError
+
+from mailpipe.ratelimit import FleetRateLimiter, RateLimited
+
+# DB 12 is this module's alone; other suites use other databases of the same Redis.
+REDIS_URL = "redis://127.0.0.1:6379/12"
+GRANTS = "test:ratelimit:grants"
+IN_FLIGHT = "test:ratelimit:in_flight"
+PROCESSES = 8
+
+# Spawn, not fork: each process starts clean, as a worker on another host would, and nothing of
+# the parent's Redis connections or threads is inherited.
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def redis_db() -> Iterator[Redis]:
+    client = Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except RedisError as exc:
+        pytest.fail(
+            f"Redis is not reachable at {REDIS_URL} ({exc}). These tests need the real Redis: "
+            "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no",
+            pytrace=False,
+        )
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def hammer(limits: dict[str, float], seconds: float, hold: float, start: Barrier) -> None:
+    """Take slots for `seconds`, each held `hold` seconds; record grants and peak concurrency.
+
+    Runs in a child process. Refusals are expected (that is the limiter working) and retried.
+    """
+    client = Redis.from_url(REDIS_URL)
+    limiter = FleetRateLimiter(
+        client,
+        rate_per_s=limits["rate_per_s"],
+        burst=int(limits["burst"]),
+        max_in_flight=int(limits["max_in_flight"]),
+        name="hammer",
+    )
+    grants: list[float] = []
+    peak = 0
+    start.wait()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with limiter.slot(wait=0.5) as granted_at:
+                peak = max(peak, client.incr(IN_FLIGHT))
+                time.sleep(hold)
+                client.decr(IN_FLIGHT)
+        except RateLimited:
+            continue
+        grants.append(granted_at)
+    client.rpush(GRANTS, json.dumps({"grants": grants, "peak": peak}))
+    client.close()
+
+
+def run_fleet(limits: dict[str, float], seconds: float, hold: float) -> tuple[list[float], int]:
+    """Run `hammer` in PROCESSES processes at once; all grant times, sorted, and peak in flight."""
+    start = SPAWN.Barrier(PROCESSES)
+    processes = [
+        SPAWN.Process(target=hammer, args=(limits, seconds, hold, start)) for _ in range(PROCESSES)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=seconds + 30)
+        assert process.exitcode == 0, f"a hammer process ended with {process.exitcode}"
+    reports = [json.loads(raw) for raw in Redis.from_url(REDIS_URL).lrange(GRANTS, 0, -1)]
+    assert len(reports) == PROCESSES
+    grants = sorted(t for report in reports for t in report["grants"])
+    return grants, max(report["peak"] for report in reports)
+
+
+def most_in_window(grants: list[float], window: float) -> int:
+    """The largest number of grants in any closed window [t, t + window], in whole microseconds."""
+    micros = [round(t * 1_000_000) for t in grants]
+    span = round(window * 1_000_000)
+    most, first = 0, 0
+    for last, t in enumerate(micros):
+        while t - micros[first] > span:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
+def test_grants_never_exceed_rate_plus_burst_in_any_window(redis_db: Redis) -> None:
+    rate, burst = 10.0, 5
+    limits = {"rate_per_s": rate, "burst": burst, "max_in_flight": 100}
+
+    grants, _ = run_fleet(limits, seconds=3.0, hold=0.0)
+
+    # Eight processes want far more than the limit, so the bucket is the only thing holding them.
+    assert len(grants) > burst + rate, "the fleet should have had more than one window's worth"
+    assert most_in_window(grants, 1.0) <= burst + rate
+    # The same bound for every window length at once: grants i..j span g_j - g_i.
+    micros = [round(t * 1_000_000) for t in grants]
+    for i, first in enumerate(micros):
+        for j in range(i, len(micros)):
+            assert j - i + 1 <= burst + rate * (micros[j] - first) / 1_000_000 + 1e-9, (
+                f"{j - i + 1} grants within {(micros[j] - first) / 1e6:.6f} s"
+            )
+
+
+def test_calls_in_flight_never_exceed_the_cap(redis_db: Redis) -> None:
+    max_in_flight = 3
+    limits = {"rate_per_s": 1000.0, "burst": 100, "max_in_flight": max_in_flight}
+
+    grants, peak = run_fleet(limits, seconds=2.0, hold=0.02)
+
+    assert grants
+    # Eight processes contend for three slots, so the cap is reached, and never passed.
+    assert peak == max_in_flight
+    assert int(redis_db.get(IN_FLIGHT)) == 0
+
+
+def hold_forever(slot_ttl: float, granted: str) -> None:
+    """Take the only slot, say so with its grant time, and never let go (until killed)."""
+    client = Redis.from_url(REDIS_URL)
+    limiter = FleetRateLimiter(
+        client, rate_per_s=100.0, burst=10, max_in_flight=1, name="victim", slot_ttl=slot_ttl
+    )
+    with limiter.slot() as granted_at:
+        client.rpush(granted, granted_at)
+        time.sleep(3600)
+
+
+def test_slot_of_a_killed_holder_frees_itself_after_the_ttl(redis_db: Redis) -> None:
+    slot_ttl = 2.0
+    victim = SPAWN.Process(target=hold_forever, args=(slot_ttl, "test:ratelimit:victim"))
+    victim.start()
+    reply = redis_db.blpop(["test:ratelimit:victim"], timeout=30)
+    assert reply is not None, "the victim never took its slot"
+    victim_granted_at = float(reply[1])
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=10)
+    assert victim.exitcode == -signal.SIGKILL
+
+    limiter = FleetRateLimiter(
+        redis_db, rate_per_s=100.0, burst=10, max_in_flight=1, name="victim", slot_ttl=slot_ttl
+    )
+    with pytest.raises(RateLimited):  # the dead process still holds the only slot
+        with limiter.slot():
+            pass
+    with limiter.slot(wait=slot_ttl + 5) as granted_at:
+        assert granted_at >= victim_granted_at + slot_ttl
+
+
+def test_rate_limited_says_when_a_token_is_due(redis_db: Redis) -> None:
+    limiter = FleetRateLimiter(redis_db, rate_per_s=0.5, burst=1, max_in_flight=10, name="hint")
+    with limiter.slot():
+        pass
+
+    with pytest.raises(RateLimited) as refused:
+        with limiter.slot():
+            pass
+
+    # The one token was just spent; the next is due 1 / 0.5 = 2 s after that, less time passed.
+    assert 0 < refused.value.retry_after <= 2.0
+    assert "per second" in str(refused.value)
+
+
+def test_rate_limited_when_all_slots_are_held(redis_db: Redis) -> None:
+    limiter = FleetRateLimiter(redis_db, rate_per_s=100.0, burst=10, max_in_flight=1, name="full")
+
+    with limiter.slot():
+        with pytest.raises(RateLimited) as refused:
+            with limiter.slot(wait=0.1):
+                pass
+
+    assert refused.value.retry_after > 0
+    assert "in flight" in str(refused.value)
+    with limiter.slot():  # released on exit
+        pass
