@@ -23,6 +23,14 @@ class TransientError(MailpipeError):
         self.retry_after = retry_after
 
 
+class Throttled(TransientError):
+    """A shared limit said "not now" (the fleet's rate limit, the model provider's quota).
+
+    The job did no work worth counting: it is put back on the queue for `retry_after` seconds
+    without using one of its attempts, so a throttled job waits its turn instead of failing.
+    """
+
+
 class PermanentError(MailpipeError):
     """Retrying cannot help: the email or the request itself is at fault."""
 

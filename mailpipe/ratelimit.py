@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from redis import Redis, RedisError
 
 from mailpipe import redis_keys
-from mailpipe.errors import TransientError
+from mailpipe.errors import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ _SLOT_POLL_S = 0.05
 _SLOT_RETRY_AFTER_S = 1.0
 
 
-class RateLimited(TransientError):
+class RateLimited(Throttled):
     """No model call could start in time; `retry_after` says when one is likely to."""
 
     retry_after: float

@@ -24,7 +24,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME, build_prompt, tool_config
-from mailpipe.errors import PermanentError, TransientError
+from mailpipe.errors import PermanentError, Throttled, TransientError
 
 if TYPE_CHECKING:
     from mailpipe.settings import Settings
@@ -164,7 +164,7 @@ def _classify_client_error(error: ClientError) -> TransientError | PermanentErro
     status = metadata.get("HTTPStatusCode", 0)
     if code == "ThrottlingException":
         retry_after = _retry_after(metadata.get("HTTPHeaders", {}))
-        return TransientError(f"bedrock throttled the call: {message}", retry_after=retry_after)
+        return Throttled(f"bedrock throttled the call: {message}", retry_after=retry_after)
     if code in _TRANSIENT_CODES or status >= 500:
         return TransientError(f"bedrock unavailable ({code or status}): {message}")
     # ValidationException (bad request, input too long), AccessDeniedException (no model access

@@ -2,8 +2,8 @@
 
 `process_email` returns how the job ended, or raises:
 - `RetryLater` after a transient error was recorded and attempts remain;
-- `Deferred` when the job did not really run (no model-call slot) and must come back later
-  without its attempt being counted;
+- `Deferred` when the job was throttled (no model-call slot, the provider's quota) and must come
+  back later without its attempt being counted;
 - `UnknownEmail` when there is no such email (nothing to record it on).
 Permanent errors and exhausted attempts end the run as `failed` with the error, and return.
 """
@@ -14,7 +14,7 @@ import enum
 import logging
 
 from mailpipe import flags
-from mailpipe.errors import PermanentError, UnknownEmail, is_transient
+from mailpipe.errors import PermanentError, Throttled, UnknownEmail, is_transient
 from mailpipe.models import EmailMessage, RunStatus
 from mailpipe.pipeline import runs
 from mailpipe.pipeline.classify import classify, email_for_classifier, store_classification
@@ -27,7 +27,7 @@ from mailpipe.pipeline.documents import (
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.pipeline.origin import record_origin
 from mailpipe.pipeline.parse import ParseLimits, parse_email
-from mailpipe.ratelimit import FleetRateLimiter, RateLimited
+from mailpipe.ratelimit import FleetRateLimiter
 from mailpipe.resources import Resources
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def process_email(res: Resources, email_id: int) -> Outcome:
         return Outcome.FAILED
     try:
         return _run_steps(res, email_id)
-    except RateLimited as exc:
+    except Throttled as exc:
         with res.db.transaction() as session:
             runs.give_back_attempt(session, email_id)
         raise Deferred(str(exc), exc.retry_after or 1.0) from exc
