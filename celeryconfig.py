@@ -12,8 +12,13 @@ broker_url = _settings.broker_url
 # Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
 # longest retry backoff (checked at start-up), so Redis never redelivers a job that is still
 # running or waiting out its retry countdown.
+# kombu scans for expired unacked messages every interval x throttle seconds (100 s by
+# default); a scan every 10 s brings a dead worker's jobs back within visibility_timeout + 10 s.
+# MAILPIPE_REDIS_PREFIX goes before every kombu key, so environments can share one Redis.
 broker_transport_options = {
     "visibility_timeout": _settings.visibility_timeout,
+    "unacked_restore_interval": 10,
+    "unacked_restore_throttle": 1,
     "global_keyprefix": _settings.redis_prefix,
 }
 # A restarted Redis or a deploy that starts workers before Redis must not crash them.

@@ -51,8 +51,10 @@ def is_transient(exc: BaseException) -> bool:
     """True for errors of the services around a job that are worth retrying.
 
     Library errors are named one by one: a database, Redis or S3 that cannot be reached or
-    answered "busy". Anything not named here is a bug or bad input and is not retried.
+    answered "busy", and the soft time limit (a slow dependency is the likelier cause; attempts
+    still bound it). Anything not named here is a bug or bad input and is not retried.
     """
+    from billiard.exceptions import SoftTimeLimitExceeded
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.exceptions import ReadTimeoutError
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -60,7 +62,7 @@ def is_transient(exc: BaseException) -> bool:
     from sqlalchemy.exc import DBAPIError, OperationalError
     from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-    if isinstance(exc, TransientError):
+    if isinstance(exc, TransientError | SoftTimeLimitExceeded):
         return True
     if isinstance(exc, OperationalError | PoolTimeoutError):
         return True

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     model_max_in_flight: int = Field(16, ge=1)  # fleet-wide model calls at once
 
     # Jobs: time limits, retries and the broker's redelivery window (seconds).
-    visibility_timeout: int = Field(900, ge=10)
+    visibility_timeout: int = Field(900, ge=5)
     task_soft_time_limit: int = Field(240, ge=1)
     task_time_limit: int = Field(300, ge=2)
     max_retries: int = Field(3, ge=0)
@@ -92,7 +92,11 @@ class Settings(BaseSettings):
 
     # Metrics.
     metrics_namespace: str | None = None  # unset: metrics go to the log
-    metrics_interval: float = Field(60.0, gt=0)
+    metrics_interval: float = Field(60.0, gt=0)  # seconds between a worker's reports
+    # Off leaves the reporting to the sweeper (every MAILPIPE_SWEEP_INTERVAL).
+    worker_metrics: bool = True
+    # A CloudWatch-compatible endpoint (tests); boto3's AWS_ENDPOINT_URL_CLOUDWATCH works too.
+    cloudwatch_endpoint_url: str | None = None
 
     # Flower.
     flower_basic_auth: str | None = None  # "user:password[,user2:password2]"

@@ -11,8 +11,6 @@ import random
 from collections.abc import Callable
 
 from celery import Task
-from celery.exceptions import SoftTimeLimitExceeded
-from celery.utils.time import get_exponential_backoff_interval
 
 from mailpipe import redis_keys, sweeper
 from mailpipe.celery import app
@@ -55,11 +53,6 @@ class EmailJobTask(Task):
             return self._defer(email_id, deferred.delay, str(deferred))
         except job.RetryLater as retry:
             raise self._retry(retry, retry.attempt, retry.retry_after) from retry
-        except SoftTimeLimitExceeded as exc:
-            limit = f"soft time limit of {settings.task_soft_time_limit}s exceeded"
-            if job.record_crash(res, email_id, limit) is None:
-                raise self._retry(exc, None, None) from exc
-            outcome = job.Outcome.FAILED
         except UnknownEmail:
             res.redis.delete(marker)
             raise
@@ -69,11 +62,8 @@ class EmailJobTask(Task):
     def _retry(self, exc: Exception, attempt: int | None, retry_after: float | None) -> Exception:
         settings = get_resources().settings
         retries = (attempt - 1) if attempt else self.request.retries
-        countdown = retry_after or get_exponential_backoff_interval(
-            factor=settings.retry_backoff_base,
-            retries=retries,
-            maximum=settings.retry_backoff_max,
-            full_jitter=True,
+        countdown = retry_after or backoff(
+            retries, settings.retry_backoff_base, settings.retry_backoff_max
         )
         log.info("email job retrying in %.1fs: %s", countdown, exc)
         return self.retry(exc=exc, countdown=countdown, max_retries=settings.max_retries)
@@ -85,6 +75,15 @@ class EmailJobTask(Task):
         self.apply_async((email_id,), countdown=countdown)
         log.info("email %s deferred %.1fs: %s", email_id, countdown, reason)
         return "deferred"
+
+
+def backoff(retries: int, base: float, maximum: float) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(maximum, base * 2**retries)].
+
+    Celery's own helper draws whole seconds only, which cannot express the sub-second bases that
+    tests use; the jitter spreads retries of jobs that failed together.
+    """
+    return random.uniform(0, min(maximum, base * 2**retries))
 
 
 @app.task(bind=True, base=EmailJobTask, name=TaskName.PROCESS_EMAIL.value)

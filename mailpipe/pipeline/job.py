@@ -5,7 +5,8 @@
 - `Deferred` when the job was throttled (no model-call slot, the provider's quota) and must come
   back later without its attempt being counted;
 - `UnknownEmail` when there is no such email (nothing to record it on).
-Permanent errors and exhausted attempts end the run as `failed` with the error, and return.
+Permanent and unexpected errors and exhausted attempts end the run as `failed` with the error,
+and return.
 """
 
 from __future__ import annotations
@@ -81,17 +82,14 @@ def process_email(res: Resources, email_id: int) -> Outcome:
         log.warning("email %s: failed: %s", email_id, exc)
         return Outcome.FAILED
     except Exception as exc:
-        if not is_transient(exc):
-            raise
-        return _after_transient(res, email_id, claim.attempt, exc)
-
-
-def record_crash(res: Resources, email_id: int, error: str) -> Outcome | None:
-    """Record an attempt that the task layer saw die (time limit); None when it may retry."""
-    with res.db.transaction() as session:
-        if runs.record_failed_attempt(session, email_id, error, res.settings.max_attempts):
-            return None
-    return Outcome.FAILED
+        if is_transient(exc):
+            return _after_transient(res, email_id, claim.attempt, exc)
+        # A bug or an input no check foresaw: retrying cannot help. The run records it for the
+        # failed list; the traceback goes to the log.
+        log.exception("email %s: unexpected error", email_id)
+        with res.db.transaction() as session:
+            runs.close(session, email_id, RunStatus.FAILED, f"unexpected {type(exc).__name__}: {exc}")
+        return Outcome.FAILED
 
 
 def _after_transient(res: Resources, email_id: int, attempt: int, exc: Exception) -> Outcome:
