@@ -80,7 +80,9 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     clear_redis(client)
 
     admin = sqlalchemy.create_engine(
-        PG_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT"
+        PG_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://"),
+        isolation_level="AUTOCOMMIT",
+        pool_pre_ping=True,  # the chaos test restarts PostgreSQL
     )
     try:
         with admin.connect() as conn:
