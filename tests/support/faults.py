@@ -9,7 +9,8 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
 - ``slow:SECONDS``: sleeps, then runs the real steps (a slow but healthy job).
 
 A fault can be limited to its first N deliveries (``times``). Every delivery that reaches the
-steps is counted under ``runs_key``, so tests can tell how often the steps really ran.
+steps is counted under ``runs_key`` and its start time kept under ``starts_key``, so tests can
+tell how often and when the steps really ran.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def fault_key(email_id: int, prefix: str | None = None) -> str:
 
 def runs_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:runs:{email_id}", prefix)
+
+
+def starts_key(email_id: int, prefix: str | None = None) -> str:
+    """A list of the wall-clock times at which deliveries reached the steps."""
+    return _key(f"test:starts:{email_id}", prefix)
 
 
 def set_fault(
@@ -82,6 +88,7 @@ _real_run_steps = job._run_steps
 
 def _run_steps_with_faults(res, email_id: int) -> job.Outcome:  # type: ignore[no-untyped-def]
     res.redis.incr(runs_key(email_id))
+    res.redis.rpush(starts_key(email_id), time.time())
     mode = _take_fault(res.redis, email_id)
     if mode is not None:
         _crash(mode)
