@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, not_, select
 from sqlalchemy.orm import Session
 
 from mailpipe import flags
@@ -26,7 +26,7 @@ def fleet_status(res: Resources) -> dict[str, Any]:
     with res.db.session() as session:
         emails = session.scalar(select(func.count()).select_from(EmailMessage)) or 0
         no_run = session.scalar(
-            select(func.count()).select_from(EmailMessage).where(EmailMessage.has_run.is_(False))
+            select(func.count()).select_from(EmailMessage).where(not_(EmailMessage.has_run))
         )
         counts = dict(
             session.execute(select(PipelineRun.status, func.count()).group_by(PipelineRun.status)).all()

@@ -25,9 +25,9 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import Select, and_, not_, or_, select, update
 
 from mailpipe import flags, redis_keys
 from mailpipe.enqueue import EnqueueResult, is_queued
@@ -118,18 +118,40 @@ def _sweep(res: Resources, enqueue: Enqueue) -> SweepResult:
     return result
 
 
+def emails_without_run(after_id: int, limit: int) -> Select[tuple[int]]:
+    """A keyset batch of emails that have no run, from the partial index over them."""
+    return (
+        select(EmailMessage.id)
+        .where(not_(EmailMessage.has_run), EmailMessage.id > after_id)
+        .order_by(EmailMessage.id)
+        .limit(limit)
+    )
+
+
+def open_runs(
+    after_id: int, limit: int, model_calls: bool, stall_cutoff: datetime
+) -> Select[tuple[int, int, int]]:
+    """A keyset batch of open runs that may be stalled, from the partial index on open runs."""
+    unfinished = or_(PipelineRun.attempts > 0, PipelineRun.sweep_count > 0)
+    if model_calls:
+        stalled = or_(
+            unfinished, PipelineRun.classified_at.is_(None), PipelineRun.updated_at < stall_cutoff
+        )
+    else:
+        stalled = unfinished
+    return (
+        select(PipelineRun.id, PipelineRun.email_id, PipelineRun.sweep_count)
+        .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > after_id, stalled))
+        .order_by(PipelineRun.id)
+        .limit(limit)
+    )
+
+
 def _sweep_emails_without_run(res: Resources, enqueue: Enqueue, result: SweepResult) -> None:
     last_id = 0
     while True:
         with res.db.session() as session:
-            ids = list(
-                session.scalars(
-                    select(EmailMessage.id)
-                    .where(EmailMessage.has_run.is_(False), EmailMessage.id > last_id)
-                    .order_by(EmailMessage.id)
-                    .limit(res.settings.sweep_batch_size)
-                )
-            )
+            ids = list(session.scalars(emails_without_run(last_id, res.settings.sweep_batch_size)))
         if not ids:
             return
         last_id = ids[-1]
@@ -147,22 +169,12 @@ def _sweep_open_runs(
     res: Resources, enqueue: Enqueue, result: SweepResult, model_calls: bool
 ) -> None:
     settings = res.settings
-    unfinished = or_(PipelineRun.attempts > 0, PipelineRun.sweep_count > 0)
-    if model_calls:
-        cutoff = utcnow() - timedelta(seconds=settings.stall_after)
-        stalled = or_(
-            unfinished, PipelineRun.classified_at.is_(None), PipelineRun.updated_at < cutoff
-        )
-    else:
-        stalled = unfinished
+    cutoff = utcnow() - timedelta(seconds=settings.stall_after)
     last_id = 0
     while True:
         with res.db.session() as session:
             rows = session.execute(
-                select(PipelineRun.id, PipelineRun.email_id, PipelineRun.sweep_count)
-                .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > last_id, stalled))
-                .order_by(PipelineRun.id)
-                .limit(settings.sweep_batch_size)
+                open_runs(last_id, settings.sweep_batch_size, model_calls, cutoff)
             ).all()
         if not rows:
             return
