@@ -57,12 +57,13 @@ def ingest(paths: tuple[Path, ...], no_enqueue: bool) -> None:
         report = run_ingest(
             res, paths, enqueue=not no_enqueue, on_progress=lambda n: progress.advance(task, n)
         )
-    console.print(
+    # Plain lines, never wrapped: scripts read this summary.
+    click.echo(
         f"stored {report.stored}, enqueued {report.enqueued}, already queued "
         f"{report.already_queued}, rejected {len(report.rejected)}"
     )
     for rejected in report.rejected:
-        console.print(f"  rejected {rejected.source}: {rejected.reason}", markup=False)
+        click.echo(f"  rejected {rejected.source}: {rejected.reason}")
 
 
 @main.command()
@@ -116,7 +117,7 @@ def failed(retry_ids: tuple[int, ...], retry_all: bool, limit: int) -> None:
                 )
             reopened = [email_id for email_id in retry_ids if runs.reopen(session, email_id)]
         result = enqueue_emails(reopened, res)
-        console.print(f"reopened {len(reopened)}, enqueued {len(result.sent)}")
+        click.echo(f"reopened {len(reopened)}, enqueued {len(result.sent)}")
         return
     with res.db.session() as session:
         rows = session.execute(

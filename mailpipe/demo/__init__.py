@@ -106,37 +106,46 @@ def _wait_for_runs(res, email_ids: list[int], timeout: float) -> bool:  # type: 
 
 
 def _report(console: Console, res, ids: dict[str, int], elapsed: float, finished: bool) -> bool:  # type: ignore[no-untyped-def]
+    """A table per run status, the labels found, and whether every sample did as expected."""
     from mailpipe.status import email_detail
 
-    table = Table("sample", "email", "status", "expected", "labels", "documents", "error")
+    by_status: dict[str, list[tuple[str, dict, bool]]] = {}
     all_ok = finished
     with res.db.session() as session:
         for name, email_id in ids.items():
             detail = email_detail(session, email_id)
             assert detail is not None
-            run = detail["run"] or {}
-            status = run.get("status", "no run")
-            labels = {label["label"] for label in detail["labels"]}
+            status = (detail["run"] or {}).get("status", "no run")
             expected = EXPECTED[name]
+            labels = {label["label"] for label in detail["labels"]}
             converted = [d for d in detail["documents"] if d["status"] == "converted"]
-            ok = (
-                status == expected.status
-                and expected.labels <= labels
-                and len(converted) >= expected.documents
-            )
+            ok = status == expected.status and expected.labels <= labels and len(converted) >= expected.documents
             all_ok &= ok
+            by_status.setdefault(status, []).append((name, detail, ok))
+
+    found: dict[str, int] = {}
+    for status, rows in sorted(by_status.items()):
+        table = Table("sample", "id", "labels", "documents", "error", "as expected", title=f"{status} ({len(rows)})", title_justify="left")
+        for name, detail, ok in rows:
+            labels = sorted(label["label"] for label in detail["labels"])
+            for label in labels:
+                found[label] = found.get(label, 0) + 1
             table.add_row(
                 name,
-                str(email_id),
-                f"[{'green' if ok else 'red'}]{status}[/]",
-                expected.status,
-                ", ".join(sorted(labels)) or "-",
+                str(detail["id"]),
+                ", ".join(labels) or "-",
                 ", ".join(f"{d['filename']} ({d['status']})" for d in detail["documents"]) or "-",
-                (run.get("error") or "")[:60],
+                ((detail["run"] or {}).get("error") or "-")[:50],
+                "[green]yes[/]" if ok else f"[red]no, expected {EXPECTED[name].status}[/]",
             )
-    console.print(table)
+        console.print(table)
     console.print(
-        f"{len(ids)} emails in {elapsed:.2f}s: "
-        + ("every sample reached its expected state" if all_ok else "[red]some samples did not[/]")
+        "labels found: " + (", ".join(f"{label} ({n})" for label, n in sorted(found.items())) or "none"),
+        soft_wrap=True,
+    )
+    console.print(
+        f"{len(ids)} emails through a prefork worker (-c 2) in {elapsed:.2f}s: "
+        + ("every sample reached its expected state" if all_ok else "[red]some samples did not[/]"),
+        soft_wrap=True,
     )
     return all_ok
