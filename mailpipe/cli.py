@@ -157,18 +157,9 @@ def model_calls(state: str | None) -> None:
 @main.command()
 def sweep() -> None:
     """Run one sweep now, in this process, and print what it did."""
-    from mailpipe import sweeper
-    from mailpipe.enqueue import enqueue_emails
-    from mailpipe.metrics import make_sink
-    from mailpipe.tasks import count_live_workers
+    from mailpipe.tasks import run_sweep
 
-    res = get_resources()
-    result = sweeper.sweep(
-        res,
-        enqueue=lambda ids: enqueue_emails(ids, res),
-        count_workers=count_live_workers,
-        sink=make_sink(res.settings),
-    )
+    result = run_sweep(get_resources())
     if not result.ran:
         console.print("another sweep is running; nothing done")
         return

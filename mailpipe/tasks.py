@@ -105,14 +105,17 @@ def sweep() -> dict[str, object]:
     No retries: the next scheduled sweep is the retry. Acked early: a sweep lost with its worker
     is simply the next one.
     """
-    res = get_resources()
-    result = sweeper.sweep(
+    return run_sweep(get_resources()).summary()
+
+
+def run_sweep(res: Resources) -> sweeper.SweepResult:
+    """One sweep with the real enqueue, live-worker count and metrics sink."""
+    return sweeper.sweep(
         res,
         enqueue=lambda ids: enqueue_emails(ids, res),
         count_workers=count_live_workers,
         sink=make_sink(res.settings),
     )
-    return result.summary()
 
 
 def count_live_workers() -> int:

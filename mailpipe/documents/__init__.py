@@ -5,9 +5,15 @@ input. Nothing is fetched, nothing is written to disk, and every document is bou
 zip size and ratio, pages, nesting, text and time (see `DocumentLimits`).
 """
 
-from mailpipe.documents.convert import convert_attachment
+from mailpipe.documents.convert import convert_attachment, document_for
 from mailpipe.documents.filenames import safe_filename
 from mailpipe.documents.limits import DocumentLimits
 from mailpipe.documents.result import ConvertedDocument
 
-__all__ = ["ConvertedDocument", "DocumentLimits", "convert_attachment", "safe_filename"]
+__all__ = [
+    "ConvertedDocument",
+    "DocumentLimits",
+    "convert_attachment",
+    "document_for",
+    "safe_filename",
+]

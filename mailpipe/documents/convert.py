@@ -48,7 +48,7 @@ def convert_attachment(att: Attachment, limits: DocumentLimits) -> ConvertedDocu
         with time_limit(limits.time_limit):
             return _convert(att, limits, level=0)
     except ConversionTimeout as exc:
-        return _document(att, "failed", error=str(exc))
+        return document_for(att, "failed", error=str(exc))
 
 
 def _convert(att: Attachment, limits: DocumentLimits, level: int) -> ConvertedDocument:
@@ -58,10 +58,10 @@ def _convert(att: Attachment, limits: DocumentLimits, level: int) -> ConvertedDo
     document instead of being recorded on the part.
     """
     if att.error:
-        return _document(att, "failed", error=_short(f"payload unreadable: {att.error}"))
+        return document_for(att, "failed", error=_short(f"payload unreadable: {att.error}"))
     if len(att.payload) > limits.max_bytes:
         error = f"size {len(att.payload)} bytes exceeds {limits.max_bytes}"
-        return _document(att, "too_large", error=error)
+        return document_for(att, "too_large", error=error)
     try:
         extracted = _extract(att, limits, level)
     except _JOB_INTERRUPTS:
@@ -69,28 +69,28 @@ def _convert(att: Attachment, limits: DocumentLimits, level: int) -> ConvertedDo
     except NestingTooDeep as exc:
         if level:
             raise
-        return _document(att, "too_large", error=str(exc))
+        return document_for(att, "too_large", error=str(exc))
     except RecursionError:
         if level:
             raise
-        return _document(att, "failed", error="nested too deeply to read (RecursionError)")
+        return document_for(att, "failed", error="nested too deeply to read (RecursionError)")
     except TooLarge as exc:
-        return _document(att, "too_large", error=_short(str(exc)))
+        return document_for(att, "too_large", error=_short(str(exc)))
     except Unreadable as exc:
-        return _document(att, "failed", error=_short(str(exc)))
+        return document_for(att, "failed", error=_short(str(exc)))
     except Unsupported as exc:
-        return _document(att, "unsupported", error=_short(str(exc)))
+        return document_for(att, "unsupported", error=_short(str(exc)))
     except InputRejected as exc:
-        return _document(att, "failed", error=_short(f"attached email rejected: {exc}"))
+        return document_for(att, "failed", error=_short(f"attached email rejected: {exc}"))
     except MemoryError:
-        return _document(att, "failed", error="out of memory (MemoryError)")
+        return document_for(att, "failed", error="out of memory (MemoryError)")
     except Exception as exc:
         # Library errors on malformed files are expected; the traceback is logged in case one is
         # a bug of ours rather than of the file.
         logger.info("attachment %d failed to convert", att.index, exc_info=True)
-        return _document(att, "failed", error=_describe(exc))
+        return document_for(att, "failed", error=_describe(exc))
     text = extracted.text[: limits.max_text_chars]
-    return _document(att, "converted", text=_storable(text), page_count=extracted.page_count)
+    return document_for(att, "converted", text=_storable(text), page_count=extracted.page_count)
 
 
 def _extract(att: Attachment, limits: DocumentLimits, level: int) -> Extracted:
@@ -123,7 +123,7 @@ def _extract(att: Attachment, limits: DocumentLimits, level: int) -> Extracted:
             raise Unsupported(f"unsupported type {att.content_type}")
 
 
-def _document(
+def document_for(
     att: Attachment,
     status: Status,
     *,

@@ -7,19 +7,12 @@ longer than `doc_inline_text_bytes` goes to blob storage under a key built from 
 
 from __future__ import annotations
 
-import hashlib
-
 from sqlalchemy.orm import Session
 
 from mailpipe.blobstore import BlobStore, document_text_key
 from mailpipe.classifiers import DocumentText
 from mailpipe.db import upsert
-from mailpipe.documents import (
-    ConvertedDocument,
-    DocumentLimits,
-    convert_attachment,
-    safe_filename,
-)
+from mailpipe.documents import ConvertedDocument, DocumentLimits, convert_attachment, document_for
 from mailpipe.models import Document, DocumentStatus, utcnow
 from mailpipe.pipeline.parse import Attachment, ParsedEmail
 from mailpipe.settings import Settings
@@ -78,14 +71,6 @@ def texts_for_classifier(documents: list[ConvertedDocument]) -> tuple[DocumentTe
 
 def _over_count(attachment: Attachment, max_per_email: int) -> ConvertedDocument:
     """Recorded, not converted: the email has more attachments than one job converts."""
-    return ConvertedDocument(
-        part_index=attachment.index,
-        safe_filename=safe_filename(attachment.filename, attachment.index),
-        content_type=attachment.content_type,
-        size=len(attachment.payload),
-        sha256=hashlib.sha256(attachment.payload).hexdigest(),
-        status=DocumentStatus.TOO_LARGE.value,
-        text=None,
-        page_count=None,
-        error=f"email has more than {max_per_email} attachments",
+    return document_for(
+        attachment, "too_large", error=f"email has more than {max_per_email} attachments"
     )

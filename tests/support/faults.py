@@ -75,8 +75,7 @@ def _crash(mode: str) -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (512 * 1024 * 1024, hard))
         try:
-            hog = bytearray(1024 * 1024 * 1024)
-            del hog
+            bytearray(1024 * 1024 * 1024)
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     if mode.startswith("slow:"):
