@@ -2,5 +2,9 @@
 
 from celery import Celery
 
-app = Celery("mailpipe", include=["mailpipe.tasks", "mailpipe.signals"])
+app = Celery("mailpipe", include=["mailpipe.tasks"])
 app.config_from_object("celeryconfig")
+
+# Every process that publishes jobs (the CLI and upstream code too, not only workers) needs the
+# signal handlers: the enqueue-time stamp behind OldestJobAgeSeconds is one.
+import mailpipe.signals  # noqa: E402, F401

@@ -123,7 +123,7 @@ def failed(retry_ids: tuple[int, ...], retry_all: bool, limit: int) -> None:
         rows = session.execute(
             select(PipelineRun.email_id, PipelineRun.attempts, PipelineRun.closed_at, PipelineRun.error)
             .where(PipelineRun.status == RunStatus.FAILED)
-            .order_by(PipelineRun.id.desc())
+            .order_by(PipelineRun.closed_at.desc())
             .limit(limit)
         ).all()
     table = Table("email", "attempts", "failed at", "error", title="failed runs")

@@ -47,6 +47,11 @@ class BlobMissing(PermanentError):
     """The row points at a blob key that the store does not have."""
 
 
+class RunFailed(MailpipeError):
+    """Raised by the task after its run was recorded as failed, so that Flower and task events
+    list the job as FAILURE with the run's error (nothing is retried: the message is acked)."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors of the services around a job that are worth retrying.
 

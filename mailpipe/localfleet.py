@@ -42,7 +42,7 @@ class CeleryProcess:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the worker answers a ping; a beat only has to stay up."""
-        app = _control_app(self.env)
+        app = control_app(self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
@@ -98,7 +98,7 @@ class CeleryProcess:
             return "(no log)"
 
 
-def _control_app(env: dict[str, str]):  # type: ignore[no-untyped-def]
+def control_app(env: dict[str, str]):  # type: ignore[no-untyped-def]
     """A bare Celery app on the broker and key prefix of `env`, to ping the process started
     with it (which may not be this process's own)."""
     from celery import Celery

@@ -142,10 +142,10 @@ class PipelineRun(Base):
             postgresql_where=text("status = 'open'"),
             sqlite_where=text("status = 'open'"),
         ),
-        # The failed list.
+        # The failed list (newest first) and the FailedRuns metric (failed since a time).
         Index(
             "ix_pipeline_run_failed",
-            "id",
+            "closed_at",
             postgresql_where=text("status = 'failed'"),
             sqlite_where=text("status = 'failed'"),
         ),

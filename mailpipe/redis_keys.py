@@ -28,6 +28,11 @@ def beat_lock() -> str:
     return key("beat:lock")
 
 
+def failed_runs_cursor() -> str:
+    """Where the fleet's count of failed runs reported to CloudWatch has got to."""
+    return key("metrics:failed-runs-cursor")
+
+
 def queue_list(queue: str) -> str:
     """The Redis list kombu keeps a queue's messages in."""
     return f"{get_settings().redis_prefix}{queue}"

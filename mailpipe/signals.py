@@ -12,12 +12,17 @@ from celery.signals import (
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
+    worker_shutdown,
 )
 
-from mailpipe import flags, resources
+from mailpipe import flags, metrics, resources
 from mailpipe.queuestats import ENQUEUED_AT_HEADER
+from mailpipe.settings import get_settings
 
 log = logging.getLogger(__name__)
+
+# The worker main process's metrics thread, between worker_ready and worker_shutdown.
+_metrics_reporter: metrics.MetricsReporter | None = None
 
 
 @worker_process_init.connect
@@ -57,3 +62,32 @@ def _sweep_at_start_when_model_calls_are_on(sender: Any = None, **_: Any) -> Non
     # The main process must not keep connections that its forked children would inherit.
     resources.get_resources().close()
     resources.reset()
+
+
+@worker_ready.connect
+def _start_metrics_reporter(**_: Any) -> None:
+    """Backlog metrics from the main process, on a daemon thread so that a slow CloudWatch never
+    stalls job intake (mailpipe.metrics.MetricsReporter)."""
+    global _metrics_reporter
+    from mailpipe.tasks import count_live_workers
+
+    settings = get_settings()
+    if not settings.worker_metrics or _metrics_reporter is not None:
+        return
+    _metrics_reporter = metrics.MetricsReporter(
+        resources.Resources(settings),
+        count_workers=count_live_workers,
+        sink=metrics.make_sink(settings),
+        interval=settings.metrics_interval,
+    )
+    _metrics_reporter.start()
+
+
+@worker_shutdown.connect
+def _stop_metrics_reporter(**_: Any) -> None:
+    """No report after shutdown starts; one in flight gets a second, then is left to die with
+    the process (its thread is a daemon)."""
+    global _metrics_reporter
+    if _metrics_reporter is not None:
+        _metrics_reporter.stop(timeout=1.0)
+        _metrics_reporter = None

@@ -31,10 +31,9 @@ from sqlalchemy import Select, and_, not_, or_, select, update
 
 from mailpipe import flags, redis_keys
 from mailpipe.enqueue import EnqueueResult, is_queued
-from mailpipe.metrics import BacklogMetrics, MetricsSink
+from mailpipe.metrics import MetricsSink, collect
 from mailpipe.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
 from mailpipe.pipeline import runs
-from mailpipe.queuestats import queue_stats
 from mailpipe.resources import Resources
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,6 @@ def sweep(
     count_workers: Callable[[], int],
     sink: MetricsSink,
 ) -> SweepResult:
-    settings = res.settings
     token = uuid.uuid4().hex
     # The lock outlives any sane sweep; it only guards against a second sweep at the same time.
     if not res.redis.set(redis_keys.sweep_lock(), token, nx=True, ex=600):
@@ -82,13 +80,7 @@ def sweep(
     finally:
         res.redis.eval(_RELEASE, 1, redis_keys.sweep_lock(), token)
 
-    stats = queue_stats(res.redis, settings.queue)
-    metrics = BacklogMetrics(
-        queue=settings.queue,
-        queue_depth=stats.depth,
-        oldest_job_age_s=stats.oldest_age_s or 0.0,
-        running_tasks=count_workers(),
-    )
+    metrics = collect(res, count_workers)
     result.queue_depth = metrics.queue_depth
     result.backlog_per_task = metrics.backlog_per_task
     sink.send(metrics)

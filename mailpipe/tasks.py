@@ -15,7 +15,7 @@ from celery import Task
 from mailpipe import redis_keys, sweeper
 from mailpipe.celery import app
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.errors import UnknownEmail
+from mailpipe.errors import RunFailed, UnknownEmail
 from mailpipe.leases import Lease, LeaseHeld
 from mailpipe.metrics import make_sink
 from mailpipe.pipeline import job
@@ -57,6 +57,8 @@ class EmailJobTask(Task):
             res.redis.delete(marker)
             raise
         res.redis.delete(marker)
+        if outcome is job.Outcome.FAILED:
+            raise RunFailed(f"email {email_id}: {job.run_error(res, email_id)}")
         return outcome.value
 
     def _retry(self, exc: Exception, attempt: int | None, retry_after: float | None) -> Exception:
@@ -86,13 +88,17 @@ def backoff(retries: int, base: float, maximum: float) -> float:
     return random.uniform(0, min(maximum, base * 2**retries))
 
 
-@app.task(bind=True, base=EmailJobTask, name=TaskName.PROCESS_EMAIL.value)
+# `throws`: an expected failure, logged in a line rather than with a traceback.
+@app.task(
+    bind=True, base=EmailJobTask, name=TaskName.PROCESS_EMAIL.value, throws=(RunFailed, UnknownEmail)
+)
 def process_email(self: EmailJobTask, email_id: int) -> str:
     """Process one stored email: steps 1 to 7 of DESIGN.
 
     Idempotent: every step upserts, so a second run, or two at once after a lost lease, leaves
     the same rows. Retries: transient errors up to 3 times with backoff and jitter; permanent
-    errors fail the run at once.
+    errors fail the run at once. A failed run makes the task raise RunFailed, so that Flower lists
+    it as FAILURE.
     """
     return self.run_job(email_id, job.process_email)
 

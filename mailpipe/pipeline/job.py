@@ -14,9 +14,11 @@ from __future__ import annotations
 import enum
 import logging
 
+from sqlalchemy import select
+
 from mailpipe import flags
 from mailpipe.errors import PermanentError, Throttled, UnknownEmail, is_transient
-from mailpipe.models import EmailMessage, RunStatus
+from mailpipe.models import EmailMessage, PipelineRun, RunStatus
 from mailpipe.pipeline import runs
 from mailpipe.pipeline.classify import classify, email_for_classifier, store_classification
 from mailpipe.pipeline.documents import (
@@ -90,6 +92,11 @@ def process_email(res: Resources, email_id: int) -> Outcome:
         with res.db.transaction() as session:
             runs.close(session, email_id, RunStatus.FAILED, f"unexpected {type(exc).__name__}: {exc}")
         return Outcome.FAILED
+
+
+def run_error(res: Resources, email_id: int) -> str | None:
+    with res.db.session() as session:
+        return session.scalar(select(PipelineRun.error).where(PipelineRun.email_id == email_id))
 
 
 def _after_transient(res: Resources, email_id: int, attempt: int, exc: Exception) -> Outcome:

@@ -150,7 +150,7 @@ def test_command_is_the_role_and_keeps_the_image_entrypoint(role):
     expected = {
         "worker": ["celery", "-A", "mailpipe", "worker", "--loglevel", "INFO"],
         "beat": ["celery", "-A", "mailpipe", "beat", "--loglevel", "INFO"],
-        "flower": ["celery", "-A", "mailpipe", "flower", "--port", "5555"],
+        "flower": ["celery", "-A", "mailpipe", "flower", "--conf", "/etc/mailpipe/flowerconfig.py", "--port", "5555"],
         "release": ["mailpipe", "db", "upgrade"],
     }[role]
     assert c["command"] == expected

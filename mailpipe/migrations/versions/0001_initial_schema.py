@@ -118,7 +118,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('email_id', name=op.f('uq_pipeline_run_email_id'))
     )
     with op.batch_alter_table('pipeline_run', schema=None) as batch_op:
-        batch_op.create_index('ix_pipeline_run_failed', ['id'], unique=False, postgresql_where=sa.text("status = 'failed'"), sqlite_where=sa.text("status = 'failed'"))
+        batch_op.create_index('ix_pipeline_run_failed', ['closed_at'], unique=False, postgresql_where=sa.text("status = 'failed'"), sqlite_where=sa.text("status = 'failed'"))
         batch_op.create_index('ix_pipeline_run_open', ['id'], unique=False, postgresql_where=sa.text("status = 'open'"), sqlite_where=sa.text("status = 'open'"))
 
     op.create_table('classification',
