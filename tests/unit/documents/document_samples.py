@@ -29,7 +29,7 @@ from mailpipe.documents import DocumentLimits
 from mailpipe.pipeline.parse import Attachment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-CORPUS = Path("/work/shared/corpus/documents")
+CORPUS = REPO_ROOT.parent / "shared" / "corpus" / "documents"
 MiB = 1024 * 1024
 
 DEFAULT_LIMITS = DocumentLimits(
