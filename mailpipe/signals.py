@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from celery.signals import (
@@ -69,14 +70,20 @@ def _start_metrics_reporter(**_: Any) -> None:
     """Backlog metrics from the main process, on a daemon thread so that a slow CloudWatch never
     stalls job intake (mailpipe.metrics.MetricsReporter)."""
     global _metrics_reporter
+    from mailpipe.celery import app
     from mailpipe.tasks import count_live_workers
 
     settings = get_settings()
     if not settings.worker_metrics or _metrics_reporter is not None:
         return
+    # The ping gets a broker connection of its own, never one from the app's pool: a pooled
+    # connection released with its reply BRPOP still pending is force-closed by every child the
+    # pool forks later, and that close blocks on the parent's socket until the child is killed
+    # for not coming up ("Timed out waiting for UP message").
+    connection = app.connection_for_write()
     _metrics_reporter = metrics.MetricsReporter(
         resources.Resources(settings),
-        count_workers=count_live_workers,
+        count_workers=partial(count_live_workers, connection=connection),
         sink=metrics.make_sink(settings),
         interval=settings.metrics_interval,
     )

@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable
 
 from celery import Task
+from kombu import Connection
 
 from mailpipe import redis_keys, sweeper
 from mailpipe.celery import app
@@ -124,6 +125,7 @@ def run_sweep(res: Resources) -> sweeper.SweepResult:
     )
 
 
-def count_live_workers() -> int:
-    """Worker processes (ECS tasks) that answer a ping within a second."""
-    return len(app.control.ping(timeout=1.0) or [])
+def count_live_workers(connection: Connection | None = None) -> int:
+    """Worker processes (ECS tasks) that answer a ping within a second; `connection`: a broker
+    connection of the caller's own instead of one from the app's pool."""
+    return len(app.control.ping(timeout=1.0, connection=connection) or [])

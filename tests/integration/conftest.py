@@ -1,4 +1,8 @@
-"""A real prefork worker, shared by the integration tests that only need one to be running."""
+"""A real prefork worker, shared by the tests of one module that only need one to be running.
+
+Module scope, not session: a module that asserts what waits in the queue (the sweeper's tests)
+must not have a worker from an earlier module consuming it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from mailpipe import localfleet
 from mailpipe.localfleet import CeleryProcess
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def worker(services: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryProcess]:
     process = localfleet.worker(
         dict(os.environ), tmp_path_factory.mktemp("worker-logs"), concurrency=2, name="shared"
