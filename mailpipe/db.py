@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -99,12 +100,23 @@ class Database:
             self._engine = None
 
 
-def insert_ignore(session: Session, model: type, rows: list[dict], conflict: list[str]) -> None:
-    """INSERT ... ON CONFLICT DO NOTHING on PostgreSQL and SQLite alike."""
+def insert_ignore(
+    session: Session,
+    model: type,
+    rows: list[dict],
+    conflict: list[str],
+    returning: Any = None,
+) -> list[Any]:
+    """INSERT ... ON CONFLICT DO NOTHING on PostgreSQL and SQLite alike; with `returning`, the
+    values of that column for the rows actually inserted."""
     if not rows:
-        return
+        return []
     statement = _dialect_insert(session)(model).values(rows)
-    session.execute(statement.on_conflict_do_nothing(index_elements=conflict))
+    statement = statement.on_conflict_do_nothing(index_elements=conflict)
+    if returning is None:
+        session.execute(statement)
+        return []
+    return list(session.scalars(statement.returning(returning)))
 
 
 def upsert(session: Session, model: type, rows: list[dict], conflict: list[str]) -> None:

@@ -28,15 +28,13 @@ def email_for_classifier(
     )
 
 
-def classify(
+def classify_remote(
     classifier: Classifier, email: EmailForClassifier, limiter: FleetRateLimiter, wait: float
 ) -> ClassificationResult:
-    """Call the classifier; a remote one only inside a fleet-wide rate-limit slot.
+    """Call a remote classifier inside a fleet-wide rate-limit slot.
 
     Raises `RateLimited` when no slot comes free within `wait` seconds.
     """
-    if not classifier.remote:
-        return classifier.classify(email)
     with limiter.slot(wait=wait):
         return classifier.classify(email)
 

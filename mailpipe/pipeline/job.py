@@ -15,12 +15,14 @@ import enum
 import logging
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from mailpipe import flags
+from mailpipe.classifiers import ClassificationResult
 from mailpipe.errors import PermanentError, Throttled, UnknownEmail, is_transient
 from mailpipe.models import EmailMessage, PipelineRun, RunStatus
 from mailpipe.pipeline import runs
-from mailpipe.pipeline.classify import classify, email_for_classifier, store_classification
+from mailpipe.pipeline.classify import classify_remote, email_for_classifier, store_classification
 from mailpipe.pipeline.documents import (
     convert_documents,
     document_rows,
@@ -64,8 +66,10 @@ class Deferred(Exception):
 def process_email(res: Resources, email_id: int) -> Outcome:
     settings = res.settings
     with res.db.transaction() as session:
-        if session.get(EmailMessage, email_id) is None:
+        email = session.get(EmailMessage, email_id)
+        if email is None:
             raise UnknownEmail(f"no email_message row with id {email_id}")
+        blob_key = email.blob_key
         claim = runs.claim_attempt(session, email_id, settings.max_attempts)
     if claim.claim is runs.Claim.CLOSED:
         return Outcome.ALREADY_CLOSED
@@ -73,7 +77,7 @@ def process_email(res: Resources, email_id: int) -> Outcome:
         log.error("email %s: failed after %s attempts", email_id, claim.attempt)
         return Outcome.FAILED
     try:
-        return _run_steps(res, email_id)
+        return _run_steps(res, email_id, blob_key)
     except Throttled as exc:
         with res.db.transaction() as session:
             runs.give_back_attempt(session, email_id)
@@ -116,12 +120,10 @@ def _after_transient(res: Resources, email_id: int, attempt: int, exc: Exception
     raise RetryLater(error, attempt, retry_after) from exc
 
 
-def _run_steps(res: Resources, email_id: int) -> Outcome:
+def _run_steps(res: Resources, email_id: int, blob_key: str) -> Outcome:
+    """Steps 3 to 7 in three transactions at most: origin, then documents with the outcome (with
+    a local classifier), or documents, then the remote classifier's answer."""
     settings = res.settings
-    with res.db.session() as session:
-        email = session.get(EmailMessage, email_id)
-        assert email is not None
-        blob_key = email.blob_key
     raw = res.blobs.get(blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
         raw,
@@ -142,11 +144,17 @@ def _run_steps(res: Resources, email_id: int) -> Outcome:
 
     documents = convert_documents(parsed, settings)
     rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
+    email_text = email_for_classifier(parsed, texts_for_classifier(documents))
     with res.db.transaction() as session:
         store_documents(session, rows)
         if not flags.model_calls_enabled(session):
             runs.leave_open(session, email_id)
             return Outcome.WAITING
+        if not res.classifier.remote:
+            # A local classifier answers in well under a millisecond: no reason to hold the
+            # documents' transaction open, nor to pay for a second one.
+            _close_classified(session, email_id, res.classifier.classify(email_text))
+            return Outcome.SUCCEEDED
 
     limiter = FleetRateLimiter(
         res.redis,
@@ -154,14 +162,13 @@ def _run_steps(res: Resources, email_id: int) -> Outcome:
         burst=settings.model_burst,
         max_in_flight=settings.model_max_in_flight,
     )
-    result = classify(
-        res.classifier,
-        email_for_classifier(parsed, texts_for_classifier(documents)),
-        limiter,
-        wait=SLOT_WAIT_S,
-    )
+    result = classify_remote(res.classifier, email_text, limiter, wait=SLOT_WAIT_S)
     with res.db.transaction() as session:
-        run = runs.close(session, email_id, RunStatus.SUCCEEDED)
-        store_classification(session, run.id, email_id, result)
-        sync_model_labels(session, email_id, result.labels)
+        _close_classified(session, email_id, result)
     return Outcome.SUCCEEDED
+
+
+def _close_classified(session: Session, email_id: int, result: ClassificationResult) -> None:
+    run = runs.close(session, email_id, RunStatus.SUCCEEDED)
+    store_classification(session, run.id, email_id, result)
+    sync_model_labels(session, email_id, result.labels)

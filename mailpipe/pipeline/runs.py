@@ -50,13 +50,12 @@ def claim_attempt(session: Session, email_id: int, max_attempts: int) -> ClaimRe
 
 
 def ensure_runs(session: Session, email_ids: list[int]) -> None:
-    """Create the open runs of emails that have none yet."""
-    insert_ignore(session, PipelineRun, [{"email_id": i} for i in email_ids], ["email_id"])
-    session.execute(
-        update(EmailMessage)
-        .where(EmailMessage.id.in_(email_ids), EmailMessage.has_run.is_(False))
-        .values(has_run=True)
+    """Create the open runs of emails that have none yet (and flag those emails as having one)."""
+    created = insert_ignore(
+        session, PipelineRun, [{"email_id": i} for i in email_ids], ["email_id"], PipelineRun.email_id
     )
+    if created:
+        session.execute(update(EmailMessage).where(EmailMessage.id.in_(created)).values(has_run=True))
 
 
 def give_back_attempt(session: Session, email_id: int) -> None:

@@ -85,13 +85,13 @@ def _crash(mode: str) -> None:
 _real_run_steps = job._run_steps
 
 
-def _run_steps_with_faults(res, email_id: int) -> job.Outcome:  # type: ignore[no-untyped-def]
+def _run_steps_with_faults(res, email_id: int, *args: object) -> job.Outcome:  # type: ignore[no-untyped-def]
     res.redis.incr(runs_key(email_id))
     res.redis.rpush(starts_key(email_id), time.time())
     mode = _take_fault(res.redis, email_id)
     if mode is not None:
         _crash(mode)
-    return _real_run_steps(res, email_id)
+    return _real_run_steps(res, email_id, *args)
 
 
 job._run_steps = _run_steps_with_faults
