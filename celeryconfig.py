@@ -46,8 +46,10 @@ worker_prefetch_multiplier = 1
 # The soft limit raises inside the job so it can record the error; the hard limit kills the child.
 task_soft_time_limit = _settings.task_soft_time_limit
 task_time_limit = _settings.task_time_limit
-# Recycling children bounds what a leak in a parser library can grow to.
+# Recycling children bounds what a leak in a parser library can grow to (measured: under 1 MB per
+# 1,000 jobs, docs/benchmarks.md); a child past the memory cap is replaced after its current job.
 worker_max_tasks_per_child = _settings.worker_max_tasks_per_child
+worker_max_memory_per_child = _settings.worker_max_memory_per_child_kb
 # Jobs at a time per worker process (ECS task); fleet capacity is tasks x this.
 worker_concurrency = _settings.worker_concurrency
 # On SIGTERM (with REMAP_SIGTERM=SIGQUIT) running jobs get this long to finish before they are

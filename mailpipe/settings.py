@@ -63,7 +63,10 @@ class Settings(BaseSettings):
 
     # Workers.
     worker_concurrency: int = Field(2, ge=1)
-    worker_max_tasks_per_child: int = Field(1000, ge=1)
+    # Measured (docs/benchmarks.md): a child grows under 1 MB per 1,000 jobs, and a fresh child's
+    # first job costs ~0.2 s; the memory cap is the guard against one pathological document.
+    worker_max_tasks_per_child: int = Field(10_000, ge=1)
+    worker_max_memory_per_child_kb: int = Field(400 * 1024, ge=10 * 1024)
     soft_shutdown_timeout: float = Field(90.0, ge=0)  # inside ECS's 120 s stopTimeout
 
     # Parsing limits: an email over any of them is rejected, not retried.
