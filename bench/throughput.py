@@ -1,0 +1,622 @@
+"""End-to-end throughput: the pipeline alone, mailpipe's Celery worker, and a no-op Celery task.
+
+    .venv/bin/python bench/throughput.py [--jobs 1100] [--repeat 3] [--sweep 1,4] [--no-s3]
+                                         [--json FILE] [--plot docs/img/throughput.png]
+
+One run, every measurement interleaved (each repetition starts with a different one), on a fresh
+PostgreSQL database, the local Redis under a key prefix of this run, model calls on with the
+`rules` classifier. The emails are `bench.workload.mixed_workload(--jobs)`: the shared corpus
+emails, generated emails with PDF and DOCX attachments from the shared corpus, ~10 % copies.
+
+Variants, each over the same emails (tables truncated and the emails stored again before each):
+
+- limit: `mailpipe.pipeline.job.process_email(res, email_id)` in N plain processes (fork, no
+  Celery), each with its own `Resources`, taking the next email id from a shared counter;
+- mailpipe: the emails enqueued with `mailpipe.enqueue.enqueue_emails` and processed by one
+  `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement);
+- noop: the same number of `bench.noop` tasks (bench/noop_tasks.py, on mailpipe's app, so every
+  celeryconfig setting applies) through the same kind of worker.
+
+Blob storage is a local folder, and for limit and mailpipe at the main concurrency also S3 (moto's
+server on loopback, started here). Times run from the start signal (limit) or the first publish
+(mailpipe, noop) to the last run closed (`max(pipeline_run.closed_at)`, polled every 100 ms) or
+the last no-op task's own time stamp. `--sweep` adds the same three variants at other
+concurrencies, local blobs, for the plot of throughput against concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import UTC
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import harness
+
+RUN = uuid.uuid4().hex[:8]
+DATABASE = f"mailpipe_bench_tp_{RUN}"
+PREFIX = f"benchtp{RUN}:"
+WORK = Path(tempfile.mkdtemp(prefix="mailpipe-throughput-"))
+BUCKET = "mailpipe-bench"
+ENV = harness.base_env(database=DATABASE, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}")
+os.environ.update(ENV)
+
+import psycopg
+
+POLL_S = 0.1
+TIMEOUT_S = 900.0
+
+
+@dataclass
+class Measurement:
+    variant: str  # limit | mailpipe | noop
+    blobs: str  # local | s3
+    concurrency: int
+    repetition: int
+    jobs: int
+    seconds: float
+    outcomes: dict[str, int] = field(default_factory=dict)
+    worker_main_cpu_s: float | None = None  # CPU of the worker's main process during the run
+    load_avg: float = 0.0
+    # CPU seconds during the run: the job processes (limit children; worker main + children) and
+    # the PostgreSQL backends serving this run's database. Less sensitive than wall time to what
+    # else runs on the machine.
+    cpu_jobs_s: float | None = None
+    cpu_postgres_s: float | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.jobs / self.seconds
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.variant, self.blobs, self.concurrency)
+
+
+def _limit_child(  # type: ignore[no-untyped-def]
+    overrides, experiments, ids, counter, barrier, results
+) -> None:
+    from bench.experiments import apply
+    from mailpipe.pipeline import job
+    from mailpipe.resources import Resources
+    from mailpipe.settings import Settings
+
+    apply(experiments)
+
+    res = Resources(Settings(**overrides))
+    outcomes: Counter[str] = Counter()
+    barrier.wait()
+    cpu_start = sum(os.times()[:2])
+    while True:
+        with counter.get_lock():
+            index = counter.value
+            counter.value += 1
+        if index >= len(ids):
+            break
+        try:
+            outcomes[job.process_email(res, ids[index]).value] += 1
+        except Exception as exc:  # noqa: BLE001 - counted and shown, as the worker would log it
+            outcomes[f"raised {type(exc).__name__}"] += 1
+    res.close()
+    results.put((dict(outcomes), sum(os.times()[:2]) - cpu_start))
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from bench.workload import mixed_workload
+        from mailpipe import flags
+        from mailpipe.migrate import upgrade
+        from mailpipe.resources import Resources, get_resources
+        from mailpipe.settings import Settings
+
+        self.args = args
+        self.url = harness.create_database(DATABASE)
+        upgrade(self.url)
+        self.res = {"local": get_resources()}
+        self.overrides: dict[str, dict[str, str]] = {"local": {}}
+        self.env = {"local": dict(os.environ)}
+        self.moto: harness.MotoServer | None = None
+        if not args.no_s3:
+            self.moto = harness.MotoServer(WORK / "moto.log").start(BUCKET)
+            s3 = {"blob_url": f"s3://{BUCKET}/{RUN}", "s3_endpoint_url": self.moto.url}
+            self.overrides["s3"] = s3
+            self.res["s3"] = Resources(Settings(**s3))
+            self.env["s3"] = {
+                **os.environ,
+                "MAILPIPE_BLOB_URL": s3["blob_url"],
+                "MAILPIPE_S3_ENDPOINT_URL": s3["s3_endpoint_url"],
+            }
+        self.emails, self.kinds = mixed_workload(args.jobs, seed=args.seed)
+        self.flags = flags
+        self.db = psycopg.connect(self.url, autocommit=True)
+        self._set_model_calls(True)
+
+    def _set_model_calls(self, enabled: bool) -> None:
+        with self.res["local"].db.transaction() as session:
+            self.flags.set_model_calls(session, enabled)
+
+    def _store(self, blobs: str) -> list[int]:
+        from mailpipe.ingest import store_emails
+
+        harness.truncate(self.url)
+        ids: list[int] = []
+        for start in range(0, len(self.emails), 500):
+            ids += store_emails(self.res[blobs], self.emails[start : start + 500])
+        return ids
+
+    def _outcomes(self) -> dict[str, int]:
+        rows = self.db.execute(
+            "SELECT status::text, count(*) FROM pipeline_run GROUP BY 1"
+        ).fetchall()
+        retried = self.db.execute("SELECT count(*) FROM pipeline_run WHERE attempts > 1").fetchone()
+        found = {status: count for status, count in rows}
+        if retried and retried[0]:
+            found["retried"] = retried[0]
+        return found
+
+    def _last_closed(self) -> float:
+        (last,) = self.db.execute("SELECT max(closed_at) FROM pipeline_run").fetchone()
+        return last.replace(tzinfo=UTC).timestamp()
+
+    def limit(
+        self, blobs: str, concurrency: int, experiments: str = ""
+    ) -> tuple[float, dict[str, int], None]:
+        ids = self._store(blobs)
+        ctx = multiprocessing.get_context("fork")
+        counter = ctx.Value("i", 0)
+        barrier = ctx.Barrier(concurrency + 1)
+        results = ctx.Queue()
+        children = [
+            ctx.Process(
+                target=_limit_child,
+                args=(self.overrides[blobs], experiments, ids, counter, barrier, results),
+            )
+            for _ in range(concurrency)
+        ]
+        for child in children:
+            child.start()
+        pg = harness.CpuMeter()
+        pg.poll(harness.postgres_backends(self.db, DATABASE))
+        barrier.wait(timeout=60)
+        started = time.time()
+        outcomes: Counter[str] = Counter()
+        cpu = 0.0
+        deadline = time.monotonic() + TIMEOUT_S
+        received = 0
+        while received < len(children):
+            try:
+                found, used = results.get(timeout=POLL_S)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("limit children did not finish") from None
+                pg.poll(harness.postgres_backends(self.db, DATABASE))
+                continue
+            outcomes.update(found)
+            cpu += used
+            received += 1
+        pg.poll(harness.postgres_backends(self.db, DATABASE))
+        for child in children:
+            child.join(30)
+        seconds = self._last_closed() - started
+        if any(k.startswith("raised") for k in outcomes):
+            print(f"  limit outcomes: {dict(outcomes)}", file=sys.stderr)
+        self.cpu = (cpu, pg.seconds())
+        return seconds, self._outcomes(), None
+
+    def _worker(
+        self, blobs: str, concurrency: int, extra: tuple[str, ...] = (), experiments: str = ""
+    ):  # type: ignore[no-untyped-def]
+        from mailpipe import localfleet
+
+        env = dict(self.env[blobs])
+        if experiments:
+            # bench/experiment_hooks/celeryconfig.py stands in for the real one (and applies the
+            # experiments): no current directory on sys.path, the hooks folder first.
+            env["PYTHONSAFEPATH"] = "1"
+            env["PYTHONPATH"] = f"{harness.REPO / 'bench' / 'experiment_hooks'}:{harness.REPO}"
+            env["MAILPIPE_BENCH_EXPERIMENTS"] = experiments
+
+        # Off while the worker starts: with model calls on, worker_ready fires a sweep that would
+        # busy a child (and re-add stored emails) while the measurement runs.
+        self._set_model_calls(False)
+        worker = localfleet.worker(env, WORK / "logs", concurrency=concurrency, extra_args=extra)
+        worker.start()
+        worker.wait_ready(timeout=120)
+        self._set_model_calls(True)
+        return worker
+
+    def mailpipe(
+        self, blobs: str, concurrency: int, experiments: str = ""
+    ) -> tuple[float, dict[str, int], float]:
+        import psutil
+
+        from mailpipe.enqueue import enqueue_emails
+
+        worker = self._worker(blobs, concurrency, experiments=experiments)
+        try:
+            ids = self._store(blobs)
+            main = psutil.Process(worker.pid)
+            jobs_cpu, pg = harness.CpuMeter(), harness.CpuMeter()
+            jobs_cpu.poll([worker.pid, *worker.child_pids()])
+            pg.poll(harness.postgres_backends(self.db, DATABASE))
+            cpu_before = sum(main.cpu_times()[:2])
+            started = time.time()
+            result = enqueue_emails(ids, self.res[blobs])
+            if len(result.sent) != len(ids):
+                raise RuntimeError(
+                    f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
+                )
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                (closed,) = self.db.execute(
+                    "SELECT count(*) FROM pipeline_run WHERE status <> 'open'"
+                ).fetchone()
+                jobs_cpu.poll([worker.pid, *worker.child_pids()])
+                pg.poll(harness.postgres_backends(self.db, DATABASE))
+                if closed >= len(ids):
+                    break
+                if time.monotonic() > deadline or not worker.alive():
+                    raise RuntimeError(
+                        f"{closed}/{len(ids)} closed; worker log:\n{worker.log_tail()}"
+                    )
+                time.sleep(POLL_S)
+            cpu = sum(main.cpu_times()[:2]) - cpu_before
+            self.cpu = (jobs_cpu.seconds(), pg.seconds())
+            seconds = self._last_closed() - started
+        finally:
+            worker.stop()
+        return seconds, self._outcomes(), cpu
+
+    def noop(
+        self, blobs: str, concurrency: int, experiments: str = ""
+    ) -> tuple[float, dict[str, int], float]:
+        import psutil
+
+        from bench import noop_tasks
+
+        redis = self.res["local"].redis
+        worker = self._worker(blobs, concurrency, ("-I", "bench.noop_tasks"), experiments)
+        try:
+            redis.delete(noop_tasks.done_key(), noop_tasks.last_key())
+            jobs = len(self.emails)
+            main = psutil.Process(worker.pid)
+            jobs_cpu = harness.CpuMeter()
+            jobs_cpu.poll([worker.pid, *worker.child_pids()])
+            cpu_before = sum(main.cpu_times()[:2])
+            started = time.time()
+            app = noop_tasks.noop.app
+            with app.producer_or_acquire() as producer, producer.batch():
+                for email_id in range(1, jobs + 1):
+                    noop_tasks.noop.apply_async((email_id,), producer=producer)
+            deadline = time.monotonic() + TIMEOUT_S
+            while int(redis.get(noop_tasks.done_key()) or 0) < jobs:
+                jobs_cpu.poll([worker.pid, *worker.child_pids()])
+                if time.monotonic() > deadline or not worker.alive():
+                    raise RuntimeError(f"no-op tasks not done; worker log:\n{worker.log_tail()}")
+                time.sleep(POLL_S / 5)
+            jobs_cpu.poll([worker.pid, *worker.child_pids()])
+            cpu = sum(main.cpu_times()[:2]) - cpu_before
+            self.cpu = (jobs_cpu.seconds(), None)
+            seconds = float(redis.get(noop_tasks.last_key())) - started
+        finally:
+            worker.stop()
+        return seconds, {"noop": jobs}, cpu
+
+    def close(self) -> None:
+        self.db.close()
+        for res in self.res.values():
+            res.close()
+        if self.moto is not None:
+            self.moto.stop()
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    main = [
+        ("limit", "local", args.concurrency),
+        ("mailpipe", "local", args.concurrency),
+        ("noop", "local", args.concurrency),
+    ]
+    if not args.no_s3:
+        main += [("limit", "s3", args.concurrency), ("mailpipe", "s3", args.concurrency)]
+    sweep = [
+        (variant, "local", c)
+        for c in args.sweep
+        if c != args.concurrency
+        for variant in ("limit", "mailpipe", "noop")
+    ]
+    tried = [(variant, "local", args.concurrency) for variant in args.experiments]
+    if args.only_experiments:
+        bases = sorted({v.partition("+")[0] for v in args.experiments})
+        return [(base, "local", args.concurrency) for base in bases] + tried
+    return main + sweep + tried
+
+
+def summarise(measurements: list[Measurement], concurrency: int) -> dict[str, object]:
+    groups: dict[tuple[str, str, int], list[Measurement]] = {}
+    for m in measurements:
+        groups.setdefault(m.key, []).append(m)
+    rates = {k: harness.median(m.rate for m in ms) for k, ms in groups.items()}
+    summary: dict[str, object] = {"rates": {f"{v}/{b}/c{c}": r for (v, b, c), r in rates.items()}}
+    comparisons = []
+    for blobs in ("local", "s3"):
+        for c in sorted({k[2] for k in rates}):
+            limit, mailpipe = rates.get(("limit", blobs, c)), rates.get(("mailpipe", blobs, c))
+            if not limit or not mailpipe:
+                continue
+            # Per-repetition ratios too: each repetition's pair ran back to back.
+            paired = []
+            for rep in sorted({m.repetition for m in measurements}):
+                lm = [m for m in groups[("limit", blobs, c)] if m.repetition == rep]
+                mm = [m for m in groups[("mailpipe", blobs, c)] if m.repetition == rep]
+                if lm and mm:
+                    paired.append(mm[0].rate / lm[0].rate)
+            noop = rates.get(("noop", blobs, c))
+            comparisons.append(
+                {
+                    "blobs": blobs,
+                    "concurrency": c,
+                    "limit_per_s": limit,
+                    "mailpipe_per_s": mailpipe,
+                    "noop_per_s": noop,
+                    "ratio": mailpipe / limit,
+                    "ratio_paired_median": harness.median(paired) if paired else None,
+                    "overhead_ms": (1 / mailpipe - 1 / limit) * c * 1000,
+                    "noop_ms": (c / noop * 1000) if noop else None,
+                    "limit_job_ms": c / limit * 1000,
+                }
+            )
+    summary["comparisons"] = comparisons
+    tried = []
+    for (variant, blobs, c), rate in rates.items():
+        base = variant.partition("+")[0]
+        if base == variant or (base, blobs, c) not in rates:
+            continue
+        paired = []
+        for rep in sorted({m.repetition for m in measurements}):
+            em = [m for m in groups[(variant, blobs, c)] if m.repetition == rep]
+            bm = [m for m in groups[(base, blobs, c)] if m.repetition == rep]
+            if em and bm:
+                paired.append(em[0].rate / bm[0].rate)
+        tried.append(
+            {
+                "variant": variant,
+                "blobs": blobs,
+                "concurrency": c,
+                "per_s": rate,
+                "base_per_s": rates[(base, blobs, c)],
+                "ratio": rate / rates[(base, blobs, c)],
+                "ratio_paired_median": harness.median(paired) if paired else None,
+                "ms_per_job_saved": (1 / rates[(base, blobs, c)] - 1 / rate) * c * 1000,
+            }
+        )
+    summary["experiments"] = tried
+    return summary
+
+
+def print_tables(measurements: list[Measurement], summary: dict[str, object]) -> None:
+    print(
+        "\n| variant | blobs | -c | runs (jobs/s) | median jobs/s | worker main CPU ms/job | "
+        "CPU ms/job: job processes + PostgreSQL |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    groups: dict[tuple[str, str, int], list[Measurement]] = {}
+    for m in measurements:
+        groups.setdefault(m.key, []).append(m)
+    for (variant, blobs, c), ms in sorted(
+        groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])
+    ):
+        cpu = [m.worker_main_cpu_s / m.jobs * 1000 for m in ms if m.worker_main_cpu_s is not None]
+        print(
+            f"| {variant} | {blobs} | {c} | {', '.join(f'{m.rate:.1f}' for m in ms)} | "
+            f"{harness.median(m.rate for m in ms):.1f} | "
+            + (f"{harness.median(cpu):.2f} |" if cpu else "- |")
+            + _cpu_cell(ms)
+        )
+    print(
+        "\n| blobs | -c | limit jobs/s | mailpipe jobs/s | mailpipe/limit (paired) | "
+        "overhead ms/job | "
+        "limit ms/job | no-op jobs/s | no-op ms/job |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for c in summary["comparisons"]:  # type: ignore[union-attr]
+        noop = f"{c['noop_per_s']:.0f} | {c['noop_ms']:.2f}" if c["noop_per_s"] else "- | -"
+        print(
+            f"| {c['blobs']} | {c['concurrency']} | {c['limit_per_s']:.1f} | "
+            f"{c['mailpipe_per_s']:.1f} | "
+            f"{c['ratio']:.3f} ({c['ratio_paired_median']:.3f}) | {c['overhead_ms']:.2f} | "
+            f"{c['limit_job_ms']:.1f} | {noop} |"
+        )
+
+
+def _cpu_cell(ms: list[Measurement]) -> str:
+    jobs = [m.cpu_jobs_s / m.jobs * 1000 for m in ms if m.cpu_jobs_s is not None]
+    pg = [m.cpu_postgres_s / m.jobs * 1000 for m in ms if m.cpu_postgres_s is not None]
+    if not jobs:
+        return " - |"
+    return f" {harness.median(jobs):.1f}" + (f" + {harness.median(pg):.1f} |" if pg else " |")
+
+
+def print_experiments(summary: dict[str, object]) -> None:
+    if not summary["experiments"]:
+        return
+    print("\n| variant | -c | jobs/s | base jobs/s | ratio (paired) | ms/job saved (x c) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for e in summary["experiments"]:  # type: ignore[union-attr]
+        print(
+            f"| {e['variant']} | {e['concurrency']} | {e['per_s']:.1f} | {e['base_per_s']:.1f} | "
+            f"{e['ratio']:.3f} ({e['ratio_paired_median']:.3f}) | {e['ms_per_job_saved']:.2f} |"
+        )
+
+
+def plot(measurements: list[Measurement], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for variant, style in (("limit", "o-"), ("mailpipe", "s-")):
+        points = sorted(
+            {m.concurrency for m in measurements if m.variant == variant and m.blobs == "local"}
+        )
+        med = [
+            harness.median(m.rate for m in measurements if m.key == (variant, "local", c))
+            for c in points
+        ]
+        lo = [min(m.rate for m in measurements if m.key == (variant, "local", c)) for c in points]
+        hi = [max(m.rate for m in measurements if m.key == (variant, "local", c)) for c in points]
+        ax.errorbar(
+            points,
+            med,
+            yerr=[[a - b for a, b in zip(med, lo)], [b - a for a, b in zip(med, hi)]],
+            fmt=style,
+            capsize=3,
+            label={
+                "limit": "pipeline alone (plain processes)",
+                "mailpipe": "mailpipe worker (-P prefork)",
+            }[variant],
+        )
+    ax.set_xlabel("concurrency (processes / -c)")
+    ax.set_ylabel("emails/s (median, min-max)")
+    ax.set_xticks(sorted({m.concurrency for m in measurements}))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    noop_points = sorted({m.concurrency for m in measurements if m.variant == "noop"})
+    if noop_points:
+        ax2 = ax.twinx()
+        med = [
+            harness.median(m.rate for m in measurements if m.key == ("noop", "local", c))
+            for c in noop_points
+        ]
+        ax2.plot(noop_points, med, "^--", color="grey", label="no-op Celery task (right axis)")
+        ax2.set_ylabel("no-op tasks/s")
+        ax2.set_ylim(bottom=0)
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize=8)
+    else:
+        ax.legend(loc="lower right", fontsize=8)
+    jobs = measurements[0].jobs
+    ax.set_title(
+        f"Mixed workload, {jobs} jobs per run, PostgreSQL + Redis + local blobs, "
+        f"{os.cpu_count()} CPUs",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--jobs", type=int, default=1100)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument(
+        "--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4]
+    )
+    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument(
+        "--only-experiments",
+        action="store_true",
+        help="measure the --experiments and their bases only",
+    )
+    parser.add_argument(
+        "--experiments",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="variants with candidate fixes (bench/experiments.py), e.g. "
+        "mailpipe+noevents,limit+nopreping+flagcache",
+    )
+    parser.add_argument("--seed", type=int, default=8)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+
+    print(f"machine: {harness.machine()}")
+    print(f"run {RUN}: database {DATABASE}, Redis prefix {PREFIX}, work dir {WORK}")
+    bench = Bench(args)
+    print(
+        f"workload: {len(bench.emails)} emails {bench.kinds}, "
+        f"{sum(map(len, bench.emails)) / 1e6:.1f} MB raw"
+    )
+    measurements: list[Measurement] = []
+    steps = plan(args)
+    try:
+        for rep in range(args.repeat):
+            shift = rep * max(1, len(steps) // args.repeat)
+            for variant, blobs, c in steps[shift:] + steps[:shift]:
+                load = os.getloadavg()[0]
+                base, _, experiments = variant.partition("+")
+                seconds, outcomes, cpu = getattr(bench, base)(blobs, c, experiments)
+                m = Measurement(
+                    variant,
+                    blobs,
+                    c,
+                    rep,
+                    len(bench.emails),
+                    seconds,
+                    outcomes,
+                    cpu,
+                    load,
+                    *bench.cpu,
+                )
+                measurements.append(m)
+                pg = (
+                    f" + postgres {m.cpu_postgres_s / m.jobs * 1000:.1f}"
+                    if m.cpu_postgres_s
+                    else ""
+                )
+                print(
+                    f"rep {rep} {variant:8s} {blobs:5s} -c {c}: {m.rate:7.1f} jobs/s "
+                    f"({seconds:6.2f} s, load {load:.2f}, "
+                    f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{pg}) "
+                    f"{outcomes}",
+                    flush=True,
+                )
+    finally:
+        bench.close()
+        harness.drop_database(DATABASE)
+        harness.delete_prefix(harness.REDIS_URL, PREFIX)
+        # The blobs are big; the worker logs stay for a look after a failure.
+        shutil.rmtree(WORK / "blobs", ignore_errors=True)
+        print(f"worker logs: {WORK / 'logs'}")
+    summary = summarise(measurements, args.concurrency)
+    print_tables(measurements, summary)
+    print_experiments(summary)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": harness.machine(),
+                    "workload": bench.kinds,
+                    "jobs": len(bench.emails),
+                    "measurements": [asdict(m) | {"rate": m.rate} for m in measurements],
+                    **summary,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    if args.plot and any(m.variant == "limit" for m in measurements):
+        plot(measurements, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
