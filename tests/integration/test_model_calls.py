@@ -1,0 +1,264 @@
+"""Model calls through real prefork workers, as the model provider sees them.
+
+Several `celery worker -P prefork` processes classify with the `bedrock` backend against the local
+`converse` server (tests/support/bedrock_server.py) on loopback; the test process stores and
+enqueues the emails, as upstream storage does. The fleet-wide limit is checked where it matters,
+at the provider: from the times the calls arrived there, not from the limiter's own bookkeeping
+(tests/integration/test_ratelimit.py checks the limiter itself, exactly, in Redis time).
+
+The bound for rate r and burst B: every window of length t holds at most B + r*t calls. Calls are
+admitted in Redis time and arrive at the server a moment later; that moment varies (a child is
+descheduled between admission and sending on a busy machine; 10-22 ms seen here), so the window
+check allows `ARRIVAL_JITTER_S` of it: far less than the 1/r = 0.33 s that one call over the
+bound would take. The in-flight count needs no allowance: the server answers a call strictly
+inside the slot its caller holds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from mailpipe import flags, localfleet
+from mailpipe.celery import app
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.ingest import store_emails
+from mailpipe.localfleet import CeleryProcess
+from mailpipe.models import Classification, EmailLabel, PipelineRun
+from tests.integration.conftest import wait_until_closed
+from tests.support.bedrock_server import BedrockServer, ConverseRequest, Reply, error, throttling
+
+RATE_PER_S = 3.0
+BURST = 3
+MAX_IN_FLIGHT = 2
+# With 0.5 s calls the in-flight cap alone would allow 4 calls/s: both limits bind in turn.
+MODEL_DELAY_S = 0.5
+ARRIVAL_JITTER_S = 0.1
+
+
+@dataclass(frozen=True)
+class Call:
+    arrived: float  # time.monotonic() of this (the test) process
+    answered: float
+    status: int
+
+
+class TimedBedrockServer(BedrockServer):
+    """The local Bedrock server, also recording when each call arrived and was answered, and the
+    most calls it held at once. `BedrockServer` records the requests but not their times."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._timing = threading.Lock()
+        self._in_flight = 0
+        self.peak_in_flight = 0
+        self.calls: list[Call] = []
+
+    def answer(self, request: ConverseRequest) -> Reply:
+        with self._timing:
+            arrived = time.monotonic()
+            self._in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        try:
+            reply = super().answer(request)
+        finally:
+            with self._timing:
+                self._in_flight -= 1
+        with self._timing:
+            self.calls.append(Call(arrived, time.monotonic(), reply.status))
+        return reply
+
+    def arrivals(self) -> list[float]:
+        with self._timing:
+            return sorted(call.arrived for call in self.calls)
+
+    def statuses(self) -> list[int]:
+        """The answers' HTTP statuses, in the order the calls arrived."""
+        with self._timing:
+            return [call.status for call in sorted(self.calls, key=lambda call: call.arrived)]
+
+
+def model_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
+    """The test environment with the `bedrock` backend pointed at `server`."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "MAILPIPE_MODEL_BACKEND": "bedrock",
+            "AWS_ENDPOINT_URL_BEDROCK_RUNTIME": server.url,
+            # Nothing from the developer's own AWS set-up: the fake credentials are in the env.
+            "AWS_CONFIG_FILE": str(aws_dir / "missing"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(aws_dir / "missing"),
+            "MAILPIPE_MODEL_RATE_PER_S": str(RATE_PER_S),
+            "MAILPIPE_MODEL_BURST": str(BURST),
+            "MAILPIPE_MODEL_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),
+        }
+    )
+    env.pop("AWS_PROFILE", None)
+    return env
+
+
+@pytest.fixture
+def model_fleet(
+    res, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> Iterator[Callable[..., TimedBedrockServer]]:
+    """`start(workers=, concurrency=, delay=)`: a model server answering after `delay` seconds
+    and real workers using it, all stopped after the test. Model calls are switched on once the
+    workers are up (so that no worker's start-up sweep runs first)."""
+    # Any other worker on this run's queue (the `rules` backend of the shared one) would take
+    # jobs meant for the model: only the ones started here may be running.
+    others = [name for reply in app.control.ping(timeout=1.0) or [] for name in reply]
+    assert not others, f"workers already consume this run's queue: {others}"
+    servers: list[TimedBedrockServer] = []
+    processes: list[CeleryProcess] = []
+
+    def start(*, workers: int, concurrency: int, delay: float) -> TimedBedrockServer:
+        server = TimedBedrockServer(delay=delay).start()
+        servers.append(server)
+        env = model_env(server, tmp_path)
+        started = [
+            localfleet.worker(env, tmp_path, concurrency=concurrency, name=f"models-{i}").start()
+            for i in range(workers)
+        ]
+        processes.extend(started)
+        for worker in started:
+            worker.wait_ready()
+        with res.db.transaction() as session:
+            flags.set_model_calls(session, True)
+        return server
+
+    yield start
+    try:
+        for worker in processes:
+            assert worker.alive(), f"a worker died during the test:\n{worker.log_tail()}"
+    finally:
+        for worker in processes:
+            worker.stop()
+        for server in servers:
+            server.stop()
+
+
+def invoices(n: int) -> list[bytes]:
+    tag = uuid.uuid4().hex[:8]
+    return [
+        f"From: billing@example.org\r\nTo: a@example.org\r\nSubject: Invoice {i}\r\n"
+        f"Message-ID: <{tag}.{i}@example.org>\r\n\r\nAmount due: {i} EUR.\r\n".encode()
+        for i in range(n)
+    ]
+
+
+def deferrals(tmp_path: Path) -> int:
+    """Jobs deferred by a throttle, from the workers' logs: what the scenario exercised, not what
+    the test asserts about its outcome (that is in the database)."""
+    return sum(log.read_text().count(" deferred ") for log in tmp_path.glob("models-*.log"))
+
+
+def runs(res) -> list[PipelineRun]:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        return list(session.scalars(select(PipelineRun).order_by(PipelineRun.email_id)))
+
+
+def labelled_emails(res) -> dict[int, set[str]]:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        rows = session.execute(
+            select(EmailLabel.email_id, EmailLabel.label).where(EmailLabel.source == "model")
+        ).all()
+    found: dict[int, set[str]] = {}
+    for email_id, label in rows:
+        found.setdefault(email_id, set()).add(label)
+    return found
+
+
+def classifications(res) -> int:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        return session.scalar(select(func.count()).select_from(Classification)) or 0
+
+
+def worst_window_excess(arrivals: list[float]) -> tuple[float, str]:
+    """Over every window [a_i, a_j]: the most by which its calls exceed B + r*t, in seconds of
+    rate (how much longer the window would have to be to allow them), and which window."""
+    worst, where = float("-inf"), ""
+    for i, first in enumerate(arrivals):
+        for j in range(i, len(arrivals)):
+            span = arrivals[j] - first
+            excess = (j - i + 1 - BURST) / RATE_PER_S - span
+            if excess > worst:
+                worst, where = excess, f"{j - i + 1} calls within {span:.3f} s"
+    return worst, where
+
+
+def test_fleet_limit_holds_at_the_provider_and_throttled_jobs_keep_their_attempts(
+    res, model_fleet, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    n = 60
+    # Nine children want a call at once: three times the cap, and every child waits longer for a
+    # token than the pipeline's 5 s wait now and then, so jobs are deferred too.
+    server = model_fleet(workers=3, concurrency=3, delay=MODEL_DELAY_S)
+    ids = store_emails(res, invoices(n))
+    assert len(enqueue_emails(ids, res).sent) == n
+
+    statuses = wait_until_closed(res, ids, timeout=75)
+
+    assert set(statuses.values()) == {"succeeded"}
+    assert all(run.attempts == 1 and run.error is None for run in runs(res)), [
+        (run.email_id, run.attempts, run.error) for run in runs(res) if run.attempts != 1
+    ]
+    assert classifications(res) == n
+    assert labelled_emails(res) == {email_id: {"invoice"} for email_id in ids}
+    # One paid call per email: a deferred job calls again only once it holds a slot.
+    arrivals = server.arrivals()
+    assert len(arrivals) == n and set(server.statuses()) == {200}
+
+    excess, where = worst_window_excess(arrivals)
+    assert excess <= ARRIVAL_JITTER_S, f"{where}: over B + r*t = {BURST} + {RATE_PER_S}*t"
+    assert server.peak_in_flight == MAX_IN_FLIGHT  # reached, never passed
+    # The limits were what held the fleet back: it ran near the rate, not below it.
+    span = arrivals[-1] - arrivals[0]
+    assert (n - BURST) / span >= 0.75 * RATE_PER_S, f"{n} calls in {span:.1f} s"
+    assert deferrals(tmp_path) > 0, "no job was deferred: the scenario did not throttle"
+
+
+def test_provider_throttling_defers_the_job_without_using_its_attempts(
+    res, model_fleet, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    server = model_fleet(workers=1, concurrency=2, delay=0.05)
+    # botocore tries each call 3 times before the classifier sees ThrottlingException, so this is
+    # 4 throttled classify calls: as many as the run has attempts, and it must still succeed.
+    throttled = 3 * 4
+    server.enqueue(*[throttling(retry_after_ms=200)] * throttled)
+    [email_id] = store_emails(res, invoices(1))
+    enqueue_emails([email_id], res)
+
+    assert wait_until_closed(res, [email_id], timeout=60) == {email_id: "succeeded"}
+
+    [run] = runs(res)
+    assert (run.attempts, run.error) == (1, None)
+    assert classifications(res) == 1
+    assert labelled_emails(res) == {email_id: {"invoice"}}
+    assert server.statuses() == [429] * throttled + [200]
+    assert deferrals(tmp_path) == throttled // 3
+
+
+def test_a_request_the_provider_rejects_fails_the_run_at_once(
+    res, model_fleet  # type: ignore[no-untyped-def]
+) -> None:
+    server = model_fleet(workers=1, concurrency=2, delay=0.05)
+    server.enqueue(error("ValidationException", 400, "Input is too long for requested model."))
+    [email_id] = store_emails(res, invoices(1))
+    enqueue_emails([email_id], res)
+
+    assert wait_until_closed(res, [email_id], timeout=30) == {email_id: "failed"}
+
+    [run] = runs(res)
+    assert run.attempts == 1
+    assert run.error is not None
+    assert "ValidationException" in run.error and "Input is too long" in run.error
+    assert server.statuses() == [400]  # not retried by botocore, nor by the task
+    assert classifications(res) == 0 and labelled_emails(res) == {}
