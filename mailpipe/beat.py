@@ -20,6 +20,8 @@ from celery.beat import PersistentScheduler
 from redis import Redis, RedisError
 
 from mailpipe import redis_keys
+from mailpipe.enqueue import declare_queue
+from mailpipe.queues import control_queue, email_queue
 from mailpipe.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class LockedScheduler(PersistentScheduler):
     """`PersistentScheduler` that fires only while it holds the beat lock."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        settings = get_settings()
+        settings = self._settings = get_settings()
         self._redis = Redis.from_url(settings.broker_url, socket_timeout=5, socket_connect_timeout=5)
         self._lock_key = redis_keys.beat_lock()
         self._lock_ms = settings.beat_lock_timeout * 1000
@@ -55,6 +57,7 @@ class LockedScheduler(PersistentScheduler):
         check_every = self._lock_ms / 3000
         if not self._hold_lock():
             return check_every
+        self._declare_queues()
         return min(super().tick(*args, **kwargs), check_every)
 
     def close(self) -> None:
@@ -64,6 +67,16 @@ class LockedScheduler(PersistentScheduler):
         except RedisError:
             log.warning("beat: could not release the lock; it expires by itself", exc_info=True)
         super().close()
+
+    def _declare_queues(self) -> None:
+        # A flushed Redis forgets kombu's queue bindings, and a sweep sent to an unbound queue is
+        # dropped silently: the recovery would be lost with what it recovers from.
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for name in (email_queue(self._settings), control_queue(self._settings)):
+                    declare_queue(self.app, producer, name)
+        except Exception:  # noqa: BLE001 - the next tick tries again; sends retry on their own
+            log.warning("beat: could not declare the queues", exc_info=True)
 
     def _hold_lock(self) -> bool:
         try:

@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from celery import Celery
+from kombu import Producer
+
 from mailpipe import redis_keys
 from mailpipe.resources import Resources, get_resources
 
@@ -46,14 +49,26 @@ def enqueue_emails(email_ids: Iterable[int], res: Resources | None = None) -> En
     sent = [email_id for email_id, ok in zip(ids, claimed) if ok]
     skipped = [email_id for email_id, ok in zip(ids, claimed) if not ok]
     try:
-        with process_email.app.producer_or_acquire() as producer, producer.batch():
-            for email_id in sent:
-                process_email.apply_async((email_id,), producer=producer)
+        with process_email.app.producer_or_acquire() as producer:
+            declare_queue(process_email.app, producer, res.settings.queue)
+            with producer.batch():
+                for email_id in sent:
+                    process_email.apply_async((email_id,), producer=producer)
     except BaseException:
         # Nothing may stay marked as queued that was not sent.
         res.redis.delete(*(redis_keys.job_marker(email_id) for email_id in sent))
         raise
     return EnqueueResult(sent, skipped)
+
+
+def declare_queue(app: Celery, producer: Producer, name: str) -> None:
+    """Bind the queue to its exchange in Redis again, whatever kombu's declared-once cache says.
+
+    kombu keeps the bindings as Redis keys: a flushed or restarted Redis forgets them, and a
+    message published to an exchange without its binding is dropped without an error. One SADD
+    per enqueue call (not per email) keeps every publishing path safe from that.
+    """
+    app.amqp.queues[name].bind(producer.channel).declare()
 
 
 def is_queued(res: Resources, email_ids: Sequence[int]) -> list[bool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from functools import partial
@@ -11,6 +12,7 @@ from celery.signals import (
     beat_init,
     before_task_publish,
     worker_process_init,
+    worker_init,
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
@@ -24,6 +26,15 @@ log = logging.getLogger(__name__)
 
 # The worker main process's metrics thread, between worker_ready and worker_shutdown.
 _metrics_reporter: metrics.MetricsReporter | None = None
+
+
+@worker_init.connect
+def _freeze_heap_before_fork(**_: Any) -> None:
+    """Objects the main process built so far stay shared with the children: the cyclic GC would
+    otherwise touch them in every child and copy their pages (measured: a child's private memory
+    from 85 to 51 MiB after jobs, docs/model-calls.md)."""
+    gc.collect()
+    gc.freeze()
 
 
 @worker_process_init.connect

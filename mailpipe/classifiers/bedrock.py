@@ -55,7 +55,10 @@ THROTTLE_RETRY_AFTER_S = 10.0
 # A label call answers in seconds (a few hundred output tokens), so 30 s of silence means trouble.
 _CONNECT_TIMEOUT_S = 5.0
 _READ_TIMEOUT_S = 30.0
-_MAX_ATTEMPTS = 3
+# One try per call: each call holds a fleet rate-limit slot, and botocore's own retries would send
+# up to three requests for one slot. A throttled or failed call goes back to the task layer, which
+# defers (throttling) or retries with backoff (5xx) under the limiter again.
+_MAX_ATTEMPTS = 1
 
 
 class BedrockClassifier:
