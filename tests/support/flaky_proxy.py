@@ -61,7 +61,13 @@ class FlakyProxy:
             def log_message(self, *_: object) -> None:
                 pass
 
-        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: object, client_address: object) -> None:
+                # A client killed mid-request (the chaos run SIGKILLs worker children) resets
+                # its connection: expected here, not worth a traceback.
+                pass
+
+        self._server = Server((host, port), Handler)
         self._server.daemon_threads = True
         self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
