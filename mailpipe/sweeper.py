@@ -44,6 +44,31 @@ _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end
+return 0
+"""
+# The sweep lock lapses this long after its last renewal (one per batch): a sweep whose process
+# was killed blocks the next ones for a minute at most.
+SWEEP_LOCK_TTL_S = 60
+
+
+class SweepLock:
+    """One sweep at a time across the fleet; renewed between batches by its holder."""
+
+    def __init__(self, res: Resources) -> None:
+        self.redis = res.redis
+        self.key = redis_keys.sweep_lock()
+        self.token = uuid.uuid4().hex
+
+    def acquire(self) -> bool:
+        return bool(self.redis.set(self.key, self.token, nx=True, ex=SWEEP_LOCK_TTL_S))
+
+    def renew(self) -> None:
+        self.redis.eval(_RENEW, 1, self.key, self.token, SWEEP_LOCK_TTL_S)
+
+    def release(self) -> None:
+        self.redis.eval(_RELEASE, 1, self.key, self.token)
 
 
 @dataclass
@@ -70,15 +95,14 @@ def sweep(
     count_workers: Callable[[], int],
     sink: MetricsSink,
 ) -> SweepResult:
-    token = uuid.uuid4().hex
-    # The lock outlives any sane sweep; it only guards against a second sweep at the same time.
-    if not res.redis.set(redis_keys.sweep_lock(), token, nx=True, ex=600):
+    lock = SweepLock(res)
+    if not lock.acquire():
         log.info("sweep skipped: another sweep is running")
         return SweepResult(ran=False)
     try:
-        result = _sweep(res, enqueue)
+        result = _sweep(res, enqueue, lock)
     finally:
-        res.redis.eval(_RELEASE, 1, redis_keys.sweep_lock(), token)
+        lock.release()
 
     metrics = collect(res, count_workers)
     result.queue_depth = metrics.queue_depth
@@ -100,13 +124,13 @@ def sweep(
     return result
 
 
-def _sweep(res: Resources, enqueue: Enqueue) -> SweepResult:
+def _sweep(res: Resources, enqueue: Enqueue, lock: SweepLock) -> SweepResult:
     with res.db.session() as session:
         model_calls = flags.model_calls_enabled(session)
     result = SweepResult(model_calls=model_calls)
     # Open runs first: the runs this sweep creates for emails without one are not looked at twice.
-    _sweep_open_runs(res, enqueue, result, model_calls)
-    _sweep_emails_without_run(res, enqueue, result)
+    _sweep_open_runs(res, enqueue, result, model_calls, lock)
+    _sweep_emails_without_run(res, enqueue, result, lock)
     return result
 
 
@@ -139,9 +163,12 @@ def open_runs(
     )
 
 
-def _sweep_emails_without_run(res: Resources, enqueue: Enqueue, result: SweepResult) -> None:
+def _sweep_emails_without_run(
+    res: Resources, enqueue: Enqueue, result: SweepResult, lock: SweepLock
+) -> None:
     last_id = 0
     while True:
+        lock.renew()
         with res.db.session() as session:
             ids = list(session.scalars(emails_without_run(last_id, res.settings.sweep_batch_size)))
         if not ids:
@@ -158,12 +185,13 @@ def _sweep_emails_without_run(res: Resources, enqueue: Enqueue, result: SweepRes
 
 
 def _sweep_open_runs(
-    res: Resources, enqueue: Enqueue, result: SweepResult, model_calls: bool
+    res: Resources, enqueue: Enqueue, result: SweepResult, model_calls: bool, lock: SweepLock
 ) -> None:
     settings = res.settings
     cutoff = utcnow() - timedelta(seconds=settings.stall_after)
     last_id = 0
     while True:
+        lock.renew()
         with res.db.session() as session:
             rows = session.execute(
                 open_runs(last_id, settings.sweep_batch_size, model_calls, cutoff)
