@@ -36,6 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # The hostile inputs are the tests' own builders, so the bench measures exactly what is tested.
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.report import table  # noqa: E402
+
 import tests.unit.documents.document_samples as samples  # noqa: E402
 
 from mailpipe.documents import DocumentLimits, convert_attachment  # noqa: E402
@@ -183,19 +185,6 @@ def memory() -> list[dict[str, object]]:
     return rows
 
 
-def _table(rows: list[dict[str, object]], columns: list[str]) -> str:
-    cells = [[str(row[column]) for column in columns] for row in rows]
-    widths = [
-        max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)
-    ]
-    lines = ["  ".join(column.ljust(width) for column, width in zip(columns, widths, strict=True))]
-    lines += [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
-        for line in cells
-    ]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="passes over the corpus (median)")
@@ -216,9 +205,9 @@ def main() -> None:
 
     print("machine:", ", ".join(f"{key} {value}" for key, value in machine.items()))
     print("\nthroughput, median of", args.repeat, "passes (ratio = convert time / bare time)")
-    print(_table(speed, _SPEED_COLUMNS))
+    print(table(speed, _SPEED_COLUMNS))
     print("\npeak RSS of a fresh child converting each hostile input (MiB)")
-    print(_table(peaks, _MEMORY_COLUMNS))
+    print(table(peaks, _MEMORY_COLUMNS))
     if args.json:
         args.json.write_text(
             json.dumps({"machine": machine, "throughput": speed, "memory": peaks}, indent=2) + "\n"

@@ -76,6 +76,8 @@ os.environ.update(BENCH_ENV)
 os.environ.pop("AWS_PROFILE", None)
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.report import table  # noqa: E402
+
 import psutil  # noqa: E402
 import sqlalchemy  # noqa: E402
 from sqlalchemy import func, select, text  # noqa: E402
@@ -391,19 +393,6 @@ def summarise(runs: list[dict[str, object]]) -> list[dict[str, object]]:
             }
         )
     return rows
-
-
-def table(rows: list[dict[str, object]], columns: list[str]) -> str:
-    cells = [[str(row[column]) for column in columns] for row in rows]
-    widths = [
-        max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)
-    ]
-    lines = ["  ".join(column.ljust(width) for column, width in zip(columns, widths, strict=True))]
-    lines += [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
-        for line in cells
-    ]
-    return "\n".join(lines)
 
 
 def main() -> None:
