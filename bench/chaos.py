@@ -33,22 +33,17 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "corpus"
 sys.path.insert(0, str(REPO))
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+from bench import harness  # noqa: E402
+
 REDIS_DB_URL = "redis://127.0.0.1:6379/11"
 TERMINAL = ("succeeded", "duplicate", "failed")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def chaos_env(database: str, s3_url: str) -> dict[str, str]:
+def chaos_env(database_url: str, s3_url: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
-            "MAILPIPE_DATABASE_URL": PG_ADMIN.rsplit("/", 1)[0] + "/" + database,
+            "MAILPIPE_DATABASE_URL": database_url,
             "MAILPIPE_BROKER_URL": REDIS_DB_URL,
             "MAILPIPE_REDIS_PREFIX": "",
             "MAILPIPE_BLOB_URL": "s3://chaos/blobs",
@@ -125,24 +120,17 @@ class Chaos:
         print(f"[{event['t']:7.2f}s] {fault} {details if details else ''}", flush=True)
 
     def run(self) -> dict[str, object]:
-        import sqlalchemy
-
-        s3_port = free_port()
+        s3_port = harness.free_port()
         s3 = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
             stdout=(self.workdir / "moto.log").open("wb"), stderr=subprocess.STDOUT,
         )
-        admin = sqlalchemy.create_engine(
-            PG_ADMIN.replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT", pool_pre_ping=True
-        )
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{self.database}"')
-            conn.exec_driver_sql(f'CREATE DATABASE "{self.database}"')
+        database_url = harness.create_database(self.database)
         from tests.support.flaky_proxy import FlakyProxy
 
         _wait_port(s3_port)
         self.proxy = FlakyProxy(f"http://127.0.0.1:{s3_port}").start()
-        self.env = chaos_env(self.database, self.proxy.url)
+        self.env = chaos_env(database_url, self.proxy.url)
         os.environ.update(self.env)
         try:
             return self._run()
@@ -153,9 +141,7 @@ class Chaos:
             s3.terminate()
             s3.wait(10)
             _restart_postgres_if_down()
-            with admin.connect() as conn:
-                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-            admin.dispose()
+            harness.drop_database(self.database)
 
     def _run(self) -> dict[str, object]:
         import boto3

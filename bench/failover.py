@@ -27,24 +27,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-PG = "postgresql://postgres@127.0.0.1:5432"
+
+from bench import harness  # noqa: E402
 SOFT_SHUTDOWN_S = 5.0
 VISIBILITY_S = 900
 
 
 def setup(workdir: Path) -> str:
-    import sqlalchemy
-
     database = f"mailpipe_failover_{os.getpid()}"
-    admin = sqlalchemy.create_engine(f"{PG}/postgres".replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}"')
-        conn.exec_driver_sql(f'CREATE DATABASE "{database}"')
-    admin.dispose()
     os.environ.update(
         {
-            "MAILPIPE_DATABASE_URL": f"{PG}/{database}",
-            "MAILPIPE_BROKER_URL": "redis://127.0.0.1:6379/0",
+            "MAILPIPE_DATABASE_URL": harness.create_database(database),
+            "MAILPIPE_BROKER_URL": harness.REDIS_URL,
             "MAILPIPE_REDIS_PREFIX": f"failover{uuid.uuid4().hex[:8]}:",
             "MAILPIPE_BLOB_URL": f"file://{workdir / 'blobs'}",
             "MAILPIPE_SOFT_SHUTDOWN_TIMEOUT": str(SOFT_SHUTDOWN_S),
@@ -55,18 +49,11 @@ def setup(workdir: Path) -> str:
 
 
 def teardown(database: str) -> None:
-    import sqlalchemy
-
     from mailpipe.resources import get_resources
 
-    res = get_resources()
-    for key in res.redis.scan_iter(match=os.environ["MAILPIPE_REDIS_PREFIX"] + "*"):
-        res.redis.delete(key)
-    res.close()
-    admin = sqlalchemy.create_engine(f"{PG}/postgres".replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-    admin.dispose()
+    get_resources().close()
+    harness.delete_prefix(harness.REDIS_URL, os.environ["MAILPIPE_REDIS_PREFIX"])
+    harness.drop_database(database)
 
 
 def starts(res, email_id: int, n: int, timeout: float = 120) -> list[float]:  # type: ignore[no-untyped-def]

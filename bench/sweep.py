@@ -23,19 +23,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-PG = "postgresql://postgres@127.0.0.1:5432"
+
+from bench import harness  # noqa: E402
 
 
 def prepare(size: int, candidates: int) -> str:
     import sqlalchemy
 
-    database = f"mailpipe_bench_sweep_{size}"
-    admin = sqlalchemy.create_engine(f"{PG}/postgres".replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}"')
-        conn.exec_driver_sql(f'CREATE DATABASE "{database}"')
-    admin.dispose()
-    url = f"{PG}/{database}"
+    url = harness.create_database(f"mailpipe_bench_sweep_{size}")
     from mailpipe.migrate import upgrade
 
     upgrade(url)
@@ -77,8 +72,7 @@ def restore_candidates(res, size: int, candidates: int) -> None:  # type: ignore
         session.execute(text("UPDATE email_message SET has_run = false WHERE id >= :f"), {"f": first_no_run})
         session.execute(text("UPDATE pipeline_run SET sweep_count = 0, status = 'open' WHERE email_id <= :l"), {"l": candidates - no_run})
         session.execute(text("DELETE FROM sweep_report"))
-    for key in res.redis.scan_iter(match=os.environ["MAILPIPE_REDIS_PREFIX"] + "*", count=1000):
-        res.redis.delete(key)
+    harness.delete_prefix(harness.REDIS_URL, os.environ["MAILPIPE_REDIS_PREFIX"])
 
 
 def explain(res) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -122,8 +116,9 @@ def measure(size: int, candidates: int, repeat: int) -> dict[str, object]:
         assert result.readded_no_run + result.readded_stalled == candidates, result.summary()
     restore_candidates(res, size, candidates)  # explain the queries as a sweep first sees them
     plans = explain(res)
-    restore_candidates(res, size, candidates)
     res.close()
+    harness.delete_prefix(harness.REDIS_URL, os.environ["MAILPIPE_REDIS_PREFIX"])
+    harness.drop_database(f"mailpipe_bench_sweep_{size}")
     return {"size": size, "candidates": candidates, "seconds": times, "median_s": statistics.median(times), "plans": plans}
 
 
@@ -135,7 +130,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--explain-out", type=Path, help="write the EXPLAIN output here")
     args = parser.parse_args()
-    os.environ["MAILPIPE_BROKER_URL"] = "redis://127.0.0.1:6379/0"
+    os.environ["MAILPIPE_BROKER_URL"] = harness.REDIS_URL
     os.environ["MAILPIPE_REDIS_PREFIX"] = f"benchsweep{uuid.uuid4().hex[:8]}:"
     results = [measure(size, args.candidates, args.repeat) for size in args.sizes]
     base = results[0]["median_s"]
