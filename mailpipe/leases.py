@@ -1,7 +1,9 @@
 """Step 1: the lease that keeps two deliveries of one email from running at once.
 
-A lease is a Redis key holding ``host:pid:token`` with a TTL, renewed by a thread while the job
-runs. A delivery that finds a lease held by a live job defers itself; one whose holder died in a
+A lease is a Redis key holding ``host:pid:token`` with a TTL. Taking it also marks the email's
+job as running (the enqueue dedup marker), and giving it back can delete that marker: one
+round trip each way. While it is held, one thread per process renews every lease the process
+holds. A delivery that finds a lease held by a live job defers itself; one whose holder died in a
 child process of this same host takes the lease over at once instead of waiting out the TTL.
 """
 
@@ -11,35 +13,48 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
-from types import TracebackType
 
 from redis import Redis
+from redis.commands.core import Script
 
 from mailpipe import redis_keys
 
 log = logging.getLogger(__name__)
 
+# Scripts as bytes need no client to compute their SHA; each call names the client it runs on.
+# KEYS: lease, marker. ARGV: holder value, lease TTL ms, marker TTL s.
+# The marker is refreshed whether or not the lease is free: the job is queued or running either
+# way. Returns 1, or the current holder and its remaining TTL.
+_ACQUIRE = Script(None, b"""
+redis.call('set', KEYS[2], 'running', 'EX', ARGV[3])
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return {redis.call('get', KEYS[1]) or '', redis.call('pttl', KEYS[1])}
+""")
 # Compare-and-set scripts: only the holder renews or releases.
-_RENEW = """
+_RENEW = Script(None, b"""
 if redis.call('get', KEYS[1]) == ARGV[1] then
   redis.call('pexpire', KEYS[1], ARGV[2])
   redis.call('expire', KEYS[2], ARGV[3])
   return 1
 end
 return 0
-"""
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
-_TAKE_OVER = """
+""")
+# ARGV[2] == '1': the job is over (not retried nor deferred), so its marker goes too.
+_RELEASE = Script(None, b"""
+local released = 0
+if redis.call('get', KEYS[1]) == ARGV[1] then released = redis.call('del', KEYS[1]) end
+if ARGV[2] == '1' then redis.call('del', KEYS[2]) end
+return released
+""")
+_TAKE_OVER = Script(None, b"""
 if redis.call('get', KEYS[1]) == ARGV[1] then
   redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
-"""
+""")
 
 
 class LeaseHeld(Exception):
@@ -51,67 +66,114 @@ class LeaseHeld(Exception):
 
 
 class Lease:
-    """A held lease; use as a context manager to renew it while the job runs and release it after."""
+    """One delivery's claim on an email: `acquire()`, run the job, `release()`.
+
+    `lost` turns true if a renewal found the lease gone or taken (the job goes on: every step is
+    idempotent, so a second runner cannot corrupt anything, it can only repeat work).
+    """
 
     def __init__(self, redis: Redis, email_id: int, ttl: float, marker_ttl: int) -> None:
         self.redis = redis
         self.email_id = email_id
-        self.key = redis_keys.lease(email_id)
-        self.marker = redis_keys.job_marker(email_id)
+        self.keys = [redis_keys.lease(email_id), redis_keys.job_marker(email_id)]
         self.ttl_ms = int(ttl * 1000)
         self.marker_ttl = marker_ttl
         self.value = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.renew_at = 0.0
         self.lost = False
+        self.released = False
 
     def acquire(self) -> None:
-        """Take the lease, or raise LeaseHeld."""
-        if self.redis.set(self.key, self.value, nx=True, px=self.ttl_ms):
+        """Take the lease and mark the job running, or raise LeaseHeld."""
+        answer = _ACQUIRE(keys=self.keys, args=[self.value, self.ttl_ms, self.marker_ttl], client=self.redis)
+        if answer != 1:
+            holder, pttl = answer[0].decode(), answer[1]
+            if not (holder and _holder_is_dead(holder) and self._take_over(holder)):
+                wait = pttl / 1000 if pttl > 0 else 1.0
+                raise LeaseHeld(self.email_id, holder or "?", wait)
+        _renewer().hold(self)
+
+    def release(self, *, job_over: bool) -> None:
+        """Give the lease back; with `job_over`, delete the job's marker too so that the email
+        can be enqueued again."""
+        self.released = True
+        _renewer().drop(self)
+        _RELEASE(keys=self.keys, args=[self.value, "1" if job_over else "0"], client=self.redis)
+
+    def renew(self) -> None:
+        try:
+            renewed = _RENEW(
+                keys=self.keys, args=[self.value, self.ttl_ms, self.marker_ttl], client=self.redis
+            )
+        except Exception:  # noqa: BLE001 - a missed renewal is retried on the next tick
+            log.warning("email %s: lease renewal failed", self.email_id, exc_info=True)
             return
-        holder = self.redis.get(self.key)
-        if holder is not None and _holder_is_dead(holder.decode()):
-            taken = self.redis.eval(_TAKE_OVER, 1, self.key, holder, self.value, self.ttl_ms)
-            if taken:
-                log.warning("email %s: took over the lease of dead process %s", self.email_id, holder)
-                return
-        pttl = self.redis.pttl(self.key)
-        wait = pttl / 1000 if pttl and pttl > 0 else 1.0
-        raise LeaseHeld(self.email_id, holder.decode() if holder else "?", wait)
+        if not renewed and not self.released:
+            self.lost = True
+            log.error("email %s: lease lost while the job was running", self.email_id)
 
-    def __enter__(self) -> Lease:
-        self.acquire()
-        self._thread = threading.Thread(target=self._renew, name=f"lease-{self.email_id}", daemon=True)
-        self._thread.start()
-        return self
+    def _take_over(self, holder: str) -> bool:
+        taken = _TAKE_OVER(keys=self.keys[:1], args=[holder, self.value, self.ttl_ms], client=self.redis)
+        if taken:
+            log.warning("email %s: took over the lease of dead process %s", self.email_id, holder)
+        return bool(taken)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.redis.eval(_RELEASE, 1, self.key, self.value)
 
-    def _renew(self) -> None:
-        interval = self.ttl_ms / 3000
-        while not self._stop.wait(interval):
-            try:
-                renewed = self.redis.eval(
-                    _RENEW, 2, self.key, self.marker, self.value, self.ttl_ms, self.marker_ttl
-                )
-            except Exception:  # noqa: BLE001 - a missed renewal is retried on the next tick
-                log.warning("email %s: lease renewal failed", self.email_id, exc_info=True)
-                continue
-            if not renewed:
-                # The job goes on: every step is idempotent, so a second runner cannot corrupt
-                # anything, it can only repeat work.
-                self.lost = True
-                log.error("email %s: lease lost while the job was running", self.email_id)
-                return
+class _Renewer:
+    """The process's one renewal thread: each held lease is renewed a third of its TTL after it
+    was taken or last renewed. A thread per process rather than per job keeps the job's own path
+    free of thread start-up and of a join that waits for a time slice on a busy machine."""
+
+    def __init__(self) -> None:
+        self._leases: dict[int, Lease] = {}
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, lease: Lease) -> None:
+        with self._changed:
+            lease.renew_at = time.monotonic() + lease.ttl_ms / 3000
+            self._leases[id(lease)] = lease
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def drop(self, lease: Lease) -> None:
+        with self._changed:
+            self._leases.pop(id(lease), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                now = time.monotonic()
+                due = [lease for lease in self._leases.values() if lease.renew_at <= now]
+                if not due:
+                    next_at = min((lease.renew_at for lease in self._leases.values()), default=None)
+                    self._changed.wait(None if next_at is None else next_at - now)
+                    continue
+                for lease in due:
+                    lease.renew_at = now + lease.ttl_ms / 3000
+            for lease in due:
+                lease.renew()
+
+
+_process_renewer: _Renewer | None = None
+
+
+def _renewer() -> _Renewer:
+    global _process_renewer
+    if _process_renewer is None:
+        _process_renewer = _Renewer()
+    return _process_renewer
+
+
+def _forget_renewer_after_fork() -> None:
+    # The thread does not exist in a forked child, and its lock may have been held at the fork.
+    global _process_renewer
+    _process_renewer = None
+
+
+os.register_at_fork(after_in_child=_forget_renewer_after_fork)
 
 
 def _holder_is_dead(holder: str) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from celery import Task
 from kombu import Connection
 
-from mailpipe import redis_keys, sweeper
+from mailpipe import sweeper
 from mailpipe.celery import app
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import RunFailed, UnknownEmail
@@ -43,21 +43,25 @@ class EmailJobTask(Task):
     def run_job(self, email_id: int, step: Callable[[Resources, int], job.Outcome]) -> str:
         res = get_resources()
         settings = res.settings
-        marker = redis_keys.job_marker(email_id)
-        res.redis.set(marker, "running", ex=settings.dedup_ttl)
+        lease = Lease(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl)
         try:
-            with Lease(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl):
-                outcome = step(res, email_id)
+            lease.acquire()
         except LeaseHeld as held:
             return self._defer(email_id, held.wait, str(held))
+        # The lease goes back before a retry or a deferred copy is sent, so that the copy never
+        # finds it held; the marker stays for that copy.
+        try:
+            outcome = step(res, email_id)
         except job.Deferred as deferred:
+            lease.release(job_over=False)
             return self._defer(email_id, deferred.delay, str(deferred))
         except job.RetryLater as retry:
+            lease.release(job_over=False)
             raise self._retry(retry, retry.attempt, retry.retry_after) from retry
-        except UnknownEmail:
-            res.redis.delete(marker)
+        except BaseException:
+            lease.release(job_over=True)
             raise
-        res.redis.delete(marker)
+        lease.release(job_over=True)
         if outcome is job.Outcome.FAILED:
             raise RunFailed(f"email {email_id}: {job.run_error(res, email_id)}")
         return outcome.value

@@ -68,10 +68,14 @@ class Fleet:
         )
 
     def send(self, email_id: int, **options: float) -> None:
-        """One process_email message with its own options, bypassing the dedup marker."""
+        """One process_email message with its own options. It sets the dedup marker as an
+        enqueue would, so that the sweep a worker runs at start does not add a second copy."""
         subprocess.run(
-            [sys.executable, "-c", "import json, sys; from mailpipe.tasks import process_email; "
-             "process_email.apply_async((int(sys.argv[1]),), **json.loads(sys.argv[2]))",
+            [sys.executable, "-c", "import json, sys; from mailpipe import redis_keys; "
+             "from mailpipe.resources import get_resources; "
+             "from mailpipe.tasks import process_email; email_id = int(sys.argv[1]); "
+             "get_resources().redis.set(redis_keys.job_marker(email_id), 'queued', ex=600); "
+             "process_email.apply_async((email_id,), **json.loads(sys.argv[2]))",
              str(email_id), json.dumps(options)],
             env=self.env, check=True,
         )

@@ -1,0 +1,80 @@
+"""The email lease and the job marker it carries, against the real Redis."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import pytest
+
+from mailpipe import redis_keys
+from mailpipe.leases import Lease, LeaseHeld
+
+EMAIL = 41
+
+
+def lease(res, ttl: float = 6.0) -> Lease:  # type: ignore[no-untyped-def]
+    return Lease(res.redis, EMAIL, ttl, marker_ttl=600)
+
+
+def test_acquire_marks_the_job_running_and_release_clears_both_when_the_job_is_over(res) -> None:  # type: ignore[no-untyped-def]
+    held = lease(res)
+    held.acquire()
+    assert res.redis.get(redis_keys.lease(EMAIL)).decode() == held.value
+    assert res.redis.get(redis_keys.job_marker(EMAIL)) == b"running"
+    assert 0 < res.redis.pttl(redis_keys.lease(EMAIL)) <= 6000
+
+    held.release(job_over=True)
+    assert res.redis.exists(redis_keys.lease(EMAIL), redis_keys.job_marker(EMAIL)) == 0
+
+
+def test_release_before_a_retry_keeps_the_marker(res) -> None:  # type: ignore[no-untyped-def]
+    held = lease(res)
+    held.acquire()
+    held.release(job_over=False)
+    assert not res.redis.exists(redis_keys.lease(EMAIL))
+    assert res.redis.get(redis_keys.job_marker(EMAIL)) == b"running"
+
+
+def test_a_second_delivery_finds_the_lease_held_by_a_live_process(res) -> None:  # type: ignore[no-untyped-def]
+    first = lease(res)
+    first.acquire()
+    with pytest.raises(LeaseHeld) as held:
+        lease(res).acquire()
+    assert 3.0 < held.value.wait <= 6.0
+    assert res.redis.get(redis_keys.lease(EMAIL)).decode() == first.value
+    first.release(job_over=True)
+
+
+def test_the_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(res) -> None:  # type: ignore[no-untyped-def]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    res.redis.set(redis_keys.lease(EMAIL), f"{socket.gethostname()}:{dead.pid}:gone", px=60_000)
+
+    taker = lease(res)
+    taker.acquire()
+    assert res.redis.get(redis_keys.lease(EMAIL)).decode() == taker.value
+    taker.release(job_over=True)
+
+
+def test_a_held_lease_outlives_its_ttl_while_it_is_renewed(res) -> None:  # type: ignore[no-untyped-def]
+    held = lease(res, ttl=0.6)
+    held.acquire()
+    time.sleep(1.5)
+    assert res.redis.get(redis_keys.lease(EMAIL)).decode() == held.value
+    assert not held.lost
+    held.release(job_over=True)
+    time.sleep(0.5)
+    assert not held.lost
+    assert not res.redis.exists(redis_keys.lease(EMAIL))
+
+
+def test_a_renewal_that_finds_the_lease_taken_marks_it_lost_and_release_leaves_the_new_holder(res) -> None:  # type: ignore[no-untyped-def]
+    held = lease(res, ttl=0.6)
+    held.acquire()
+    res.redis.set(redis_keys.lease(EMAIL), "elsewhere:1:other", px=60_000)
+    time.sleep(0.6)
+    assert held.lost
+    held.release(job_over=True)
+    assert res.redis.get(redis_keys.lease(EMAIL)) == b"elsewhere:1:other"
