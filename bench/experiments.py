@@ -14,6 +14,8 @@
   (taking a result, acking, fetching and handing over the next message, publishing events) do not
   wait behind the busy children for a time slice. Without privileges the same relative priority
   is `os.nice(5)` in the children, which is what mailpipe could ship;
+- `stockredis`: kombu's own Redis transport, which builds a redis-py client per command, instead of
+  the one mailpipe registers (`mailpipe.broker`): the before of that fix, side by side;
 
 `fewertx` (the blob key read in the claim transaction; documents, classification, labels and the
 run's close in one transaction with a local classifier) was tried here first and is now how
@@ -47,6 +49,12 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             _no_pre_ping()
         elif name == "flagcache":
             _flag_cache()
+        elif name == "stockredis":
+            from kombu.transport import TRANSPORT_ALIASES
+
+            TRANSPORT_ALIASES.update(
+                redis="kombu.transport.redis:Transport", rediss="kombu.transport.redis:Transport"
+            )
         else:
             raise ValueError(f"unknown experiment {name!r}")
         applied.append(name)

@@ -2,6 +2,9 @@
 
 from celery import Celery
 
+from mailpipe import broker
+
+broker.register()
 app = Celery("mailpipe", include=["mailpipe.tasks"])
 app.config_from_object("celeryconfig")
 
