@@ -14,6 +14,9 @@
   (taking a result, acking, fetching and handing over the next message, publishing events) do not
   wait behind the busy children for a time slice. Without privileges the same relative priority
   is `os.nice(5)` in the children, which is what mailpipe could ship;
+- `stockconsumer`: Celery's own worker consumer, which publishes task events at the next turn
+  of the event loop (nearly one PUBLISH per event), instead of mailpipe's batches
+  (`mailpipe.consumer`): the before of that fix;
 - `stockredis`: kombu's own Redis transport, which builds a redis-py client per command, instead of
   the one mailpipe registers (`mailpipe.broker`): the before of that fix, side by side;
 
@@ -49,6 +52,9 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             _no_pre_ping()
         elif name == "flagcache":
             _flag_cache()
+        elif name == "stockconsumer":
+            if celery_conf is not None:
+                celery_conf["worker_consumer"] = "celery.worker.consumer:Consumer"
         elif name == "stockredis":
             from kombu.transport import TRANSPORT_ALIASES
 

@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import os
 import queue
+import re
 import shutil
 import sys
 import tempfile
@@ -75,6 +76,9 @@ class Measurement:
     # else runs on the machine.
     cpu_jobs_s: float | None = None
     cpu_postgres_s: float | None = None
+    # mailpipe: the share of c x the run's wall time that the children spent inside jobs (from
+    # the worker log's "succeeded in" lines); the rest they waited for the main process.
+    child_busy: float | None = None
 
     @property
     def rate(self) -> float:
@@ -122,6 +126,7 @@ class Bench:
         from mailpipe.settings import Settings
 
         self.args = args
+        self.busy: float | None = None
         self.url = harness.create_database(DATABASE)
         upgrade(self.url)
         self.res = {"local": get_resources()}
@@ -275,6 +280,7 @@ class Bench:
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), pg.seconds())
             seconds = self._last_closed() - started
+            self.busy = busy_share(worker.log_path, concurrency, seconds)
         finally:
             worker.stop()
         return seconds, self._outcomes(), cpu
@@ -408,9 +414,9 @@ def summarise(measurements: list[Measurement], concurrency: int) -> dict[str, ob
 def print_tables(measurements: list[Measurement], summary: dict[str, object]) -> None:
     print(
         "\n| variant | blobs | -c | runs (jobs/s) | median jobs/s | worker main CPU ms/job | "
-        "CPU ms/job: job processes + PostgreSQL |"
+        "CPU ms/job: job processes + PostgreSQL | children busy |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict[tuple[str, str, int], list[Measurement]] = {}
     for m in measurements:
         groups.setdefault(m.key, []).append(m)
@@ -423,6 +429,7 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
             f"{harness.median(m.rate for m in ms):.1f} | "
             + (f"{harness.median(cpu):.2f} |" if cpu else "- |")
             + _cpu_cell(ms)
+            + _busy_cell(ms)
         )
     print(
         "\n| blobs | -c | limit jobs/s | mailpipe jobs/s | mailpipe/limit (paired) | "
@@ -438,6 +445,23 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
             f"{c['ratio']:.3f} ({c['ratio_paired_median']:.3f}) | {c['overhead_ms']:.2f} | "
             f"{c['limit_job_ms']:.1f} | {noop} |"
         )
+
+
+def busy_share(log_path: Path, concurrency: int, seconds: float) -> float | None:
+    """Job time the children logged ("Task mailpipe.process_email[...] succeeded in 0.04s")
+    over the time they had (concurrency x the run's wall time)."""
+    busy = sum(
+        float(match.group(1))
+        for match in re.finditer(
+            r"process_email\[[^]]+\] succeeded in ([0-9.]+)s", log_path.read_text(errors="replace")
+        )
+    )
+    return busy / (concurrency * seconds) if busy else None
+
+
+def _busy_cell(ms: list[Measurement]) -> str:
+    busy = [m.child_busy for m in ms if m.child_busy is not None]
+    return f" {harness.median(busy):.0%} |" if busy else " - |"
 
 
 def _cpu_cell(ms: list[Measurement]) -> str:
@@ -574,8 +598,10 @@ def main() -> int:
                     cpu,
                     load,
                     *bench.cpu,
+                    bench.busy,
                 )
                 measurements.append(m)
+                bench.busy = None
                 pg = (
                     f" + postgres {m.cpu_postgres_s / m.jobs * 1000:.1f}"
                     if m.cpu_postgres_s
@@ -584,7 +610,9 @@ def main() -> int:
                 print(
                     f"rep {rep} {variant:8s} {blobs:5s} -c {c}: {m.rate:7.1f} jobs/s "
                     f"({seconds:6.2f} s, load {load:.2f}, "
-                    f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{pg}) "
+                    f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{pg}"
+                    + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
+                    + ") "
                     f"{outcomes}",
                     flush=True,
                 )

@@ -14,8 +14,7 @@ Flower and `celery inspect` pick their broker client by the URL's scheme.
 
 from __future__ import annotations
 
-from kombu.transport import TRANSPORT_ALIASES
-from kombu.transport import redis
+from kombu.transport import TRANSPORT_ALIASES, redis
 
 
 class Channel(redis.Channel):

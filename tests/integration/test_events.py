@@ -1,0 +1,88 @@
+"""Task events from a real worker: every job's events reach a monitor (Flower's feed), in batches,
+and the last ones go out when the worker stops (mailpipe.consumer)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+from celery.events.receiver import EventReceiver
+
+from mailpipe import flags, localfleet
+from mailpipe.celery import app
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.ingest import store_emails
+from tests.integration.conftest import wait_for, wait_until_closed
+
+JOBS = 30
+
+
+class CountingReceiver(EventReceiver):
+    """process_email's events by task id, and how many broker messages the worker sent them in."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, handlers={"*": self._record}, **kwargs)
+        self.worker_host = ""
+        self.messages = 0
+        self.names: dict[str, str] = {}
+        self.by_task: dict[str, list[str]] = defaultdict(list)
+
+    def jobs(self) -> dict[str, list[str]]:
+        return {
+            task: events
+            for task, events in list(self.by_task.items())
+            if self.names.get(task) == "mailpipe.process_email"
+        }
+
+    def _record(self, event: dict) -> None:  # type: ignore[type-arg]
+        if "uuid" in event:
+            if event.get("name"):  # task-sent and task-received carry it
+                self.names[event["uuid"]] = event["name"]
+            self.by_task[event["uuid"]].append(event["type"])
+
+    def _receive(self, body, message, list=list, isinstance=isinstance) -> None:  # type: ignore[no-untyped-def]
+        first = body[0] if isinstance(body, list) else body
+        if first.get("hostname") == self.worker_host and first["type"].startswith("task-"):
+            self.messages += 1
+        super()._receive(body, message, list, isinstance)
+
+
+def test_every_jobs_events_arrive_batched_and_the_last_ones_at_shutdown(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    ids = store_emails(
+        res, [f"From: a@example.org\r\nSubject: e{i}\r\n\r\nbody {i}\r\n".encode() for i in range(JOBS)]
+    )
+    with app.connection_for_read() as connection:
+        receiver = CountingReceiver(connection, app=app)
+        # Subscribed long before the worker is ready (a fanout message nobody listens to is gone).
+        listening = threading.Thread(target=receiver.capture, kwargs={"wakeup": False}, daemon=True)
+        listening.start()
+        # Enqueued first, so that the sweep a worker runs at start finds every job queued.
+        enqueue_emails(ids, res)
+        worker = localfleet.worker(dict(os.environ), tmp_path, concurrency=2)
+        receiver.worker_host = worker.nodename
+        worker.start()
+        try:
+            assert set(wait_until_closed(res, ids).values()) == {"succeeded"}
+        finally:
+            # The worker stops at once after its last job: whatever it still buffered must be
+            # flushed on the way out.
+            assert worker.stop() == 0, worker.log_tail()
+
+        def all_succeeded_seen() -> bool:
+            return sum("task-succeeded" in e for e in receiver.jobs().values()) == JOBS
+
+        wait_for(all_succeeded_seen, 10, "every job's task-succeeded event")
+        receiver.should_stop = True
+        listening.join(5)
+
+    jobs = receiver.jobs()
+    assert len(jobs) == JOBS
+    for events in jobs.values():
+        assert {"task-received", "task-started", "task-succeeded"} <= set(events)
+    task_events = sum(len(events) - events.count("task-sent") for events in jobs.values())
+    # One message per event was Celery's behaviour for jobs this far apart; batches carry several.
+    assert receiver.messages < task_events / 2, (receiver.messages, task_events)
