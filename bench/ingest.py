@@ -3,7 +3,7 @@
     .venv/bin/python bench/ingest.py [--messages 10000] [--repeat 3] [--seed 2] [--json FILE]
 
 The mbox (written once per run into a temporary folder, reproducible from --seed) holds short
-plain-text emails and, one in three, emails with a small text or CSV attachment. Three variants,
+plain-text emails and, one in three, emails with a small text or CSV attachment. Five variants,
 interleaved (each repetition starts with a different one), each into an emptied PostgreSQL
 database, a new empty blob folder and a fresh Redis key prefix on the shared Redis:
 
@@ -14,6 +14,9 @@ database, a new empty blob folder and a fresh Redis key prefix on the shared Red
   around that call only (so the difference to cli is start-up);
 - ingest() no task-sent event: an experiment, the same call with Celery's task_send_sent_event
   (set in celeryconfig for Flower) switched off in that process only, which halves the publishes;
+- ingest() kombu's transport: the same call with kombu's own Redis transport, which builds a
+  redis-py client for every publish, instead of the one mailpipe registers (`mailpipe.broker`):
+  the before of that fix;
 - baseline: the stdlib `mailbox` module reads the same mbox, each message is written to the blob
   folder (content-addressed file name, one plain write) and all rows are inserted with one
   psycopg `executemany` and one commit. No enqueue, no checks. Timed like ingest().
@@ -45,7 +48,15 @@ from bench import harness
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = f"mailpipe_bench_ingest_{RUN}"
-VARIANTS = ["cli", "ingest()", "ingest() no task-sent event", "baseline"]
+VARIANTS = [
+    "cli", "ingest()", "ingest() no task-sent event", "ingest() kombu's transport", "baseline"
+]
+CHILDREN = {
+    "ingest()": "ingest",
+    "ingest() no task-sent event": "ingest-nosent",
+    "ingest() kombu's transport": "ingest-stockredis",
+    "baseline": "baseline",
+}
 
 
 def write_mbox(path: Path, messages: int, seed: int) -> int:
@@ -64,14 +75,17 @@ def write_mbox(path: Path, messages: int, seed: int) -> int:
     return path.stat().st_size
 
 
-def child_ingest(mbox: Path, sent_event: bool = True) -> None:
+def child_ingest(mbox: Path, sent_event: bool = True, stock_transport: bool = False) -> None:
+    from mailpipe.celery import app
     from mailpipe.ingest import ingest
     from mailpipe.resources import get_resources
 
     if not sent_event:
-        from mailpipe.celery import app
-
         app.conf.task_send_sent_event = False
+    if stock_transport:
+        from kombu.transport import TRANSPORT_ALIASES
+
+        TRANSPORT_ALIASES["redis"] = "kombu.transport.redis:Transport"
 
     res = get_resources()
     started = time.perf_counter()
@@ -139,8 +153,7 @@ def run_variant(variant: str, mbox: Path, rep: int, work: Path) -> dict[str, obj
     if variant == "cli":
         command = [str(Path(sys.executable).parent / "mailpipe"), "ingest", str(mbox)]
     else:
-        child = {"ingest()": "ingest", "baseline": "baseline"}.get(variant, "ingest-nosent")
-        command = [sys.executable, __file__, "--child", child, str(mbox)]
+        command = [sys.executable, __file__, "--child", CHILDREN[variant], str(mbox)]
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - started
@@ -172,11 +185,15 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--child", choices=["ingest", "ingest-nosent", "baseline"])
+    parser.add_argument("--child", choices=sorted(CHILDREN.values()))
     parser.add_argument("mbox", nargs="?", type=Path)
     args = parser.parse_args()
-    if args.child in ("ingest", "ingest-nosent"):
-        child_ingest(args.mbox, sent_event=args.child == "ingest")
+    if args.child and args.child.startswith("ingest"):
+        child_ingest(
+            args.mbox,
+            sent_event=args.child != "ingest-nosent",
+            stock_transport=args.child == "ingest-stockredis",
+        )
         return 0
     if args.child == "baseline":
         child_baseline(args.mbox)
@@ -233,9 +250,12 @@ def main() -> int:
     ratio_wall = med["baseline"]["wall_s"] / med["cli"]["wall_s"]
     ratio_call = med["baseline"]["inner_s"] / med["ingest()"]["inner_s"]
     nosent = med["ingest() no task-sent event"]["inner_s"]
+    stock = med["ingest() kombu's transport"]["inner_s"]
     print(
         f"task-sent event off: ingest() {med['ingest()']['inner_s']:.2f} s -> {nosent:.2f} s "
-        f"({(med['ingest()']['inner_s'] - nosent) / n * 1e6:.0f} µs per email)"
+        f"({(med['ingest()']['inner_s'] - nosent) / n * 1e6:.0f} µs per email); "
+        f"kombu's own transport: {stock:.2f} s "
+        f"({(stock - med['ingest()']['inner_s']) / n * 1e6:.0f} µs per email more)"
     )
     print(
         f"\nmailpipe/baseline emails/s: cli vs baseline (wall) {ratio_wall:.3f}; "
