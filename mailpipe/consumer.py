@@ -11,7 +11,7 @@ shuts down, so a stopping worker's last events still go out.
 
 from __future__ import annotations
 
-from typing import Any
+import time
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 
@@ -19,16 +19,21 @@ EVENT_BATCH_S = 0.2
 
 
 class Consumer(CeleryConsumer):
-    _event_flush_timer: Any = None
+    # When the pending flush is due; None when none is pending.
+    _event_flush_due: float | None = None
 
     def on_send_event_buffered(self) -> None:
         if not self.hub:
             super().on_send_event_buffered()
-        elif self._event_flush_timer is None:
-            self._event_flush_timer = self.hub.call_later(EVENT_BATCH_S, self._flush_event_batch)
+            return
+        now = time.monotonic()
+        # A flush long overdue was lost with its timer (a reset event loop): schedule another.
+        if self._event_flush_due is None or now > self._event_flush_due + EVENT_BATCH_S:
+            self._event_flush_due = now + EVENT_BATCH_S
+            self.hub.call_later(EVENT_BATCH_S, self._flush_event_batch)
 
     def _flush_event_batch(self) -> None:
-        self._event_flush_timer = None
+        self._event_flush_due = None
         self._flush_events()
 
     def shutdown(self) -> None:
