@@ -9,7 +9,7 @@ and is safe to share between threads, so one per pool sends the same commands fo
 
 `register()` makes this the transport behind ``redis://`` and ``rediss://`` URLs in this
 process. It keeps those schemes, rather than naming the class in `broker_transport`, because
-Flower and `celery inspect` pick their broker client by the URL's scheme.
+Flower picks its broker client (the queue lengths it shows) by the URL's scheme.
 """
 
 from __future__ import annotations
