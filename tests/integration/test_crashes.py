@@ -144,10 +144,12 @@ def test_a_slow_job_past_the_visibility_timeout_is_not_run_twice_at_once(res, fl
         MAILPIPE_TASK_TIME_LIMIT="4",
         MAILPIPE_RETRY_BACKOFF_MAX="2",
     )
-    f.worker("slow")
     [slow] = store_emails(res, [email("slow")])
     f.set_fault(slow, "slow:25", times=1)
+    # Sent (and marked queued) before the worker starts: the sweep it runs at start must find
+    # the job queued, not add a copy with the default limits.
     f.send(slow, soft_time_limit=60, time_limit=70)
+    f.worker("slow")
     wait_until_closed(res, [slow], timeout=90)
     assert run_statuses(res, [slow]) == {slow: "succeeded"}
     assert run_of(res, slow).attempts == 1
