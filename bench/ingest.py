@@ -83,9 +83,9 @@ def child_ingest(mbox: Path, sent_event: bool = True, stock_transport: bool = Fa
     if not sent_event:
         app.conf.task_send_sent_event = False
     if stock_transport:
-        from kombu.transport import TRANSPORT_ALIASES
+        from bench.experiments import apply
 
-        TRANSPORT_ALIASES["redis"] = "kombu.transport.redis:Transport"
+        apply("stockredis")
 
     res = get_resources()
     started = time.perf_counter()
