@@ -118,21 +118,32 @@ def parse_email(raw: bytes, limits: ParseLimits) -> ParsedEmail:
     )
 
 
+# The default policy parses a header into a token tree when it is read: a 200 KB Subject (a real
+# one, in the shared corpus) took 0.54 s and 350 MB at its peak, enough to recycle the worker
+# child that read it. A header this long is decoded by the plain RFC 2047 decoder instead, which
+# gives the same text for an unstructured header and the raw addresses for an address header.
+LONG_HEADER_CHARS = 4096
+
+
 def header(message: Message, name: str) -> str:
     """A header's decoded value, or "" when absent. Never raises.
 
     The default policy parses a header when it is read and raises on some malformed ones; then the
-    raw value is decoded by hand, and failing that returned as it is.
+    raw value is decoded by hand, and failing that returned as it is. Headers longer than
+    LONG_HEADER_CHARS are always decoded by hand.
     """
+    raw_value = next(
+        (value for key, value in message.raw_items() if key.lower() == name.lower()), None
+    )
+    if raw_value is None:
+        return ""
+    if len(raw_value) > LONG_HEADER_CHARS:
+        return _decode_raw_header(str(raw_value))
     try:
         value = message.get(name)
         return "" if value is None else str(value).strip()
     except Exception:  # noqa: BLE001 - the stdlib raises many types here; the raw value follows
-        pass
-    for key, raw_value in message.raw_items():
-        if key.lower() == name.lower():
-            return _decode_raw_header(str(raw_value))
-    return ""
+        return _decode_raw_header(str(raw_value))
 
 
 def normalise_message_id(value: str) -> str | None:
