@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mailpipe import redis_keys
+from mailpipe import leases, redis_keys
 from mailpipe.leases import Lease, LeaseHeld
 
 EMAIL = 41
@@ -78,3 +78,14 @@ def test_a_renewal_that_finds_the_lease_taken_marks_it_lost_and_release_leaves_t
     assert held.lost
     held.release(job_over=True)
     assert res.redis.get(redis_keys.lease(EMAIL)) == b"elsewhere:1:other"
+
+
+def test_taking_and_giving_back_leases_never_wakes_the_renewal_thread(res) -> None:  # type: ignore[no-untyped-def]
+    # A wake-up per job hands the GIL to the renewal thread in the middle of the job.
+    renewer = leases._Renewer()
+    for n in range(100):
+        held = Lease(res.redis, EMAIL + n, 6.0, marker_ttl=600)
+        renewer.hold(held)
+        renewer.drop(held)
+    time.sleep(0.3)
+    assert renewer.wakeups == 0
