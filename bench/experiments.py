@@ -19,6 +19,12 @@
   (`mailpipe.consumer`): the before of that fix;
 - `stockredis`: kombu's own Redis transport, which builds a redis-py client per command, instead of
   the one mailpipe registers (`mailpipe.broker`): the before of that fix, side by side;
+- `steptime`: measurement only, no fix: the CPU time spent inside
+  `mailpipe.pipeline.job.process_email` (the step the limit runs), summed per process into
+  $MAILPIPE_BENCH_STEPTIME_DIR/<pid> ("calls cpu_seconds rss_mb max_rss_mb"), to tell the
+  pipeline's own cost in a worker child from the task machinery around it;
+- `wakerenewer`: the lease renewal thread woken at every lease taken, as before it looked on a
+  timer of its own (`mailpipe.leases._Renewer`): the before of that fix;
 
 `fewertx` (the blob key read in the claim transaction; documents, classification, labels and the
 run's close in one transaction with a local classifier) was tried here first and is now how
@@ -61,6 +67,10 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             TRANSPORT_ALIASES.update(
                 redis="kombu.transport.redis:Transport", rediss="kombu.transport.redis:Transport"
             )
+        elif name == "wakerenewer":
+            _wake_renewer()
+        elif name == "steptime":
+            _step_time()
         else:
             raise ValueError(f"unknown experiment {name!r}")
         applied.append(name)
@@ -77,6 +87,49 @@ def _main_nice() -> None:
     @worker_process_init.connect(weak=False)
     def _children_back_to_normal(**_: object) -> None:
         os.nice(5)
+
+
+def _wake_renewer() -> None:
+    from mailpipe import leases
+
+    original = leases._Renewer.hold
+
+    def hold(self, lease):  # type: ignore[no-untyped-def]
+        original(self, lease)
+        with self._changed:
+            self._changed.notify()
+
+    leases._Renewer.hold = hold  # type: ignore[method-assign]
+
+
+def _step_time() -> None:
+    import os
+
+    from mailpipe.pipeline import job
+
+    original = job.process_email
+    folder = os.environ.get("MAILPIPE_BENCH_STEPTIME_DIR", "/tmp")
+    totals = {"pid": 0, "calls": 0, "cpu": 0.0, "rss_max": 0.0}
+    page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def process_email(res, email_id):  # type: ignore[no-untyped-def]
+        if totals["pid"] != os.getpid():  # a forked child starts its own count
+            totals.update(pid=os.getpid(), calls=0, cpu=0.0, rss_max=0.0)
+        started = time.process_time()
+        try:
+            return original(res, email_id)
+        finally:
+            totals["calls"] += 1
+            totals["cpu"] += time.process_time() - started
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * page_mb
+            totals["rss_max"] = max(totals["rss_max"], rss)
+            with open(os.path.join(folder, str(os.getpid())), "w") as out:
+                out.write(
+                    f"{totals['calls']} {totals['cpu']:.6f} {rss:.0f} {totals['rss_max']:.0f}\n"
+                )
+
+    job.process_email = process_email  # type: ignore[assignment]
 
 
 def _no_pre_ping() -> None:

@@ -79,6 +79,9 @@ class Measurement:
     # mailpipe: the share of c x the run's wall time that the children spent inside jobs (from
     # the worker log's "succeeded in" lines); the rest they waited for the main process.
     child_busy: float | None = None
+    # mailpipe, noop: how long publishing the jobs took (the run's first seconds; the worker is
+    # already taking them and shares the CPUs with this publisher meanwhile)
+    enqueue_s: float | None = None
 
     @property
     def rate(self) -> float:
@@ -127,6 +130,7 @@ class Bench:
 
         self.args = args
         self.busy: float | None = None
+        self.enqueue_s: float | None = None
         self.url = harness.create_database(DATABASE)
         upgrade(self.url)
         self.res = {"local": get_resources()}
@@ -259,6 +263,7 @@ class Bench:
             cpu_before = sum(main.cpu_times()[:2])
             started = time.time()
             result = enqueue_emails(ids, self.res[blobs])
+            self.enqueue_s = time.time() - started
             if len(result.sent) != len(ids):
                 raise RuntimeError(
                     f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
@@ -306,6 +311,7 @@ class Bench:
             with app.producer_or_acquire() as producer, producer.batch():
                 for email_id in range(1, jobs + 1):
                     noop_tasks.noop.apply_async((email_id,), producer=producer)
+            self.enqueue_s = time.time() - started
             deadline = time.monotonic() + TIMEOUT_S
             while int(redis.get(noop_tasks.done_key()) or 0) < jobs:
                 jobs_cpu.poll([worker.pid, *worker.child_pids()])
@@ -599,9 +605,10 @@ def main() -> int:
                     load,
                     *bench.cpu,
                     bench.busy,
+                    bench.enqueue_s,
                 )
                 measurements.append(m)
-                bench.busy = None
+                bench.busy = bench.enqueue_s = None
                 pg = (
                     f" + postgres {m.cpu_postgres_s / m.jobs * 1000:.1f}"
                     if m.cpu_postgres_s
@@ -612,6 +619,7 @@ def main() -> int:
                     f"({seconds:6.2f} s, load {load:.2f}, "
                     f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{pg}"
                     + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
+                    + (f", enqueue {m.enqueue_s:.2f} s" if m.enqueue_s else "")
                     + ") "
                     f"{outcomes}",
                     flush=True,
