@@ -3,7 +3,8 @@
 Loaded into a benchmark worker with `celery -A mailpipe worker -I bench.noop_tasks`, so every
 celeryconfig setting applies to it as to `mailpipe.process_email` (acks late, prefetch 1, JSON,
 task events, the same queue). Its only work is one Redis round trip that counts it and stamps
-when it finished, so the benchmark knows when the last one is done.
+when it finished (and, for the first one, when it started), so the benchmark knows when the first
+and the last one ran.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def done_key() -> str:
     return key("bench:noop:done")
 
 
+def first_key() -> str:
+    return key("bench:noop:first")
+
+
 def last_key() -> str:
     return key("bench:noop:last")
 
@@ -40,7 +45,9 @@ def _redis() -> Redis:
 @app.task(name=NAME)
 def noop(email_id: int) -> int:
     pipe = _redis().pipeline(transaction=False)
+    now = repr(time.time())
     pipe.incr(done_key())
-    pipe.set(last_key(), repr(time.time()))
+    pipe.set(first_key(), now, nx=True)
+    pipe.set(last_key(), now)
     pipe.execute()
     return email_id

@@ -1,7 +1,8 @@
 """End-to-end throughput: the pipeline alone, mailpipe's Celery worker, and a no-op Celery task.
 
     .venv/bin/python bench/throughput.py [--jobs 1100] [--repeat 3] [--sweep 1,4] [--no-s3]
-                                         [--json FILE] [--plot docs/img/throughput.png]
+                                         [--publish-during] [--json FILE]
+                                         [--plot docs/img/throughput.png]
 
 One run, every measurement interleaved (each repetition starts with a different one), on a fresh
 PostgreSQL database, the local Redis under a key prefix of this run, model calls on with the
@@ -13,13 +14,19 @@ Variants, each over the same emails (tables truncated and the emails stored agai
 - limit: `mailpipe.pipeline.job.process_email(res, email_id)` in N plain processes (fork, no
   Celery), each with its own `Resources`, taking the next email id from a shared counter;
 - mailpipe: the emails enqueued with `mailpipe.enqueue.enqueue_emails` and processed by one
-  `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement);
+  `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement). The jobs are
+  published while the worker's consumer is stopped (a remote control command), then it is
+  restarted: the worker drains a full queue, as the limit's processes start with every email id
+  at hand. `--publish-during` publishes them while the worker runs instead, the
+  clock starting at the first publish (this script's method before; the publisher then takes
+  one of the CPUs for its first second or so);
 - noop: the same number of `bench.noop` tasks (bench/noop_tasks.py, on mailpipe's app, so every
   celeryconfig setting applies) through the same kind of worker.
 
 Blob storage is a local folder, and for limit and mailpipe at the main concurrency also S3 (moto's
-server on loopback, started here). Times run from the start signal (limit) or the first publish
-(mailpipe, noop) to the last run closed (`max(pipeline_run.closed_at)`, polled every 100 ms) or
+server on loopback, started here). Times run from the start signal (limit) or the first job's
+start (mailpipe: from the worker log's first "succeeded in" line; noop: the first task's own time
+stamp; with `--publish-during`, the first publish) to the last run closed (`max(pipeline_run.closed_at)`) or
 the last no-op task's own time stamp. `--sweep` adds the same three variants at other
 concurrencies, local blobs, for the plot of throughput against concurrency.
 """
@@ -39,7 +46,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -246,6 +253,19 @@ class Bench:
         self._set_model_calls(True)
         return worker
 
+    def _consume(self, worker, on: bool) -> None:  # type: ignore[no-untyped-def]
+        """Stop or restart the worker's consumer of the email queue (a remote control command,
+        answered once the worker has done it): the jobs are published while it is stopped, so
+        the measurement is the worker draining a full queue, without the publisher's CPU."""
+        from mailpipe.celery import app
+        from mailpipe.queues import email_queue
+
+        queue = email_queue(self.res["local"].settings)
+        control = app.control.add_consumer if on else app.control.cancel_consumer
+        replies = control(queue, destination=[worker.nodename], reply=True, timeout=10)
+        if not replies or any("ok" not in answer for reply in replies for answer in reply.values()):
+            raise RuntimeError(f"worker did not {'resume' if on else 'pause'} {queue}: {replies}")
+
     def mailpipe(
         self, blobs: str, concurrency: int, experiments: str = ""
     ) -> tuple[float, dict[str, int], float]:
@@ -258,16 +278,27 @@ class Bench:
             ids = self._store(blobs)
             main = psutil.Process(worker.pid)
             jobs_cpu, pg = harness.CpuMeter(), harness.CpuMeter()
+
+            def publish() -> None:
+                published = time.time()
+                result = enqueue_emails(ids, self.res[blobs])
+                self.enqueue_s = time.time() - published
+                if len(result.sent) != len(ids):
+                    raise RuntimeError(
+                        f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
+                    )
+
+            if not self.args.publish_during:
+                self._consume(worker, False)
+                publish()
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             pg.poll(harness.postgres_backends(self.db, DATABASE))
             cpu_before = sum(main.cpu_times()[:2])
             started = time.time()
-            result = enqueue_emails(ids, self.res[blobs])
-            self.enqueue_s = time.time() - started
-            if len(result.sent) != len(ids):
-                raise RuntimeError(
-                    f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
-                )
+            if self.args.publish_during:
+                publish()
+            else:
+                self._consume(worker, True)
             deadline = time.monotonic() + TIMEOUT_S
             while True:
                 (closed,) = self.db.execute(
@@ -284,6 +315,10 @@ class Bench:
                 time.sleep(POLL_S)
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), pg.seconds())
+            if not self.args.publish_during:
+                # The worker's next BRPOP (up to a second later), not the control command's
+                # answer, starts the consumption.
+                started = first_job_start(worker.log_path)
             seconds = self._last_closed() - started
             self.busy = busy_share(worker.log_path, concurrency, seconds)
         finally:
@@ -300,18 +335,29 @@ class Bench:
         redis = self.res["local"].redis
         worker = self._worker(blobs, concurrency, ("-I", "bench.noop_tasks"), experiments)
         try:
-            redis.delete(noop_tasks.done_key(), noop_tasks.last_key())
+            redis.delete(noop_tasks.done_key(), noop_tasks.first_key(), noop_tasks.last_key())
             jobs = len(self.emails)
             main = psutil.Process(worker.pid)
             jobs_cpu = harness.CpuMeter()
+
+            def publish() -> None:
+                published = time.time()
+                app = noop_tasks.noop.app
+                with app.producer_or_acquire() as producer, producer.batch():
+                    for email_id in range(1, jobs + 1):
+                        noop_tasks.noop.apply_async((email_id,), producer=producer)
+                self.enqueue_s = time.time() - published
+
+            if not self.args.publish_during:
+                self._consume(worker, False)
+                publish()
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu_before = sum(main.cpu_times()[:2])
             started = time.time()
-            app = noop_tasks.noop.app
-            with app.producer_or_acquire() as producer, producer.batch():
-                for email_id in range(1, jobs + 1):
-                    noop_tasks.noop.apply_async((email_id,), producer=producer)
-            self.enqueue_s = time.time() - started
+            if self.args.publish_during:
+                publish()
+            else:
+                self._consume(worker, True)
             deadline = time.monotonic() + TIMEOUT_S
             while int(redis.get(noop_tasks.done_key()) or 0) < jobs:
                 jobs_cpu.poll([worker.pid, *worker.child_pids()])
@@ -321,6 +367,8 @@ class Bench:
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), None)
+            if not self.args.publish_during:
+                started = float(redis.get(noop_tasks.first_key()))
             seconds = float(redis.get(noop_tasks.last_key())) - started
         finally:
             worker.stop()
@@ -453,6 +501,25 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
         )
 
 
+_SUCCEEDED = re.compile(
+    r"^\[([0-9-]+ [0-9:,]+): INFO/ForkPoolWorker-\d+\] Task mailpipe\.process_email\[[^]]+\] "
+    r"succeeded in ([0-9.e-]+)s",
+    re.MULTILINE,
+)
+
+
+def first_job_start(log_path: Path) -> float:
+    """When the first job began: the earliest end time less run time of the log's "succeeded in"
+    lines (the log's times are local, to the millisecond)."""
+    starts = [
+        datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() - float(runtime)
+        for stamp, runtime in _SUCCEEDED.findall(log_path.read_text(errors="replace"))
+    ]
+    if not starts:
+        raise RuntimeError(f"no finished job in {log_path}")
+    return min(starts)
+
+
 def busy_share(log_path: Path, concurrency: int, seconds: float) -> float | None:
     """Job time the children logged ("Task mailpipe.process_email[...] succeeded in 0.04s")
     over the time they had (concurrency x the run's wall time)."""
@@ -571,6 +638,12 @@ def main() -> int:
         default=[],
         help="variants with candidate fixes (bench/experiments.py), e.g. "
         "mailpipe+noevents,limit+nopreping+flagcache",
+    )
+    parser.add_argument(
+        "--publish-during",
+        action="store_true",
+        help="publish the jobs while the worker takes them (the clock starts at the first "
+        "publish; the publisher shares the CPUs), instead of into a paused consumer",
     )
     parser.add_argument("--seed", type=int, default=8)
     parser.add_argument("--json", type=Path)

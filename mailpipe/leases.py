@@ -126,8 +126,7 @@ class _Renewer:
 
     Taking or giving back a lease never wakes the thread: a wake-up per job would hand the GIL to
     this thread in the middle of the job, and on a machine whose CPUs are all busy the job then
-    waits for the thread to be scheduled (measured: the pipeline step cost 9 % more CPU in worker
-    children than in plain processes while it did, docs/benchmarks.md)."""
+    waits for the thread to be scheduled."""
 
     def __init__(self) -> None:
         self._leases: dict[int, Lease] = {}
