@@ -23,6 +23,10 @@
   `mailpipe.pipeline.job.process_email` (the step the limit runs), summed per process into
   $MAILPIPE_BENCH_STEPTIME_DIR/<pid> ("calls cpu_seconds rss_mb max_rss_mb"), to tell the
   pipeline's own cost in a worker child from the task machinery around it;
+- `policyheaders`: every header read through the default policy's parser, however long, as
+  before `mailpipe.pipeline.parse.LONG_HEADER_CHARS`: the before of that fix (a corpus email's
+  200 KB Subject peaked at 350 MB there, past `worker_max_memory_per_child`, so the child that
+  read it was recycled);
 - `wakerenewer`: the lease renewal thread woken at every lease taken, as before it looked on a
   timer of its own (`mailpipe.leases._Renewer`): the before of that fix;
 
@@ -67,6 +71,10 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             TRANSPORT_ALIASES.update(
                 redis="kombu.transport.redis:Transport", rediss="kombu.transport.redis:Transport"
             )
+        elif name == "policyheaders":
+            from mailpipe.pipeline import parse
+
+            parse.LONG_HEADER_CHARS = 1 << 62
         elif name == "wakerenewer":
             _wake_renewer()
         elif name == "steptime":
