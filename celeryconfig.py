@@ -48,6 +48,8 @@ task_soft_time_limit = _settings.task_soft_time_limit
 task_time_limit = _settings.task_time_limit
 # Recycling children bounds what a leak in a parser library can grow to (measured: under 1 MB per
 # 1,000 jobs, docs/benchmarks.md); a child past the memory cap is replaced after its current job.
+# billiard compares the child's *peak* RSS (getrusage) with the cap, so a single job's transient
+# peak recycles the child too; a recycle cost 0.2 to 3 s of that child's time under load.
 worker_max_tasks_per_child = _settings.worker_max_tasks_per_child
 worker_max_memory_per_child = _settings.worker_max_memory_per_child_kb
 # Jobs at a time per worker process (ECS task); fleet capacity is tasks x this.

@@ -27,6 +27,9 @@
   before `mailpipe.pipeline.parse.LONG_HEADER_CHARS`: the before of that fix (a corpus email's
   200 KB Subject peaked at 350 MB there, past `worker_max_memory_per_child`, so the child that
   read it was recycled);
+- `publishduring`: not applied in any process: bench/throughput.py publishes this variant's jobs
+  while its worker takes them, the clock starting at the first publish (its method before the
+  paused consumer), so that both methods are measured side by side in one run;
 - `wakerenewer`: the lease renewal thread woken at every lease taken, as before it looked on a
   timer of its own (`mailpipe.leases._Renewer`): the before of that fix;
 
@@ -71,6 +74,8 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             TRANSPORT_ALIASES.update(
                 redis="kombu.transport.redis:Transport", rediss="kombu.transport.redis:Transport"
             )
+        elif name == "publishduring":
+            pass
         elif name == "policyheaders":
             from mailpipe.pipeline import parse
 

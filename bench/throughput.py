@@ -274,6 +274,7 @@ class Bench:
         from mailpipe.enqueue import enqueue_emails
 
         worker = self._worker(blobs, concurrency, experiments=experiments)
+        publish_during = self.args.publish_during or "publishduring" in experiments.split("+")
         try:
             ids = self._store(blobs)
             main = psutil.Process(worker.pid)
@@ -288,14 +289,14 @@ class Bench:
                         f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
                     )
 
-            if not self.args.publish_during:
+            if not publish_during:
                 self._consume(worker, False)
                 publish()
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             pg.poll(harness.postgres_backends(self.db, DATABASE))
             cpu_before = sum(main.cpu_times()[:2])
             started = time.time()
-            if self.args.publish_during:
+            if publish_during:
                 publish()
             else:
                 self._consume(worker, True)
@@ -315,7 +316,7 @@ class Bench:
                 time.sleep(POLL_S)
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), pg.seconds())
-            if not self.args.publish_during:
+            if not publish_during:
                 # The worker's next BRPOP (up to a second later), not the control command's
                 # answer, starts the consumption.
                 started = first_job_start(worker.log_path)
