@@ -86,6 +86,8 @@ class Measurement:
     # mailpipe: the share of c x the run's wall time that the children spent inside jobs (from
     # the worker log's "succeeded in" lines); the rest they waited for the main process.
     child_busy: float | None = None
+    # mailpipe: median ms a child waited between two of its jobs (handover_ms)
+    handover_ms: float | None = None
     # mailpipe, noop: how long publishing the jobs took (the run's first seconds; the worker is
     # already taking them and shares the CPUs with this publisher meanwhile)
     enqueue_s: float | None = None
@@ -138,6 +140,7 @@ class Bench:
         self.args = args
         self.busy: float | None = None
         self.enqueue_s: float | None = None
+        self.handover: float | None = None
         self.url = harness.create_database(DATABASE)
         upgrade(self.url)
         self.res = {"local": get_resources()}
@@ -322,6 +325,7 @@ class Bench:
                 started = first_job_start(worker.log_path)
             seconds = self._last_closed() - started
             self.busy = busy_share(worker.log_path, concurrency, seconds)
+            self.handover = handover_ms(worker.log_path)
         finally:
             worker.stop()
         return seconds, self._outcomes(), cpu
@@ -469,9 +473,9 @@ def summarise(measurements: list[Measurement], concurrency: int) -> dict[str, ob
 def print_tables(measurements: list[Measurement], summary: dict[str, object]) -> None:
     print(
         "\n| variant | blobs | -c | runs (jobs/s) | median jobs/s | worker main CPU ms/job | "
-        "CPU ms/job: job processes + PostgreSQL | children busy |"
+        "CPU ms/job: job processes + PostgreSQL | children busy | hand-over ms |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict[tuple[str, str, int], list[Measurement]] = {}
     for m in measurements:
         groups.setdefault(m.key, []).append(m)
@@ -485,6 +489,7 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
             + (f"{harness.median(cpu):.2f} |" if cpu else "- |")
             + _cpu_cell(ms)
             + _busy_cell(ms)
+            + _handover_cell(ms)
         )
     print(
         "\n| blobs | -c | limit jobs/s | mailpipe jobs/s | mailpipe/limit (paired) | "
@@ -507,6 +512,29 @@ _SUCCEEDED = re.compile(
     r"succeeded in ([0-9.e-]+)s",
     re.MULTILINE,
 )
+_SUCCEEDED_BY_CHILD = re.compile(
+    r"^\[([0-9-]+ [0-9:,]+): INFO/(ForkPoolWorker-\d+)\] Task mailpipe\.process_email\[[^]]+\] "
+    r"succeeded in ([0-9.e-]+)s",
+    re.MULTILINE,
+)
+
+
+def handover_ms(log_path: Path) -> float | None:
+    """The median time a child spent between the end of one job and the start of its next (the
+    worker log's "succeeded in" lines: end time and run time per child), in ms: the main process
+    taking the result, acking, fetching and handing over the next message."""
+    jobs: dict[str, list[tuple[float, float]]] = {}
+    for stamp, child, runtime in _SUCCEEDED_BY_CHILD.findall(
+        log_path.read_text(errors="replace")
+    ):
+        end = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        jobs.setdefault(child, []).append((end - float(runtime), end))
+    gaps = [
+        (after[0] - before[1]) * 1000
+        for runs in jobs.values()
+        for before, after in zip(sorted(runs), sorted(runs)[1:])
+    ]
+    return harness.median(gaps) if gaps else None
 
 
 def first_job_start(log_path: Path) -> float:
@@ -536,6 +564,11 @@ def busy_share(log_path: Path, concurrency: int, seconds: float) -> float | None
 def _busy_cell(ms: list[Measurement]) -> str:
     busy = [m.child_busy for m in ms if m.child_busy is not None]
     return f" {harness.median(busy):.0%} |" if busy else " - |"
+
+
+def _handover_cell(ms: list[Measurement]) -> str:
+    gaps = [m.handover_ms for m in ms if m.handover_ms is not None]
+    return f" {harness.median(gaps):.1f} |" if gaps else " - |"
 
 
 def _cpu_cell(ms: list[Measurement]) -> str:
@@ -679,10 +712,11 @@ def main() -> int:
                     load,
                     *bench.cpu,
                     bench.busy,
+                    bench.handover,
                     bench.enqueue_s,
                 )
                 measurements.append(m)
-                bench.busy = bench.enqueue_s = None
+                bench.busy = bench.handover = bench.enqueue_s = None
                 pg = (
                     f" + postgres {m.cpu_postgres_s / m.jobs * 1000:.1f}"
                     if m.cpu_postgres_s
@@ -693,6 +727,7 @@ def main() -> int:
                     f"({seconds:6.2f} s, load {load:.2f}, "
                     f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{pg}"
                     + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
+                    + (f", hand-over {m.handover_ms:.1f} ms" if m.handover_ms else "")
                     + (f", enqueue {m.enqueue_s:.2f} s" if m.enqueue_s else "")
                     + ") "
                     f"{outcomes}",
