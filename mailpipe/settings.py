@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     max_retries: int = Field(3, ge=0)
     retry_backoff_base: float = Field(10.0, gt=0)
     retry_backoff_max: int = Field(300, ge=1)
-    lease_ttl: int = Field(30, ge=3)  # renewed every third of it while the job runs
+    lease_ttl: int = Field(30, ge=3)  # renewed before half of it has passed while the job runs
     dedup_ttl: int = Field(3600, ge=10)  # longest a lost job's marker can block its email
 
     # Workers.
