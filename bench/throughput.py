@@ -47,6 +47,7 @@ import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -507,57 +508,46 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
         )
 
 
+# One line per finished job: its end time (local, to the millisecond), child, and run time.
 _SUCCEEDED = re.compile(
-    r"^\[([0-9-]+ [0-9:,]+): INFO/ForkPoolWorker-\d+\] Task mailpipe\.process_email\[[^]]+\] "
-    r"succeeded in ([0-9.e-]+)s",
-    re.MULTILINE,
-)
-_SUCCEEDED_BY_CHILD = re.compile(
     r"^\[([0-9-]+ [0-9:,]+): INFO/(ForkPoolWorker-\d+)\] Task mailpipe\.process_email\[[^]]+\] "
     r"succeeded in ([0-9.e-]+)s",
     re.MULTILINE,
 )
 
 
-def handover_ms(log_path: Path) -> float | None:
-    """The median time a child spent between the end of one job and the start of its next (the
-    worker log's "succeeded in" lines: end time and run time per child), in ms: the main process
-    taking the result, acking, fetching and handing over the next message."""
+def _jobs_by_child(log_path: Path) -> dict[str, list[tuple[float, float]]]:
+    """(start, end) of every job in the worker log, per child, in order."""
     jobs: dict[str, list[tuple[float, float]]] = {}
-    for stamp, child, runtime in _SUCCEEDED_BY_CHILD.findall(
-        log_path.read_text(errors="replace")
-    ):
+    for stamp, child, runtime in _SUCCEEDED.findall(log_path.read_text(errors="replace")):
         end = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
         jobs.setdefault(child, []).append((end - float(runtime), end))
+    return {child: sorted(runs) for child, runs in jobs.items()}
+
+
+def handover_ms(log_path: Path) -> float | None:
+    """The median time a child spent between the end of one job and the start of its next, in ms:
+    the main process taking the result, acking, fetching and handing over the next message."""
     gaps = [
         (after[0] - before[1]) * 1000
-        for runs in jobs.values()
-        for before, after in zip(sorted(runs), sorted(runs)[1:])
+        for runs in _jobs_by_child(log_path).values()
+        for before, after in pairwise(runs)
     ]
     return harness.median(gaps) if gaps else None
 
 
 def first_job_start(log_path: Path) -> float:
-    """When the first job began: the earliest end time less run time of the log's "succeeded in"
-    lines (the log's times are local, to the millisecond)."""
-    starts = [
-        datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() - float(runtime)
-        for stamp, runtime in _SUCCEEDED.findall(log_path.read_text(errors="replace"))
-    ]
+    """When the first job in the worker log began."""
+    starts = [runs[0][0] for runs in _jobs_by_child(log_path).values()]
     if not starts:
         raise RuntimeError(f"no finished job in {log_path}")
     return min(starts)
 
 
 def busy_share(log_path: Path, concurrency: int, seconds: float) -> float | None:
-    """Job time the children logged ("Task mailpipe.process_email[...] succeeded in 0.04s")
-    over the time they had (concurrency x the run's wall time)."""
-    busy = sum(
-        float(match.group(1))
-        for match in re.finditer(
-            r"process_email\[[^]]+\] succeeded in ([0-9.]+)s", log_path.read_text(errors="replace")
-        )
-    )
+    """Job time the children logged over the time they had (concurrency x the run's wall
+    time)."""
+    busy = sum(end - start for runs in _jobs_by_child(log_path).values() for start, end in runs)
     return busy / (concurrency * seconds) if busy else None
 
 
