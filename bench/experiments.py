@@ -4,8 +4,9 @@
 
 - `noevents`: no Celery task events (worker_send_task_events, task_send_sent_event and
   task_track_started off): what a fleet without Flower's live view would run;
-- `prefetch2`: worker_prefetch_multiplier = 2, so the worker holds the next message ready when a
-  child frees up instead of fetching it then;
+- `prefetchN`: worker_prefetch_multiplier = N. With 2 the worker holds the next message ready
+  when a child frees up instead of fetching it then; that is the default since the fourth round,
+  and `prefetch1` (one message per child) is the before of it;
 - `nopreping`: engines without pool_pre_ping (no `SELECT 1` round trip at every checkout);
 - `flagcache`: the model-calls switch read at most once every 5 s per process instead of once per
   job;

@@ -238,8 +238,8 @@ def test_an_unreachable_cloudwatch_does_not_slow_jobs(res, tmp_path: Path, black
             flags.set_model_calls(session, True)
         enqueue_in(env, ids)
         # ... while the main process answers pings at once and keeps handing out jobs. Were the
-        # report sent from the event loop, each one would stall intake for ~20 s: 20 jobs at
-        # prefetch 1 and 2 children could not finish inside the deadline below.
+        # report sent from the event loop, each one would stall intake for ~20 s: 20 jobs taken
+        # a few at a time by 2 children could not finish inside the deadline below.
         control = localfleet.control_app(env)
         for _ in range(3):
             assert control.control.ping(destination=[worker.nodename], timeout=2.0)
