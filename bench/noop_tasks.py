@@ -1,7 +1,7 @@
 """A no-op task on mailpipe's own Celery app, for the bare-Celery baseline of bench/throughput.py.
 
 Loaded into a benchmark worker with `celery -A mailpipe worker -I bench.noop_tasks`, so every
-celeryconfig setting applies to it as to `mailpipe.process_email` (acks late, prefetch 1, JSON,
+celeryconfig setting applies to it as to `mailpipe.process_email` (acks late, prefetch, JSON,
 task events, the same queue). Its only work is one Redis round trip that counts it and stamps
 when it finished (and, for the first one, when it started), so the benchmark knows when the first
 and the last one ran.

@@ -26,9 +26,10 @@ Variants, each over the same emails (tables truncated and the emails stored agai
 Blob storage is a local folder, and for limit and mailpipe at the main concurrency also S3 (moto's
 server on loopback, started here). Times run from the start signal (limit) or the first job's
 start (mailpipe: from the worker log's first "succeeded in" line; noop: the first task's own time
-stamp; with `--publish-during`, the first publish) to the last run closed (`max(pipeline_run.closed_at)`) or
-the last no-op task's own time stamp. `--sweep` adds the same three variants at other
-concurrencies, local blobs, for the plot of throughput against concurrency.
+stamp; with `--publish-during`, the first publish) to the last run closed
+(`max(pipeline_run.closed_at)`) or the last no-op task's own time stamp. `--sweep` adds the same
+three variants at other concurrencies, local blobs, for the plot of throughput against
+concurrency.
 """
 
 from __future__ import annotations
@@ -270,6 +271,24 @@ class Bench:
         if not replies or any("ok" not in answer for reply in replies for answer in reply.values()):
             raise RuntimeError(f"worker did not {'resume' if on else 'pause'} {queue}: {replies}")
 
+    def _publishes_during(self, experiments: str) -> bool:
+        return self.args.publish_during or "publishduring" in experiments.split("+")
+
+    def _publish_before(  # type: ignore[no-untyped-def]
+        self, worker, publish, during: bool
+    ) -> None:
+        """Unless the jobs are published during the run: pause the consumer, publish them."""
+        if not during:
+            self._consume(worker, False)
+            publish()
+
+    def _begin(self, worker, publish, during: bool) -> None:  # type: ignore[no-untyped-def]
+        """The measured part starts: publish now, or resume the paused consumer."""
+        if during:
+            publish()
+        else:
+            self._consume(worker, True)
+
     def mailpipe(
         self, blobs: str, concurrency: int, experiments: str = ""
     ) -> tuple[float, dict[str, int], float]:
@@ -278,7 +297,7 @@ class Bench:
         from mailpipe.enqueue import enqueue_emails
 
         worker = self._worker(blobs, concurrency, experiments=experiments)
-        publish_during = self.args.publish_during or "publishduring" in experiments.split("+")
+        publish_during = self._publishes_during(experiments)
         try:
             ids = self._store(blobs)
             main = psutil.Process(worker.pid)
@@ -293,17 +312,12 @@ class Bench:
                         f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
                     )
 
-            if not publish_during:
-                self._consume(worker, False)
-                publish()
+            self._publish_before(worker, publish, publish_during)
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             pg.poll(harness.postgres_backends(self.db, DATABASE))
             cpu_before = sum(main.cpu_times()[:2])
             started = time.time()
-            if publish_during:
-                publish()
-            else:
-                self._consume(worker, True)
+            self._begin(worker, publish, publish_during)
             deadline = time.monotonic() + TIMEOUT_S
             while True:
                 (closed,) = self.db.execute(
@@ -340,6 +354,7 @@ class Bench:
 
         redis = self.res["local"].redis
         worker = self._worker(blobs, concurrency, ("-I", "bench.noop_tasks"), experiments)
+        publish_during = self._publishes_during(experiments)
         try:
             redis.delete(noop_tasks.done_key(), noop_tasks.first_key(), noop_tasks.last_key())
             jobs = len(self.emails)
@@ -354,16 +369,11 @@ class Bench:
                         noop_tasks.noop.apply_async((email_id,), producer=producer)
                 self.enqueue_s = time.time() - published
 
-            if not self.args.publish_during:
-                self._consume(worker, False)
-                publish()
+            self._publish_before(worker, publish, publish_during)
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu_before = sum(main.cpu_times()[:2])
             started = time.time()
-            if self.args.publish_during:
-                publish()
-            else:
-                self._consume(worker, True)
+            self._begin(worker, publish, publish_during)
             deadline = time.monotonic() + TIMEOUT_S
             while int(redis.get(noop_tasks.done_key()) or 0) < jobs:
                 jobs_cpu.poll([worker.pid, *worker.child_pids()])
@@ -373,7 +383,7 @@ class Bench:
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), None)
-            if not self.args.publish_during:
+            if not publish_during:
                 started = float(redis.get(noop_tasks.first_key()))
             seconds = float(redis.get(noop_tasks.last_key())) - started
         finally:
