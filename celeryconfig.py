@@ -42,7 +42,7 @@ task_reject_on_worker_lost = True
 worker_lost_wait = 2.0
 # Two messages reserved per child: when a child finishes, the next job is already in the main
 # process and goes to it at once, instead of after a BRPOP round trip (measured: the gap between
-# two jobs of a child 3.3 -> 2.6 ms, throughput +5 to 7 % at -c 2, docs/benchmarks.md). The cost: a
+# two jobs of a child 3.3 -> 2.6 ms, throughput +4 to 5 % paired at -c 2, docs/benchmarks.md). A
 # reserved job waits for a child of its worker (fair scheduling: the first that frees up) even if
 # another worker is idle, at most as long as the shorter running job, and a SIGKILLed worker's
 # reserved jobs wait out the visibility timeout with its running ones. For jobs of minutes, set

@@ -63,8 +63,8 @@ class Settings(BaseSettings):
 
     # Workers.
     worker_concurrency: int = Field(2, ge=1)
-    # Messages reserved per child: the running one and one ready to hand over (docs/benchmarks.md:
-    # +5 to 7 % at -c 2 on 2 CPUs for jobs of tens of ms). 1 for jobs of minutes.
+    # Messages reserved per child: the running one and the next (why and at what cost:
+    # celeryconfig.py). 1 for jobs of minutes.
     worker_prefetch_multiplier: int = Field(2, ge=1)
     # Measured (docs/benchmarks.md): a child grows under 1 MB per 1,000 jobs, and a fresh child's
     # first job costs ~0.2 s; the memory cap is the guard against one pathological document.
