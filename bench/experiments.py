@@ -31,6 +31,11 @@
 - `publishduring`: not applied in any process: bench/throughput.py publishes this variant's jobs
   while its worker takes them, the clock starting at the first publish (its method before the
   paused consumer), so that both methods are measured side by side in one run;
+- `deferack`: every ack sent one more turn of the worker's event loop later. Celery already
+  defers an ack to the next turn (`Consumer.call_soon_ack`); at that turn the ack frees a
+  prefetch slot, the consumer fetches again, and the loop handles that delivery (its BRPOP
+  reply and its bookkeeping transaction) before it writes the next job into the idle child's
+  pipe. One more turn lets the write go first;
 - `wakerenewer`: the lease renewal thread woken at every lease taken, as before it looked on a
   timer of its own (`mailpipe.leases._Renewer`): the before of that fix;
 
@@ -41,6 +46,7 @@ run's close in one transaction with a local classifier) was tried here first and
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -83,6 +89,8 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             parse.LONG_HEADER_CHARS = 1 << 62
         elif name == "wakerenewer":
             _wake_renewer()
+        elif name == "deferack":
+            _defer_ack()
         elif name == "steptime":
             _step_time()
         else:
@@ -101,6 +109,24 @@ def _main_nice() -> None:
     @worker_process_init.connect(weak=False)
     def _children_back_to_normal(**_: object) -> None:
         os.nice(5)
+
+
+def _defer_ack() -> None:
+    from celery.worker.request import Request
+    from kombu.asynchronous import get_event_loop
+
+    acknowledge = Request.acknowledge
+
+    def deferred(self: Request) -> None:
+        hub = get_event_loop()
+        if self.acknowledged or hub is None:
+            acknowledge(self)
+            return
+        self.acknowledged = True
+        hub.call_soon(self._on_ack, logger, self._connection_errors)
+
+    logger = logging.getLogger(__name__)
+    Request.acknowledge = deferred  # type: ignore[method-assign]
 
 
 def _wake_renewer() -> None:

@@ -63,6 +63,7 @@ BUCKET = "mailpipe-bench"
 ENV = harness.base_env(database=DATABASE, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}")
 os.environ.update(ENV)
 
+import psutil
 import psycopg
 
 POLL_S = 0.1
@@ -80,11 +81,13 @@ class Measurement:
     outcomes: dict[str, int] = field(default_factory=dict)
     worker_main_cpu_s: float | None = None  # CPU of the worker's main process during the run
     load_avg: float = 0.0
-    # CPU seconds during the run: the job processes (limit children; worker main + children) and
-    # the PostgreSQL backends serving this run's database. Less sensitive than wall time to what
-    # else runs on the machine.
+    # CPU seconds during the run: the job processes (limit children; worker main + children),
+    # the PostgreSQL backends serving this run's database and the Redis server (which serves this
+    # run alone). Less sensitive than wall time to what else runs on the machine; all of it
+    # shares the same cores.
     cpu_jobs_s: float | None = None
     cpu_postgres_s: float | None = None
+    cpu_redis_s: float | None = None
     # mailpipe: the share of c x the run's wall time that the children spent inside jobs (from
     # the worker log's "succeeded in" lines); the rest they waited for the main process.
     child_busy: float | None = None
@@ -146,6 +149,7 @@ class Bench:
         self.url = harness.create_database(DATABASE)
         upgrade(self.url)
         self.res = {"local": get_resources()}
+        self.redis_server = psutil.Process(int(self.res["local"].redis.info("server")["process_id"]))
         self.overrides: dict[str, dict[str, str]] = {"local": {}}
         self.env = {"local": dict(os.environ)}
         self.moto: harness.MotoServer | None = None
@@ -210,6 +214,7 @@ class Bench:
             child.start()
         pg = harness.CpuMeter()
         pg.poll(harness.postgres_backends(self.db, DATABASE))
+        redis_before = self._redis_cpu_s()
         barrier.wait(timeout=60)
         started = time.time()
         outcomes: Counter[str] = Counter()
@@ -233,7 +238,7 @@ class Bench:
         seconds = self._last_closed() - started
         if any(k.startswith("raised") for k in outcomes):
             print(f"  limit outcomes: {dict(outcomes)}", file=sys.stderr)
-        self.cpu = (cpu, pg.seconds())
+        self.cpu = (cpu, pg.seconds(), self._redis_cpu_s() - redis_before)
         return seconds, self._outcomes(), None
 
     def _worker(
@@ -292,8 +297,6 @@ class Bench:
     def mailpipe(
         self, blobs: str, concurrency: int, experiments: str = ""
     ) -> tuple[float, dict[str, int], float]:
-        import psutil
-
         from mailpipe.enqueue import enqueue_emails
 
         worker = self._worker(blobs, concurrency, experiments=experiments)
@@ -316,6 +319,7 @@ class Bench:
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             pg.poll(harness.postgres_backends(self.db, DATABASE))
             cpu_before = sum(main.cpu_times()[:2])
+            redis_before = self._redis_cpu_s()
             started = time.time()
             self._begin(worker, publish, publish_during)
             deadline = time.monotonic() + TIMEOUT_S
@@ -333,7 +337,7 @@ class Bench:
                     )
                 time.sleep(POLL_S)
             cpu = sum(main.cpu_times()[:2]) - cpu_before
-            self.cpu = (jobs_cpu.seconds(), pg.seconds())
+            self.cpu = (jobs_cpu.seconds(), pg.seconds(), self._redis_cpu_s() - redis_before)
             if not publish_during:
                 # The worker's next BRPOP (up to a second later), not the control command's
                 # answer, starts the consumption.
@@ -348,8 +352,6 @@ class Bench:
     def noop(
         self, blobs: str, concurrency: int, experiments: str = ""
     ) -> tuple[float, dict[str, int], float]:
-        import psutil
-
         from bench import noop_tasks
 
         redis = self.res["local"].redis
@@ -372,6 +374,7 @@ class Bench:
             self._publish_before(worker, publish, publish_during)
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu_before = sum(main.cpu_times()[:2])
+            redis_before = self._redis_cpu_s()
             started = time.time()
             self._begin(worker, publish, publish_during)
             deadline = time.monotonic() + TIMEOUT_S
@@ -382,13 +385,16 @@ class Bench:
                 time.sleep(POLL_S / 5)
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu = sum(main.cpu_times()[:2]) - cpu_before
-            self.cpu = (jobs_cpu.seconds(), None)
+            self.cpu = (jobs_cpu.seconds(), None, self._redis_cpu_s() - redis_before)
             if not publish_during:
                 started = float(redis.get(noop_tasks.first_key()))
             seconds = float(redis.get(noop_tasks.last_key())) - started
         finally:
             worker.stop()
         return seconds, {"noop": jobs}, cpu
+
+    def _redis_cpu_s(self) -> float:
+        return sum(self.redis_server.cpu_times()[:2])
 
     def close(self) -> None:
         self.db.close()
@@ -484,7 +490,7 @@ def summarise(measurements: list[Measurement], concurrency: int) -> dict[str, ob
 def print_tables(measurements: list[Measurement], summary: dict[str, object]) -> None:
     print(
         "\n| variant | blobs | -c | runs (jobs/s) | median jobs/s | worker main CPU ms/job | "
-        "CPU ms/job: job processes + PostgreSQL | children busy | hand-over ms |"
+        "CPU ms/job: job processes + PostgreSQL + Redis | children busy | hand-over ms |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict[tuple[str, str, int], list[Measurement]] = {}
@@ -573,10 +579,17 @@ def _handover_cell(ms: list[Measurement]) -> str:
 
 def _cpu_cell(ms: list[Measurement]) -> str:
     jobs = [m.cpu_jobs_s / m.jobs * 1000 for m in ms if m.cpu_jobs_s is not None]
-    pg = [m.cpu_postgres_s / m.jobs * 1000 for m in ms if m.cpu_postgres_s is not None]
     if not jobs:
         return " - |"
-    return f" {harness.median(jobs):.1f}" + (f" + {harness.median(pg):.1f} |" if pg else " |")
+    services = [
+        harness.median(s / m.jobs * 1000 for m in ms if (s := getattr(m, name)) is not None)
+        if any(getattr(m, name) is not None for m in ms)
+        else None
+        for name in ("cpu_postgres_s", "cpu_redis_s")
+    ]
+    return f" {harness.median(jobs):.1f}" + "".join(
+        f" + {s:.1f}" if s is not None else " + -" for s in services
+    ) + " |"
 
 
 def print_experiments(summary: dict[str, object]) -> None:
@@ -717,10 +730,10 @@ def main() -> int:
                 )
                 measurements.append(m)
                 bench.busy = bench.handover = bench.enqueue_s = None
-                pg = (
-                    f" + postgres {m.cpu_postgres_s / m.jobs * 1000:.1f}"
-                    if m.cpu_postgres_s
-                    else ""
+                pg = "".join(
+                    f" + {name} {used / m.jobs * 1000:.1f}"
+                    for name, used in (("postgres", m.cpu_postgres_s), ("redis", m.cpu_redis_s))
+                    if used is not None
                 )
                 print(
                     f"rep {rep} {variant:8s} {blobs:5s} -c {c}: {m.rate:7.1f} jobs/s "

@@ -208,3 +208,37 @@ def test_sigterm_finishes_short_jobs_and_requeues_the_long_one_at_once(res, flee
     assert run_of(res, short).attempts == 1
     assert run_of(res, long).attempts == 2
     assert leaving.process.wait(30) is not None
+
+
+def _unacked_and_queued(f: Fleet) -> tuple[int, int]:
+    """Messages the broker holds for the fleet: delivered but unacked, and waiting in the queue."""
+    redis = f.res.redis
+    return redis.hlen(f"{f.prefix}unacked"), redis.llen(f"{f.prefix}{f.res.settings.queue}")
+
+
+def test_every_job_is_acked_as_it_ends(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # Acks wait for a turn of the worker's event loop (mailpipe.consumer); none may be left over.
+    f = fleet()
+    f.worker("acking")
+    ids = store_emails(res, [email(f"ack-{n}") for n in range(40)])
+    f.enqueue(ids)
+    assert set(wait_until_closed(res, ids).values()) == {"succeeded"}
+    wait_for(lambda: _unacked_and_queued(f) == (0, 0), 10, "every message acked")
+
+
+@pytest.mark.parametrize("stop", ["warm", "soft"])
+def test_a_job_that_ends_while_its_worker_stops_is_acked_not_requeued(res, fleet, stop: str) -> None:  # type: ignore[no-untyped-def]
+    # warm: SIGTERM as Celery takes it (wait for running jobs); soft: SIGTERM remapped to a cold
+    # shutdown that first waits the soft-shutdown window, as the ECS task definitions run it.
+    f = fleet(MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="20")
+    worker = f.worker("stopping", **({"REMAP_SIGTERM": "SIGQUIT"} if stop == "soft" else {}))
+    [ending] = store_emails(res, [email(f"ends-while-stopping-{stop}")])
+    f.set_fault(ending, "slow:2", times=1)
+    f.enqueue([ending])
+    wait_for(lambda: f.runs(ending) == 1, 30, "the job to start")
+    worker.signal(signal.SIGTERM)
+    assert worker.process.wait(30) is not None
+    assert run_statuses(res, [ending]) == {ending: "succeeded"}
+    # Its ack went out before the worker closed its connection: a lost ack would have put the
+    # message back in the queue (kombu restores a channel's unacked messages when it closes).
+    assert _unacked_and_queued(f) == (0, 0)
