@@ -46,6 +46,7 @@ run's close in one transaction with a local classifier) was tried here first and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -123,7 +124,8 @@ def _defer_ack() -> None:
             acknowledge(self)
             return
         self.acknowledged = True
-        hub.call_soon(self._on_ack, logger, self._connection_errors)
+        # _on_ack is a promise: the hub would call it without these arguments.
+        hub.call_soon(functools.partial(self._on_ack, logger, self._connection_errors))
 
     logger = logging.getLogger(__name__)
     Request.acknowledge = deferred  # type: ignore[method-assign]
