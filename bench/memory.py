@@ -1,12 +1,11 @@
 """Memory of a worker's children over 10,000 jobs, without recycling.
 
-    .venv/bin/python bench/memory.py [--jobs 10000] [--concurrency 2] [--json FILE]
-                                     [--plot docs/img/throughput-memory.png]
+    .venv/bin/python bench/memory.py [--jobs 10000] [--concurrency 2] [--workload small|mixed]
+                                     [--json FILE] [--plot docs/img/throughput-memory.png]
 
 One `celery -A mailpipe worker -P prefork -c 2` with MAILPIPE_WORKER_MAX_TASKS_PER_CHILD=100000
 (so no child is recycled during the run; checked: the children's pids must not change) processes
-`--jobs` small emails (bench.workload.small_email: a short plain-text email, one in three with a
-small text or CSV attachment) on a fresh PostgreSQL database, local blobs and the local Redis
+`--jobs` emails on a fresh PostgreSQL database, local blobs and the local Redis
 under a key prefix of this run, model calls on with the `rules` classifier.
 
 Every second: each child's RSS and USS (psutil), the main process's RSS, the runs closed so far
@@ -15,6 +14,13 @@ children are numbered in the order they were forked, which is their pid order). 
 USS of each child when the worker had done 1k, 5k and 10k jobs, and the slope of each child's RSS
 against its own job count (least squares, after its first 500 jobs, which load the libraries'
 lazily imported parts and fill the caches).
+
+Workloads: `small` (the default; bench.workload.small_email: a short plain-text email, one in
+three with a small text or CSV attachment), or `mixed`, bench/throughput.py's
+(bench.workload.mixed_workload: the shared corpus, generated emails with its PDF and DOCX files,
+~10 % copies), to see whether the document libraries grow a child faster. With `mixed`,
+`worker_max_memory_per_child` may still replace a child whose peak RSS crossed it: the report
+says so ("recycled during the run").
 """
 
 from __future__ import annotations
@@ -124,13 +130,14 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--workload", choices=("small", "mixed"), default="small")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
 
     import psycopg
 
-    from bench.workload import small_email
+    from bench.workload import mixed_workload, small_email
     from mailpipe import flags, localfleet
     from mailpipe.enqueue import enqueue_emails
     from mailpipe.ingest import store_emails
@@ -142,10 +149,14 @@ def main() -> int:
     upgrade(url)
     res = get_resources()
     rng = random.Random(args.seed)
-    emails = [
-        small_email(rng, n, attachment=rng.random() < 1 / 3, tag=f"mem{args.seed}")
-        for n in range(args.jobs)
-    ]
+    if args.workload == "mixed":
+        emails, kinds = mixed_workload(args.jobs, seed=args.seed)
+        print(f"workload: {len(emails)} emails {kinds}, {sum(map(len, emails)) / 1e6:.1f} MB raw")
+    else:
+        emails = [
+            small_email(rng, n, attachment=rng.random() < 1 / 3, tag=f"mem{args.seed}")
+            for n in range(args.jobs)
+        ]
     samples: list[dict] = []
     worker = localfleet.worker(
         dict(os.environ), WORK / "logs", concurrency=args.concurrency, name=f"mem{RUN}"
@@ -214,6 +225,7 @@ def main() -> int:
     marks = [m for m in (1000, 5000, 10000) if m <= args.jobs]
     report: dict[str, object] = {
         "jobs": args.jobs,
+        "workload": args.workload,
         "seconds": elapsed,
         "recycled": recycled,
         "outcomes": outcomes,
@@ -265,12 +277,14 @@ def main() -> int:
             )
         )
     if args.plot:
-        plot(samples, pids, index_of, args.plot)
+        plot(samples, pids, index_of, args.plot, args.workload)
         print(f"plot: {args.plot}")
     return 0
 
 
-def plot(samples: list[dict], pids: list[int], index_of: dict[int, int], path: Path) -> None:
+def plot(
+    samples: list[dict], pids: list[int], index_of: dict[int, int], path: Path, workload: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,7 +310,7 @@ def plot(samples: list[dict], pids: list[int], index_of: dict[int, int], path: P
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    ax.set_title("Worker children's memory, -c 2, no recycling (small emails)", fontsize=9)
+    ax.set_title(f"Worker children's memory, -c 2 ({workload} workload)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
