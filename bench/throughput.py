@@ -149,7 +149,7 @@ class Bench:
         self.url = harness.create_database(DATABASE)
         upgrade(self.url)
         self.res = {"local": get_resources()}
-        self.redis_server = psutil.Process(int(self.res["local"].redis.info("server")["process_id"]))
+        self.redis_server = _local_redis_server(self.res["local"].redis)
         self.overrides: dict[str, dict[str, str]] = {"local": {}}
         self.env = {"local": dict(os.environ)}
         self.moto: harness.MotoServer | None = None
@@ -238,7 +238,7 @@ class Bench:
         seconds = self._last_closed() - started
         if any(k.startswith("raised") for k in outcomes):
             print(f"  limit outcomes: {dict(outcomes)}", file=sys.stderr)
-        self.cpu = (cpu, pg.seconds(), self._redis_cpu_s() - redis_before)
+        self.cpu = (cpu, pg.seconds(), self._redis_since(redis_before))
         return seconds, self._outcomes(), None
 
     def _worker(
@@ -337,7 +337,7 @@ class Bench:
                     )
                 time.sleep(POLL_S)
             cpu = sum(main.cpu_times()[:2]) - cpu_before
-            self.cpu = (jobs_cpu.seconds(), pg.seconds(), self._redis_cpu_s() - redis_before)
+            self.cpu = (jobs_cpu.seconds(), pg.seconds(), self._redis_since(redis_before))
             if not publish_during:
                 # The worker's next BRPOP (up to a second later), not the control command's
                 # answer, starts the consumption.
@@ -385,7 +385,7 @@ class Bench:
                 time.sleep(POLL_S / 5)
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu = sum(main.cpu_times()[:2]) - cpu_before
-            self.cpu = (jobs_cpu.seconds(), None, self._redis_cpu_s() - redis_before)
+            self.cpu = (jobs_cpu.seconds(), None, self._redis_since(redis_before))
             if not publish_during:
                 started = float(redis.get(noop_tasks.first_key()))
             seconds = float(redis.get(noop_tasks.last_key())) - started
@@ -393,8 +393,12 @@ class Bench:
             worker.stop()
         return seconds, {"noop": jobs}, cpu
 
-    def _redis_cpu_s(self) -> float:
-        return sum(self.redis_server.cpu_times()[:2])
+    def _redis_cpu_s(self) -> float | None:
+        return sum(self.redis_server.cpu_times()[:2]) if self.redis_server else None
+
+    def _redis_since(self, before: float | None) -> float | None:
+        now = self._redis_cpu_s()
+        return None if now is None or before is None else now - before
 
     def close(self) -> None:
         self.db.close()
@@ -402,6 +406,18 @@ class Bench:
             res.close()
         if self.moto is not None:
             self.moto.stop()
+
+
+def _local_redis_server(redis) -> psutil.Process | None:  # type: ignore[no-untyped-def]
+    """The Redis server process, when it runs on this machine (its CPU is then measured)."""
+    try:
+        server = psutil.Process(int(redis.info("server")["process_id"]))
+        if "redis-server" in server.name():
+            return server
+    except (psutil.Error, KeyError, ValueError):
+        pass
+    print("Redis server not found on this machine: its CPU is not measured", file=sys.stderr)
+    return None
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:

@@ -217,7 +217,7 @@ def _unacked_and_queued(f: Fleet) -> tuple[int, int]:
 
 
 def test_every_job_is_acked_as_it_ends(res, fleet) -> None:  # type: ignore[no-untyped-def]
-    # Acks wait for a turn of the worker's event loop (mailpipe.consumer); none may be left over.
+    # Celery sends an ack at the next turn of the worker's event loop; none may be left over.
     f = fleet()
     f.worker("acking")
     ids = store_emails(res, [email(f"ack-{n}") for n in range(40)])
