@@ -67,12 +67,6 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
         elif name.startswith("prefetch"):
             if celery_conf is not None:
                 celery_conf["worker_prefetch_multiplier"] = int(name.removeprefix("prefetch"))
-        elif name == "mainnice":
-            _main_nice()
-        elif name == "nopreping":
-            _no_pre_ping()
-        elif name == "flagcache":
-            _flag_cache()
         elif name == "stockconsumer":
             if celery_conf is not None:
                 celery_conf["worker_consumer"] = "celery.worker.consumer:Consumer"
@@ -88,12 +82,8 @@ def apply(names: str, celery_conf: dict[str, Any] | None = None) -> list[str]:
             from mailpipe.pipeline import parse
 
             parse.LONG_HEADER_CHARS = 1 << 62
-        elif name == "wakerenewer":
-            _wake_renewer()
-        elif name == "deferack":
-            _defer_ack()
-        elif name == "steptime":
-            _step_time()
+        elif name in PATCHES:
+            PATCHES[name]()
         else:
             raise ValueError(f"unknown experiment {name!r}")
         applied.append(name)
@@ -206,3 +196,14 @@ def _flag_cache() -> None:
         return hit[1]
 
     flags.model_calls_enabled = model_calls_enabled  # type: ignore[assignment]
+
+
+# The experiments that patch this process and need nothing from the caller.
+PATCHES = {
+    "mainnice": _main_nice,
+    "nopreping": _no_pre_ping,
+    "flagcache": _flag_cache,
+    "wakerenewer": _wake_renewer,
+    "deferack": _defer_ack,
+    "steptime": _step_time,
+}

@@ -593,19 +593,18 @@ def _handover_cell(ms: list[Measurement]) -> str:
     return f" {harness.median(gaps):.1f} |" if gaps else " - |"
 
 
+def _ms_per_job(ms: list[Measurement], name: str) -> float | None:
+    """Median CPU ms per job of one of the Measurement's cpu_*_s fields, None if never measured."""
+    values = [used / m.jobs * 1000 for m in ms if (used := getattr(m, name)) is not None]
+    return harness.median(values) if values else None
+
+
 def _cpu_cell(ms: list[Measurement]) -> str:
-    jobs = [m.cpu_jobs_s / m.jobs * 1000 for m in ms if m.cpu_jobs_s is not None]
-    if not jobs:
+    jobs = _ms_per_job(ms, "cpu_jobs_s")
+    if jobs is None:
         return " - |"
-    services = [
-        harness.median(s / m.jobs * 1000 for m in ms if (s := getattr(m, name)) is not None)
-        if any(getattr(m, name) is not None for m in ms)
-        else None
-        for name in ("cpu_postgres_s", "cpu_redis_s")
-    ]
-    return f" {harness.median(jobs):.1f}" + "".join(
-        f" + {s:.1f}" if s is not None else " + -" for s in services
-    ) + " |"
+    services = (_ms_per_job(ms, name) for name in ("cpu_postgres_s", "cpu_redis_s"))
+    return f" {jobs:.1f}" + "".join(f" + {v:.1f}" if v is not None else " + -" for v in services) + " |"
 
 
 def print_experiments(summary: dict[str, object]) -> None:
