@@ -6,8 +6,8 @@
 - every Redis command redis-py sends through `Redis.execute_command` and pipelines (each command
   of a pipeline counted on its own, and the pipeline as one round trip).
 
-Loaded into a benchmark worker with `-I bench.counters` (see `bench.counters_worker`), it also
-writes each process's counts to `$MAILPIPE_BENCH_COUNTS_DIR/<pid>.json` after every task.
+Loaded into a benchmark worker with `-I bench.counters`, it also writes each process's counts to
+`$MAILPIPE_BENCH_COUNTS_DIR/<pid>.json` after every task.
 Commands kombu sends on a raw connection (its BRPOP) bypass redis-py's client and are not
 counted here: the Redis server's own INFO commandstats covers them.
 """

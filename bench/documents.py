@@ -1,7 +1,7 @@
 """Benchmark of attachment conversion: throughput against the bare libraries, and peak memory on
 hostile inputs.
 
-    .venv/bin/python bench/documents.py [--repeat 5] [--json results.json]
+    .venv/bin/python -m bench.documents [--repeat 5] [--json results.json]
 
 1. Throughput. The shared corpus's PDFs and DOCX files, converted side by side in one run by
    `convert_attachment` and by the bare library loop it wraps (pypdf: PdfReader + extract_text
@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,16 +31,11 @@ from pathlib import Path
 import docx
 import pypdf
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # The hostile inputs are the tests' own builders, so the bench measures exactly what is tested.
-sys.path.insert(0, str(REPO_ROOT))
-
-from bench.report import table  # noqa: E402
-
-import tests.unit.documents.document_samples as samples  # noqa: E402
-
-from mailpipe.documents import DocumentLimits, convert_attachment  # noqa: E402
-from mailpipe.pipeline.parse import Attachment  # noqa: E402
+import tests.support.document_samples as samples
+from bench.report import table
+from mailpipe.mail.documents import DocumentLimits, convert_attachment
+from mailpipe.mail.parse import Attachment
 
 _SPEED_COLUMNS = [
     "corpus",
@@ -85,7 +79,7 @@ def _bare_pass(files: list[tuple[str, bytes]], read: Callable[[bytes], str]) -> 
     for _, payload in files:
         try:
             read(payload)
-        except Exception:  # noqa: BLE001 - the same bad files the wrapper meets; counted
+        except Exception:
             unread += 1
     return time.perf_counter() - started, unread
 

@@ -1,25 +1,26 @@
-"""Shared set-up of the throughput, ingest, profile and memory benchmarks (docs/benchmarks.md).
+"""What the benchmarks share beyond `mailpipe.harness` (docs/benchmarks.md).
 
-Every benchmark run gets its own PostgreSQL database (created here, dropped at the end), its own
-Redis key prefix on the shared Redis (its keys are deleted by prefix at the end: never FLUSHDB,
-others use the same server) and its own temporary blob folder. Nothing here imports a mailpipe
-module that reads settings at import time, so a benchmark can set `os.environ` first.
+The services of a run (its own PostgreSQL database, Redis key prefix, S3 server) come from
+`mailpipe.harness.services`; this module adds where they are on this machine, the environment of a
+run's processes, the `mailpipe` command of another checkout, and the accounting: CPU meters,
+medians, the machine's description. Nothing here imports a mailpipe module that reads settings at
+import time, so a benchmark can set `os.environ` first.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
+import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from mailpipe.harness.services import Database
 
 PG_ADMIN_URL = os.environ.get(
     "MAILPIPE_BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -38,25 +39,13 @@ DATA_TABLES = (
     "sweep_report",
 )
 
-
-def database_url(name: str) -> str:
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-
-
-def create_database(name: str) -> str:
-    import psycopg
-
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return database_url(name)
+# The summary line `mailpipe ingest` prints, the same in every version so far.
+_INGESTED = re.compile(r"^stored (\d+), enqueued (\d+)", re.MULTILINE)
 
 
-def drop_database(name: str) -> None:
-    import psycopg
-
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def database(name: str) -> Database:
+    """A database of the run's own on the machine's PostgreSQL (not created yet)."""
+    return Database(PG_ADMIN_URL, name)
 
 
 def truncate(url: str) -> None:
@@ -67,36 +56,10 @@ def truncate(url: str) -> None:
         conn.execute(f"TRUNCATE {', '.join(DATA_TABLES)} RESTART IDENTITY CASCADE")
 
 
-def delete_prefix(redis_url: str, prefix: str) -> int:
-    """Delete this run's keys (and only those) from the shared Redis."""
-    import redis
-
-    if not prefix:
-        raise ValueError("refusing to delete keys without a prefix")
-    client = redis.Redis.from_url(redis_url)
-    deleted = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            deleted += client.unlink(*batch)
-            batch = []
-    if batch:
-        deleted += client.unlink(*batch)
-    client.close()
-    return deleted
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def base_env(*, database: str, prefix: str, blob_url: str, **extra: str) -> dict[str, str]:
+def base_env(*, database_url: str, prefix: str, blob_url: str, **extra: str) -> dict[str, str]:
     """The environment of every process of one benchmark run (this one and its workers)."""
     env = {
-        "MAILPIPE_DATABASE_URL": database_url(database),
+        "MAILPIPE_DATABASE_URL": database_url,
         "MAILPIPE_BROKER_URL": REDIS_URL,
         "MAILPIPE_BLOB_URL": blob_url,
         "MAILPIPE_REDIS_PREFIX": prefix,
@@ -106,57 +69,51 @@ def base_env(*, database: str, prefix: str, blob_url: str, **extra: str) -> dict
         "AWS_SECRET_ACCESS_KEY": "bench",
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
+        # Workers load bench modules (`-I bench.noop_tasks`) whatever folder they start in.
         "PYTHONPATH": str(REPO),
     }
     env.update(extra)
     return env
 
 
-@dataclass
-class MotoServer:
-    """moto's S3-compatible server on loopback, as a subprocess."""
+def mailpipe_command(src: Path) -> list[str]:
+    """The `mailpipe` command of the checkout at `src`, from the entry point its pyproject.toml
+    declares: the installed script may belong to another checkout, and the module behind the
+    command moves between layouts."""
+    scripts = tomllib.loads((src / "pyproject.toml").read_text())["project"]["scripts"]
+    module, function = scripts["mailpipe"].split(":")
+    return [sys.executable, "-c", f"from {module} import {function}; {function}()"]
 
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+def run_mailpipe(src: Path, env: dict[str, str], *args: str) -> str:
+    """Run `mailpipe ARGS` with the code of the checkout at `src`; returns what it printed."""
+    done = subprocess.run(
+        [*mailpipe_command(src), *args],
+        env={**env, "PYTHONPATH": str(src)},
+        cwd=src,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"mailpipe {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
 
-    def start(self, bucket: str) -> MotoServer:
-        import boto3
 
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f"moto server did not start; see {self.log_path}") from None
-                time.sleep(0.1)
-        boto3.session.Session(
-            aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
-        ).client("s3", endpoint_url=self.url).create_bucket(Bucket=bucket)
-        return self
+def ingest(src: Path, env: dict[str, str], folder: Path, expected: int) -> None:
+    """`mailpipe ingest FOLDER` with the checkout at `src`: every email stored and enqueued."""
+    output = run_mailpipe(src, env, "ingest", str(folder))
+    found = _INGESTED.search(output)
+    if found is None or (int(found[1]), int(found[2])) != (expected, expected):
+        raise RuntimeError(f"ingest of {expected} emails from {src}: {output.strip()}")
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+
+def write_emails(folder: Path, emails: list[bytes]) -> Path:
+    """One .eml file per email, named so that `mailpipe ingest` reads them in this order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for number, data in enumerate(emails):
+        (folder / f"{number:06d}.eml").write_bytes(data)
+    return folder
 
 
 def machine() -> dict[str, object]:

@@ -1,22 +1,20 @@
 """`mailpipe ingest` of a 10,000-message mbox against the least any ingest must do.
 
-    .venv/bin/python bench/ingest.py [--messages 10000] [--repeat 3] [--seed 2] [--json FILE]
+    .venv/bin/python -m bench.ingest [--messages 10000] [--repeat 3] [--seed 2] [--json FILE]
 
 The mbox (written once per run into a temporary folder, reproducible from --seed) holds short
-plain-text emails and, one in three, emails with a small text or CSV attachment. Five variants,
+plain-text emails and, one in three, emails with a small text or CSV attachment. Four variants,
 interleaved (each repetition starts with a different one), each into an emptied PostgreSQL
 database, a new empty blob folder and a fresh Redis key prefix on the shared Redis:
 
 - cli: the real command, `mailpipe ingest MBOX`, as a subprocess (wall time, interpreter start and
-  imports included): blobs written, rows inserted in batches of 500, one job enqueued per email
-  through the deduplicated path (a SET NX marker each, then the publish);
-- ingest(): the same work through `mailpipe.ingest.ingest(res, [mbox])` in a subprocess, timed
+  imports included; the entry point pyproject.toml declares, as the installed script runs it):
+  blobs written, rows inserted in batches of 500, one job enqueued per email through the
+  deduplicated path (a SET NX marker each, then the publish);
+- ingest(): the same work through `mailpipe.cli.ingest.ingest(res, [mbox])` in a subprocess, timed
   around that call only (so the difference to cli is start-up);
 - ingest() no task-sent event: an experiment, the same call with Celery's task_send_sent_event
   (set in celeryconfig for Flower) switched off in that process only, which halves the publishes;
-- ingest() kombu's transport: the same call with kombu's own Redis transport, which builds a
-  redis-py client for every publish, instead of the one mailpipe registers (`mailpipe.broker`):
-  the before of that fix;
 - baseline: the stdlib `mailbox` module reads the same mbox, each message is written to the blob
   folder (content-addressed file name, one plain write) and all rows are inserted with one
   psycopg `executemany` and one commit. No enqueue, no checks. Timed like ingest().
@@ -38,23 +36,18 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import UTC
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from datetime import UTC
-
 from bench import harness
+from mailpipe.harness.services import delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
-DATABASE = f"mailpipe_bench_ingest_{RUN}"
-VARIANTS = [
-    "cli", "ingest()", "ingest() no task-sent event", "ingest() kombu's transport", "baseline"
-]
+DATABASE = harness.database(f"mailpipe_bench_ingest_{RUN}")
+VARIANTS = ["cli", "ingest()", "ingest() no task-sent event", "baseline"]
 CHILDREN = {
     "ingest()": "ingest",
     "ingest() no task-sent event": "ingest-nosent",
-    "ingest() kombu's transport": "ingest-stockredis",
     "baseline": "baseline",
 }
 
@@ -75,17 +68,13 @@ def write_mbox(path: Path, messages: int, seed: int) -> int:
     return path.stat().st_size
 
 
-def child_ingest(mbox: Path, sent_event: bool = True, stock_transport: bool = False) -> None:
+def child_ingest(mbox: Path, sent_event: bool = True) -> None:
     from mailpipe.celery import app
-    from mailpipe.ingest import ingest
+    from mailpipe.cli.ingest import ingest
     from mailpipe.resources import get_resources
 
     if not sent_event:
         app.conf.task_send_sent_event = False
-    if stock_transport:
-        from bench.experiments import apply
-
-        apply("stockredis")
 
     res = get_resources()
     started = time.perf_counter()
@@ -145,27 +134,27 @@ def run_variant(variant: str, mbox: Path, rep: int, work: Path) -> dict[str, obj
     prefix = f"benchingest{RUN}r{rep}{VARIANTS.index(variant)}:"
     blobs = work / "blobs"
     harness.clean_dir(blobs)
-    harness.truncate(harness.database_url(DATABASE))
+    harness.truncate(DATABASE.url)
     env = {
         **os.environ,
-        **harness.base_env(database=DATABASE, prefix=prefix, blob_url=f"file://{blobs}"),
+        **harness.base_env(database_url=DATABASE.url, prefix=prefix, blob_url=f"file://{blobs}"),
     }
     if variant == "cli":
-        command = [str(Path(sys.executable).parent / "mailpipe"), "ingest", str(mbox)]
+        command = [*harness.mailpipe_command(harness.REPO), "ingest", str(mbox)]
     else:
-        command = [sys.executable, __file__, "--child", CHILDREN[variant], str(mbox)]
+        command = [sys.executable, "-m", "bench.ingest", "--child", CHILDREN[variant], str(mbox)]
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{done.stdout}\n{done.stderr}")
     inner = json.loads(done.stdout.strip().splitlines()[-1]) if variant != "cli" else {}
-    with psycopg.connect(harness.database_url(DATABASE)) as conn:
+    with psycopg.connect(DATABASE.url) as conn:
         (rows,) = conn.execute("SELECT count(*) FROM email_message").fetchone()
     client = redis.Redis.from_url(harness.REDIS_URL)
     queued = client.llen(f"{prefix}mailpipe")
     client.close()
-    harness.delete_prefix(harness.REDIS_URL, prefix)
+    delete_prefix(harness.REDIS_URL, prefix)
     return {
         "variant": variant,
         "rep": rep,
@@ -189,24 +178,20 @@ def main() -> int:
     parser.add_argument("mbox", nargs="?", type=Path)
     args = parser.parse_args()
     if args.child and args.child.startswith("ingest"):
-        child_ingest(
-            args.mbox,
-            sent_event=args.child != "ingest-nosent",
-            stock_transport=args.child == "ingest-stockredis",
-        )
+        child_ingest(args.mbox, sent_event=args.child != "ingest-nosent")
         return 0
     if args.child == "baseline":
         child_baseline(args.mbox)
         return 0
 
-    from mailpipe.migrate import upgrade
+    from mailpipe.storage.migrate import upgrade
 
     print(f"machine: {harness.machine()}")
     work = Path(tempfile.mkdtemp(prefix="mailpipe-ingest-"))
     mbox = work / "bench.mbox"
     size = write_mbox(mbox, args.messages, args.seed)
     print(f"mbox: {args.messages} messages, {size / 1e6:.1f} MB ({mbox})")
-    upgrade(harness.create_database(DATABASE))
+    upgrade(DATABASE.create().url)
     results = []
     try:
         for rep in range(args.repeat):
@@ -223,7 +208,7 @@ def main() -> int:
                     flush=True,
                 )
     finally:
-        harness.drop_database(DATABASE)
+        DATABASE.drop()
         shutil.rmtree(work, ignore_errors=True)
     n = args.messages
     med = {
@@ -250,12 +235,9 @@ def main() -> int:
     ratio_wall = med["baseline"]["wall_s"] / med["cli"]["wall_s"]
     ratio_call = med["baseline"]["inner_s"] / med["ingest()"]["inner_s"]
     nosent = med["ingest() no task-sent event"]["inner_s"]
-    stock = med["ingest() kombu's transport"]["inner_s"]
     print(
         f"task-sent event off: ingest() {med['ingest()']['inner_s']:.2f} s -> {nosent:.2f} s "
-        f"({(med['ingest()']['inner_s'] - nosent) / n * 1e6:.0f} µs per email); "
-        f"kombu's own transport: {stock:.2f} s "
-        f"({(stock - med['ingest()']['inner_s']) / n * 1e6:.0f} µs per email more)"
+        f"({(med['ingest()']['inner_s'] - nosent) / n * 1e6:.0f} µs per email)"
     )
     print(
         f"\nmailpipe/baseline emails/s: cli vs baseline (wall) {ratio_wall:.3f}; "

@@ -1,6 +1,6 @@
 """Memory of a worker's children over 10,000 jobs, without recycling.
 
-    .venv/bin/python bench/memory.py [--jobs 10000] [--concurrency 2] [--workload small|mixed]
+    .venv/bin/python -m bench.memory [--jobs 10000] [--concurrency 2] [--workload small|mixed]
                                      [--json FILE] [--plot docs/img/throughput-memory.png]
 
 One `celery -A mailpipe worker -P prefork -c 2` with MAILPIPE_WORKER_MAX_TASKS_PER_CHILD=100000
@@ -38,16 +38,15 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import harness
+from mailpipe.harness.services import delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
-DATABASE = f"mailpipe_bench_mem_{RUN}"
+DATABASE = harness.database(f"mailpipe_bench_mem_{RUN}")
 PREFIX = f"benchmem{RUN}:"
 WORK = Path(tempfile.mkdtemp(prefix="mailpipe-memory-"))
 ENV = harness.base_env(
-    database=DATABASE,
+    database_url=DATABASE.url,
     prefix=PREFIX,
     blob_url=f"file://{WORK / 'blobs'}",
     MAILPIPE_WORKER_MAX_TASKS_PER_CHILD="100000",
@@ -138,14 +137,15 @@ def main() -> int:
     import psycopg
 
     from bench.workload import mixed_workload, small_email
-    from mailpipe import flags, localfleet
+    from mailpipe.cli.ingest import store_emails
     from mailpipe.enqueue import enqueue_emails
-    from mailpipe.ingest import store_emails
-    from mailpipe.migrate import upgrade
+    from mailpipe.harness import fleet
     from mailpipe.resources import get_resources
+    from mailpipe.storage import flags
+    from mailpipe.storage.migrate import upgrade
 
     print(f"machine: {harness.machine()}")
-    url = harness.create_database(DATABASE)
+    url = DATABASE.create().url
     upgrade(url)
     res = get_resources()
     rng = random.Random(args.seed)
@@ -158,7 +158,7 @@ def main() -> int:
             for n in range(args.jobs)
         ]
     samples: list[dict] = []
-    worker = localfleet.worker(
+    worker = fleet.worker(
         dict(os.environ), WORK / "logs", concurrency=args.concurrency, name=f"mem{RUN}"
     )
     db = psycopg.connect(url, autocommit=True)
@@ -202,8 +202,8 @@ def main() -> int:
         worker.stop()
         db.close()
         res.close()
-        harness.drop_database(DATABASE)
-        harness.delete_prefix(harness.REDIS_URL, PREFIX)
+        DATABASE.drop()
+        delete_prefix(harness.REDIS_URL, PREFIX)
         # The blobs are big; the worker logs stay for a look after a failure.
         shutil.rmtree(WORK / "blobs", ignore_errors=True)
         print(f"worker logs: {WORK / 'logs'}")
@@ -261,11 +261,10 @@ def main() -> int:
             "first_job_s": first,
             "median_job_s": typical,
         }
-        fmt = lambda xs: " / ".join(f"{x:.1f}" if x is not None else "-" for x in xs)
         print(
             f"| ForkPoolWorker-{index} (pid {pid}) | {' / '.join(str(d) for d in done)} | "
-            f"{fmt(rss)} | "
-            f"{fmt(uss)} | {kb_per_1000:.0f} | {first:.3f} / {typical:.4f} |"
+            f"{_megabytes(rss)} | "
+            f"{_megabytes(uss)} | {kb_per_1000:.0f} | {first:.3f} / {typical:.4f} |"
         )
     main_rss = [s["main_rss"] / 2**20 for s in samples]
     print(f"\nmain process RSS: {main_rss[0]:.1f} MB at start, {main_rss[-1]:.1f} MB at the end")
@@ -280,6 +279,10 @@ def main() -> int:
         plot(samples, pids, index_of, args.plot, args.workload)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _megabytes(values: list[float | None]) -> str:
+    return " / ".join(f"{x:.1f}" if x is not None else "-" for x in values)
 
 
 def plot(

@@ -1,6 +1,6 @@
 """Worker throughput with and without the metrics handler, side by side in one run.
 
-    .venv/bin/python bench/metrics_overhead.py [--emails 500] [--repeat 3] [--interval 1]
+    .venv/bin/python -m bench.metrics_overhead [--emails 500] [--repeat 3] [--interval 1]
                                                [--json out.json]
 
 Each run starts a real `celery worker -P prefork -c 2` on a fresh PostgreSQL database (created from
@@ -24,112 +24,100 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
+from sqlalchemy import func, select
 
-PG_ADMIN_URL = os.environ.get(
-    "MAILPIPE_BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
-REDIS_URL = os.environ.get("MAILPIPE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9")
-RUN = f"{os.getpid()}"
-DATABASE = f"mailpipe_bench_{RUN}"
+from bench import harness
+from mailpipe.cli.ingest import store_emails
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.harness import fleet
+from mailpipe.harness.services import S3Server, delete_prefix
+from mailpipe.resources import get_resources
+from mailpipe.storage import flags
+from mailpipe.storage.migrate import upgrade
+from mailpipe.storage.models import PipelineRun, RunStatus
+
+RUN = uuid.uuid4().hex[:8]
+DATABASE = harness.database(f"mailpipe_bench_metrics_{RUN}")
+PREFIX = f"benchmetrics{RUN}:"
 NAMESPACE = "MailpipeBench"
 WORK = Path(tempfile.mkdtemp(prefix="mailpipe-metrics-bench-"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-CLOUDWATCH_PORT = _free_port()
-ENV = {
-    "MAILPIPE_DATABASE_URL": PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + DATABASE,
-    "MAILPIPE_BROKER_URL": REDIS_URL,
-    "MAILPIPE_BLOB_URL": f"file://{WORK / 'blobs'}",
-    "MAILPIPE_REDIS_PREFIX": f"bench{RUN}:",
-    "MAILPIPE_MODEL_BACKEND": "rules",
-    "AWS_ACCESS_KEY_ID": "bench",
-    "AWS_SECRET_ACCESS_KEY": "bench",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
 # This process stores and enqueues the emails with the same settings as the workers.
-os.environ.update(ENV)
+os.environ.update(
+    harness.base_env(database_url=DATABASE.url, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}")
+)
 
-from sqlalchemy import create_engine, func, select, text  # noqa: E402
-
-from mailpipe import flags, localfleet  # noqa: E402
-from mailpipe.db import normalise_url  # noqa: E402
-from mailpipe.enqueue import enqueue_emails  # noqa: E402
-from mailpipe.ingest import store_emails  # noqa: E402
-from mailpipe.migrate import upgrade  # noqa: E402
-from mailpipe.models import Base, PipelineRun, RunStatus  # noqa: E402
-from mailpipe.resources import get_resources  # noqa: E402
-
-SUBJECTS = ["Invoice {i} due", "Weekly newsletter {i}", "Security alert {i}", "Lunch on {i}?",
-            "Ticket #{i}: cannot log in", "Meeting invitation {i}"]
+SUBJECTS = [
+    "Invoice {i} due",
+    "Weekly newsletter {i}",
+    "Security alert {i}",
+    "Lunch on {i}?",
+    "Ticket #{i}: cannot log in",
+    "Meeting invitation {i}",
+]
 
 
 def small_emails(n: int) -> list[bytes]:
     return [
-        (f"From: sender{i % 17}@example.org\r\nTo: ops@example.com\r\n"
-         f"Subject: {SUBJECTS[i % len(SUBJECTS)].format(i=i)}\r\n"
-         f"Message-ID: <bench-{i}@example.org>\r\n"
-         f"Date: Mon, 3 Mar 2025 10:00:00 +0000\r\n\r\nHello,\r\n\r\nthis is message {i}. "
-         f"{'Please pay the amount due by Friday. ' * (1 + i % 4)}\r\n\r\nRegards\r\n").encode()
+        (
+            f"From: sender{i % 17}@example.org\r\nTo: ops@example.com\r\n"
+            f"Subject: {SUBJECTS[i % len(SUBJECTS)].format(i=i)}\r\n"
+            f"Message-ID: <bench-{i}@example.org>\r\n"
+            f"Date: Mon, 3 Mar 2025 10:00:00 +0000\r\n\r\nHello,\r\n\r\nthis is message {i}. "
+            f"{'Please pay the amount due by Friday. ' * (1 + i % 4)}\r\n\r\nRegards\r\n"
+        ).encode()
         for i in range(n)
     ]
 
 
-def worker_env(with_metrics: bool, interval: float) -> dict[str, str]:
+def worker_env(with_metrics: bool, interval: float, cloudwatch_url: str) -> dict[str, str]:
     env = dict(os.environ)
     if with_metrics:
         env["MAILPIPE_METRICS_NAMESPACE"] = NAMESPACE
         env["MAILPIPE_METRICS_INTERVAL"] = str(interval)
-        env["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"] = f"http://127.0.0.1:{CLOUDWATCH_PORT}"
+        env["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"] = cloudwatch_url
     else:
         env["MAILPIPE_WORKER_METRICS"] = "false"
     return env
 
 
 def reset(res) -> None:  # type: ignore[no-untyped-def]
-    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    """Empty tables, model calls off (on after the worker starts) and none of the run's keys."""
+    harness.truncate(DATABASE.url)
     with res.db.transaction() as session:
-        session.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-    for key in res.redis.scan_iter(match=ENV["MAILPIPE_REDIS_PREFIX"] + "*", count=1000):
-        res.redis.delete(key)
+        flags.set_model_calls(session, False)
+    delete_prefix(harness.REDIS_URL, PREFIX)
 
 
 def closed_runs(res) -> int:  # type: ignore[no-untyped-def]
     with res.db.session() as session:
-        return session.scalar(
-            select(func.count())
-            .select_from(PipelineRun)
-            .where(PipelineRun.status != RunStatus.OPEN)
-        ) or 0
+        return (
+            session.scalar(
+                select(func.count())
+                .select_from(PipelineRun)
+                .where(PipelineRun.status != RunStatus.OPEN)
+            )
+            or 0
+        )
 
 
-def reports_received(start: float, end: float) -> int:
+def reports_received(cloudwatch_url: str, start: float, end: float) -> int:
     import boto3
 
-    client = boto3.client("cloudwatch", endpoint_url=f"http://127.0.0.1:{CLOUDWATCH_PORT}")
+    client = boto3.client("cloudwatch", endpoint_url=cloudwatch_url)
     reply = client.get_metric_statistics(
         Namespace=NAMESPACE,
         MetricName="QueueDepth",
         Dimensions=[{"Name": "Queue", "Value": "mailpipe"}],
-        StartTime=datetime.fromtimestamp(start, timezone.utc),
-        EndTime=datetime.fromtimestamp(end, timezone.utc),
+        StartTime=datetime.fromtimestamp(start, UTC),
+        EndTime=datetime.fromtimestamp(end, UTC),
         Period=60,
         Statistics=["SampleCount"],
     )
@@ -137,13 +125,15 @@ def reports_received(start: float, end: float) -> int:
 
 
 def one_run(  # type: ignore[no-untyped-def]
-    res, raws: list[bytes], with_metrics: bool, interval: float, cloudwatch: psutil.Process
+    res, raws: list[bytes], with_metrics: bool, interval: float, moto: S3Server
 ) -> dict[str, object]:
     reset(res)
     ids = store_emails(res, raws)
     name = f"{'with' if with_metrics else 'without'}-{uuid.uuid4().hex[:6]}"
-    env = worker_env(with_metrics, interval)
-    worker = localfleet.worker(env, WORK / "logs", concurrency=2, name=name)
+    env = worker_env(with_metrics, interval, moto.url)
+    worker = fleet.worker(env, WORK / "logs", concurrency=2, name=name)
+    assert moto.process is not None
+    cloudwatch = psutil.Process(moto.process.pid)
     worker.start()
     try:
         worker.wait_ready()
@@ -171,7 +161,7 @@ def one_run(  # type: ignore[no-untyped-def]
         "jobs_per_s": round(len(ids) / elapsed, 2),
         "main_cpu_s": round(_cpu(cpu_after) - _cpu(cpu_before), 3),
         "cloudwatch_cpu_s": round(_cpu(cloudwatch_after) - _cpu(cloudwatch_before), 3),
-        "reports": reports_received(started, started + elapsed) if with_metrics else 0,
+        "reports": reports_received(moto.url, started, started + elapsed) if with_metrics else 0,
         "statuses": {status.value: n for status, n in statuses.items()},
     }
 
@@ -190,35 +180,26 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    admin = create_engine(normalise_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{DATABASE}"')
-    moto_log = (WORK / "moto.log").open("wb")
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(CLOUDWATCH_PORT)],
-        stdout=moto_log, stderr=subprocess.STDOUT,
-    )
+    upgrade(DATABASE.create().url)
+    # moto's server answers every AWS API on its port: the S3 one stands in for CloudWatch.
+    moto = S3Server(WORK / "moto.log")
     res = get_resources()
     try:
-        upgrade(ENV["MAILPIPE_DATABASE_URL"])
+        moto.start(bucket="mailpipe-bench")
         raws = small_emails(args.emails)
         results = []
         for rep in range(args.repeat):
             order = (True, False) if rep % 2 == 0 else (False, True)
             for with_metrics in order:
-                result = one_run(res, raws, with_metrics, args.interval, psutil.Process(moto.pid))
+                result = one_run(res, raws, with_metrics, args.interval, moto)
                 result["repetition"] = rep + 1
                 print(json.dumps(result), flush=True)
                 results.append(result)
     finally:
-        for key in res.redis.scan_iter(match=ENV["MAILPIPE_REDIS_PREFIX"] + "*", count=1000):
-            res.redis.delete(key)
         res.close()
-        moto.terminate()
-        moto.wait(10)
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-        admin.dispose()
+        moto.stop()
+        delete_prefix(harness.REDIS_URL, PREFIX)
+        DATABASE.drop()
         shutil.rmtree(WORK, ignore_errors=True)
 
     summary = {}
@@ -232,16 +213,24 @@ def main() -> None:
         }
     ratio = summary["with"]["median_jobs_per_s"] / summary["without"]["median_jobs_per_s"]
     print()
-    print(f"{args.emails} emails, worker -P prefork -c 2, PostgreSQL, local blobs, rules, "
-          f"reports every {args.interval:g} s; {args.repeat} repetitions, interleaved")
-    print(f"{'variant':<10}{'jobs/s':>10}{'main CPU s':>13}{'CloudWatch server CPU s':>26}"
-          f"{'reports':>10}   (medians)")
+    print(
+        f"{args.emails} emails, worker -P prefork -c 2, PostgreSQL, local blobs, rules, "
+        f"reports every {args.interval:g} s; {args.repeat} repetitions, interleaved"
+    )
+    print(
+        f"{'variant':<10}{'jobs/s':>10}{'main CPU s':>13}{'CloudWatch server CPU s':>26}"
+        f"{'reports':>10}   (medians)"
+    )
     for variant, row in summary.items():
-        print(f"{variant:<10}{row['median_jobs_per_s']:>10.1f}{row['median_main_cpu_s']:>13.2f}"
-              f"{row['median_cloudwatch_cpu_s']:>26.2f}{row['median_reports']:>10.0f}")
+        print(
+            f"{variant:<10}{row['median_jobs_per_s']:>10.1f}{row['median_main_cpu_s']:>13.2f}"
+            f"{row['median_cloudwatch_cpu_s']:>26.2f}{row['median_reports']:>10.0f}"
+        )
     print(f"throughput ratio with/without: {ratio:.3f}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}"
+    )
     if args.json:
         report = {"runs": results, "summary": summary, "ratio": ratio}
         args.json.write_text(json.dumps(report, indent=2))

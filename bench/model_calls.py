@@ -1,7 +1,7 @@
 """Benchmark of model calls through one real prefork worker: the call rate achieved against the
 fleet limit, emails/s at each worker concurrency, and the memory of every worker child.
 
-    .venv/bin/python bench/model_calls.py [--emails 80] [--rate 4] [--delay 2] \\
+    .venv/bin/python -m bench.model_calls [--emails 80] [--rate 4] [--delay 2] \\
         [--concurrency 2 8 16] [--repeat 3] [--json results.json]
 
 Each run starts one `celery -A mailpipe worker -P prefork -c N` subprocess with the `bedrock`
@@ -29,9 +29,9 @@ process holds (what one more child adds); and the sum of PSS over the main proce
 (shared pages counted once), the memory of the whole worker, as its container's limit must
 allow for.
 
-Its own environment, torn down at the end: a PostgreSQL database `mailpipe_bench_models`
-(migrated with `mailpipe.migrate.upgrade`), a blob folder in a temp dir, Redis db 0 under a unique
-`MAILPIPE_REDIS_PREFIX`.
+Its own environment, torn down at the end: a PostgreSQL database of its own (migrated with
+`mailpipe.storage.migrate.upgrade`), a blob folder in a temp dir, the local Redis under a key
+prefix of its own.
 """
 
 from __future__ import annotations
@@ -42,54 +42,49 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-PG_ADMIN_URL = os.environ.get(
-    "MAILPIPE_BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
-PG_DATABASE = "mailpipe_bench_models"
-WORK_DIR = Path(tempfile.mkdtemp(prefix="mailpipe-bench-models-"))
+import psutil
+import sqlalchemy
+from sqlalchemy import func, select
 
-# Before any mailpipe import: the settings and the Celery app read the environment once.
-BENCH_ENV = {
-    "MAILPIPE_DATABASE_URL": PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + PG_DATABASE,
-    "MAILPIPE_BROKER_URL": "redis://127.0.0.1:6379/0",
-    "MAILPIPE_REDIS_PREFIX": f"bench-models-{uuid.uuid4().hex[:8]}:",
-    "MAILPIPE_BLOB_URL": f"file://{WORK_DIR / 'blobs'}",
-    "MAILPIPE_SOFT_SHUTDOWN_TIMEOUT": "5",
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "AWS_CONFIG_FILE": str(WORK_DIR / "no-aws-config"),
-    "AWS_SHARED_CREDENTIALS_FILE": str(WORK_DIR / "no-aws-credentials"),
-}
-os.environ.update(BENCH_ENV)
-os.environ.pop("AWS_PROFILE", None)
-sys.path.insert(0, str(REPO_ROOT))
+from bench import harness
+from bench.report import table
+from mailpipe.cli.ingest import store_emails
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.harness import fleet
+from mailpipe.harness.services import delete_prefix
+from mailpipe.resources import Resources, get_resources
+from mailpipe.storage import flags
+from mailpipe.storage.migrate import upgrade
+from mailpipe.storage.models import PipelineRun, RunStatus
 
-from bench.report import table  # noqa: E402
-
-import psutil  # noqa: E402
-import sqlalchemy  # noqa: E402
-from sqlalchemy import func, select, text  # noqa: E402
-
-from mailpipe import flags, localfleet  # noqa: E402
-from mailpipe.enqueue import enqueue_emails  # noqa: E402
-from mailpipe.ingest import store_emails  # noqa: E402
-from mailpipe.migrate import upgrade  # noqa: E402
-from mailpipe.models import Base, PipelineRun, RunStatus  # noqa: E402
-from mailpipe.resources import Resources, get_resources  # noqa: E402
 # The server that records when each call arrived: the same one the worker-level test reads.
-from tests.integration.test_model_calls import TimedBedrockServer, invoices  # noqa: E402
+from tests.support.bedrock_server import TimedBedrockServer, invoices
+
+RUN = uuid.uuid4().hex[:8]
+DATABASE = harness.database(f"mailpipe_bench_models_{RUN}")
+PREFIX = f"benchmodels{RUN}:"
+WORK_DIR = Path(tempfile.mkdtemp(prefix="mailpipe-bench-models-"))
+# Before any mailpipe settings are read: the settings and the Celery app read the environment once.
+os.environ.update(
+    harness.base_env(
+        database_url=DATABASE.url,
+        prefix=PREFIX,
+        blob_url=f"file://{WORK_DIR / 'blobs'}",
+        MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="5",
+        # No profile or credentials of the machine's user reach the fake Bedrock endpoint.
+        AWS_CONFIG_FILE=str(WORK_DIR / "no-aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(WORK_DIR / "no-aws-credentials"),
+    )
+)
+os.environ.pop("AWS_PROFILE", None)
 
 MIB = 1024 * 1024
 UNLIMITED_RATE = 1000.0
@@ -209,37 +204,12 @@ def most_in_window(times: list[float], window: float) -> int:
     return most
 
 
-def prepare_database() -> None:
-    admin = sqlalchemy.create_engine(
-        PG_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT"
-    )
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{PG_DATABASE}" WITH (FORCE)')
-        conn.exec_driver_sql(f'CREATE DATABASE "{PG_DATABASE}"')
-    admin.dispose()
-    upgrade(BENCH_ENV["MAILPIPE_DATABASE_URL"])
-
-
-def drop_database() -> None:
-    admin = sqlalchemy.create_engine(
-        PG_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT"
-    )
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{PG_DATABASE}" WITH (FORCE)')
-    admin.dispose()
-
-
 def reset_state(res: Resources) -> None:
-    """Empty tables (model calls off) and none of this bench's Redis keys: each run starts cold."""
-    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    """Empty tables, model calls off and none of this bench's Redis keys: each run starts cold."""
+    harness.truncate(DATABASE.url)
     with res.db.transaction() as session:
-        session.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-    clear_redis(res)
-
-
-def clear_redis(res: Resources) -> None:
-    for key in res.redis.scan_iter(match=BENCH_ENV["MAILPIPE_REDIS_PREFIX"] + "*", count=1000):
-        res.redis.delete(key)
+        flags.set_model_calls(session, False)
+    delete_prefix(harness.REDIS_URL, PREFIX)
 
 
 def closed_runs(res: Resources) -> int | None:
@@ -269,7 +239,7 @@ def run_once(
         }
     )
     name = f"{config.label.replace(' ', '')}-c{config.concurrency}-r{repetition}"
-    worker = localfleet.worker(env, WORK_DIR / "logs", concurrency=config.concurrency, name=name)
+    worker = fleet.worker(env, WORK_DIR / "logs", concurrency=config.concurrency, name=name)
     worker.start()
     try:
         worker.wait_ready()
@@ -280,7 +250,7 @@ def run_once(
         sampler.sample()
         sampler.start()
         cpu_before = cpu_seconds(worker.pid)
-        t0 = datetime.now(timezone.utc).replace(tzinfo=None)
+        t0 = datetime.now(UTC).replace(tzinfo=None)
         t0_monotonic = time.monotonic()
         enqueue_emails(ids, res)
         predicted = min(config.rate_per_s, config.concurrency / args.delay)
@@ -359,6 +329,10 @@ def run_once(
     }
 
 
+def _median(group: list[dict[str, object]], key: str) -> float:
+    return round(statistics.median(float(r[key]) for r in group), 2)
+
+
 def summarise(runs: list[dict[str, object]]) -> list[dict[str, object]]:
     """One row per configuration: medians over its repetitions (emails/s also min-max)."""
     rows = []
@@ -366,29 +340,26 @@ def summarise(runs: list[dict[str, object]]) -> list[dict[str, object]]:
     for limit, concurrency in keys:
         group = [r for r in runs if (r["limit"], r["concurrency"]) == (limit, concurrency)]
 
-        def median(key: str) -> float:
-            return round(statistics.median(float(r[key]) for r in group), 2)
-
         rates = [float(r["emails_per_s"]) for r in group]
         rows.append(
             {
                 "limit": limit,
                 "c": concurrency,
                 "runs": len(group),
-                "emails_per_s": f"{median('emails_per_s')} ({min(rates):.2f}-{max(rates):.2f})",
+                "emails_per_s": f"{_median(group, 'emails_per_s')} ({min(rates):.2f}-{max(rates):.2f})",
                 "predicted": group[0]["predicted_emails_per_s"],
-                "first_call_s": median("first_call_s"),
-                "calls_per_s": median("calls_per_s"),
-                "calls_per_s_fit": median("calls_per_s_fit"),
+                "first_call_s": _median(group, "first_call_s"),
+                "calls_per_s": _median(group, "calls_per_s"),
+                "calls_per_s_fit": _median(group, "calls_per_s_fit"),
                 "max_calls_1s": max(int(r["max_calls_1s"]) for r in group),
                 "bound_1s": group[0]["bound_1s"],
                 "peak_in_flight": max(int(r["peak_in_flight"]) for r in group),
-                "deferred": median("deferred"),
-                "cpu_ms_per_email": median("cpu_ms_per_email"),
-                "child_rss_mib": median("child_rss_median_mib"),
+                "deferred": _median(group, "deferred"),
+                "cpu_ms_per_email": _median(group, "cpu_ms_per_email"),
+                "child_rss_mib": _median(group, "child_rss_median_mib"),
                 "child_rss_max_mib": max(float(r["child_rss_max_mib"]) for r in group),
-                "child_uss_mib": median("child_uss_median_mib"),
-                "main_rss_mib": median("main_rss_median_mib"),
+                "child_uss_mib": _median(group, "child_uss_median_mib"),
+                "main_rss_mib": _median(group, "main_rss_median_mib"),
                 "task_pss_max_mib": max(float(r["task_pss_max_mib"]) for r in group),
             }
         )
@@ -425,7 +396,7 @@ def main() -> None:
         "repeat": args.repeat,
     }
     print("machine:", ", ".join(f"{key} {value}" for key, value in machine.items()), flush=True)
-    prepare_database()
+    upgrade(DATABASE.create().url)
     res = get_resources()
     runs: list[dict[str, object]] = []
     started = time.monotonic()
@@ -446,9 +417,9 @@ def main() -> None:
                 if args.json:  # after every run: a bench cut short keeps what it measured
                     write_json(args.json, machine, runs)
     finally:
-        clear_redis(res)
         res.close()
-        drop_database()
+        delete_prefix(harness.REDIS_URL, PREFIX)
+        DATABASE.drop()
     print(
         f"\n{args.emails} emails per run, model delay {args.delay:g} s, medians of"
         f" {args.repeat} runs ({time.monotonic() - started:.0f} s in all)"

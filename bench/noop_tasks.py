@@ -15,7 +15,7 @@ import time
 from redis import Redis
 
 from mailpipe.celery import app
-from mailpipe.redis_keys import key
+from mailpipe.coordination.redis_keys import key
 
 NAME = "bench.noop"
 

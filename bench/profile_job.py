@@ -1,6 +1,6 @@
 """Where a job's time goes, and how many SQL statements and Redis commands it sends.
 
-    .venv/bin/python bench/profile_job.py [--jobs 1100] [--no-pyspy] [--out DIR]
+    .venv/bin/python -m bench.profile_job [--jobs 1100] [--no-pyspy] [--out DIR]
 
 Same workload and services as bench/throughput.py (`mixed_workload`, PostgreSQL, local blobs,
 model calls on with the `rules` classifier), except Redis: a private `redis-server` started here on
@@ -34,15 +34,16 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import harness
+from mailpipe.harness.services import free_port
 
 RUN = uuid.uuid4().hex[:8]
-DATABASE = f"mailpipe_bench_prof_{RUN}"
+DATABASE = harness.database(f"mailpipe_bench_prof_{RUN}")
 PREFIX = f"benchprof{RUN}:"
 WORK = Path(tempfile.mkdtemp(prefix="mailpipe-profile-"))
-ENV = harness.base_env(database=DATABASE, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}")
+ENV = harness.base_env(
+    database_url=DATABASE.url, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}"
+)
 os.environ.update(ENV)
 
 # Inclusive time of these steps (function names in mailpipe and the libraries under them).
@@ -50,14 +51,14 @@ STEPS = (
     ("process_email", "mailpipe/pipeline/job.py"),
     ("claim_attempt", "mailpipe/pipeline/runs.py"),
     ("_run_steps", "mailpipe/pipeline/job.py"),
-    ("get", "mailpipe/blobstore.py"),
-    ("parse_email", "mailpipe/pipeline/parse.py"),
+    ("get", "mailpipe/storage/blobs.py"),
+    ("parse_email", "mailpipe/mail/parse.py"),
     ("record_origin", "mailpipe/pipeline/origin.py"),
     ("convert_documents", "mailpipe/pipeline/documents.py"),
     ("document_rows", "mailpipe/pipeline/documents.py"),
     ("store_documents", "mailpipe/pipeline/documents.py"),
-    ("model_calls_enabled", "mailpipe/flags.py"),
-    ("__init__", "mailpipe/ratelimit.py"),
+    ("model_calls_enabled", "mailpipe/storage/flags.py"),
+    ("__init__", "mailpipe/coordination/ratelimit.py"),
     ("classify", "mailpipe/pipeline/classify.py"),
     ("close", "mailpipe/pipeline/runs.py"),
     ("store_classification", "mailpipe/pipeline/classify.py"),
@@ -90,7 +91,7 @@ def limit_path(res, ids: list[int], out: Path) -> dict[str, object]:  # type: ig
     profiler.start()
     for email_id in ids:
         sql_before, redis_before = Counter(counters.SQL), Counter(counters.REDIS)
-        outcome = process_email(res, email_id).value
+        outcome = process_email(res, email_id).kind.value
         jobs_per_outcome[outcome] += 1
         per_outcome[outcome].update(Counter(counters.SQL) - sql_before)
         redis_per_outcome[outcome].update(Counter(counters.REDIS) - redis_before)
@@ -160,7 +161,7 @@ class PrivateRedis:
     """A redis-server of our own on loopback: its commandstats count our worker and nothing else."""
 
     def __init__(self, log: Path) -> None:
-        self.port = harness.free_port()
+        self.port = free_port()
         self.process = subprocess.Popen(
             [
                 "redis-server",
@@ -219,8 +220,9 @@ def worker_counts(
 ) -> dict[str, object]:
     import psycopg
 
-    from mailpipe import flags, localfleet
     from mailpipe.enqueue import enqueue_emails
+    from mailpipe.harness import fleet
+    from mailpipe.storage import flags
 
     counts_dir = WORK / ("counts-noop" if noop else "counts-mailpipe")
     harness.clean_dir(counts_dir)
@@ -228,7 +230,7 @@ def worker_counts(
     extra = ("-I", "bench.noop_tasks,bench.counters") if noop else ("-I", "bench.counters")
     with res.db.transaction() as session:
         flags.set_model_calls(session, False)  # no start-up sweep (see bench/throughput.py)
-    worker = localfleet.worker(env, WORK / "logs", concurrency=2, extra_args=extra).start()
+    worker = fleet.worker(env, WORK / "logs", concurrency=2, extra_args=extra).start()
     spy = None
     try:
         worker.wait_ready(timeout=120)
@@ -366,12 +368,12 @@ def main() -> int:
     os.environ["MAILPIPE_BROKER_URL"] = redis_server.url
 
     from bench.workload import mixed_workload
-    from mailpipe import flags
-    from mailpipe.ingest import store_emails
-    from mailpipe.migrate import upgrade
+    from mailpipe.cli.ingest import store_emails
     from mailpipe.resources import get_resources
+    from mailpipe.storage import flags
+    from mailpipe.storage.migrate import upgrade
 
-    url = harness.create_database(DATABASE)
+    url = DATABASE.create().url
     result: dict[str, object] = {"machine": harness.machine()}
     try:
         upgrade(url)
@@ -419,7 +421,7 @@ def main() -> int:
             print(json.dumps(result["pyspy"], indent=1), flush=True)
     finally:
         redis_server.stop()
-        harness.drop_database(DATABASE)
+        DATABASE.drop()
         shutil.rmtree(WORK / "blobs", ignore_errors=True)
     (args.out / "profile.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"results in {args.out}")

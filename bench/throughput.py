@@ -1,13 +1,16 @@
-"""End-to-end throughput: the pipeline alone, mailpipe's Celery worker, and a no-op Celery task.
+"""End-to-end throughput: the pipeline alone, mailpipe's Celery worker, and a no-op Celery task;
+optionally another mailpipe checkout's worker beside them.
 
-    .venv/bin/python bench/throughput.py [--jobs 1100] [--repeat 3] [--sweep 1,4] [--no-s3]
-                                         [--publish-during] [--json FILE]
+    .venv/bin/python -m bench.throughput [--jobs 1100] [--repeat 3] [--sweep 1,4] [--no-s3]
+                                         [--publish-during] [--baseline-src DIR] [--json FILE]
                                          [--plot docs/img/throughput.png]
 
 One run, every measurement interleaved (each repetition starts with a different one), on a fresh
 PostgreSQL database, the local Redis under a key prefix of this run, model calls on with the
 `rules` classifier. The emails are `bench.workload.mixed_workload(--jobs)`: the shared corpus
-emails, generated emails with PDF and DOCX attachments from the shared corpus, ~10 % copies.
+emails, generated emails with PDF and DOCX attachments from the shared corpus, ~10 % copies; with
+`--workload plain`, `bench.workload.plain_workload(--jobs)`: short plain-text emails and nothing
+else, the job at its cheapest.
 
 Variants, each over the same emails (tables truncated and the emails stored again before each):
 
@@ -21,7 +24,14 @@ Variants, each over the same emails (tables truncated and the emails stored agai
   clock starting at the first publish (this script's method before; the publisher then takes
   one of the CPUs for its first second or so);
 - noop: the same number of `bench.noop` tasks (bench/noop_tasks.py, on mailpipe's app, so every
-  celeryconfig setting applies) through the same kind of worker.
+  celeryconfig setting applies) through the same kind of worker;
+- baseline, with `--baseline-src DIR`: the mailpipe variant with the code of the checkout in DIR
+  (another commit, made with `git worktree add DIR <commit>`), at the main concurrency with local
+  blobs. That checkout is only ever run, never imported here, so it may have another layout: its
+  `celery -A mailpipe worker` starts in DIR with DIR first on PYTHONPATH, and its own
+  `mailpipe ingest` stores the emails (written once as files) and enqueues them into the paused
+  consumer. It has a database of its own, made by its own `mailpipe db upgrade`, and a Redis key
+  prefix of its own. Reported: its jobs/s and its ratio to mailpipe's, paired per repetition.
 
 Blob storage is a local folder, and for limit and mailpipe at the main concurrency also S3 (moto's
 server on loopback, started here). Times run from the start signal (limit) or the first job's
@@ -41,6 +51,7 @@ import os
 import queue
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,20 +62,24 @@ from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import harness
-
-RUN = uuid.uuid4().hex[:8]
-DATABASE = f"mailpipe_bench_tp_{RUN}"
-PREFIX = f"benchtp{RUN}:"
-WORK = Path(tempfile.mkdtemp(prefix="mailpipe-throughput-"))
-BUCKET = "mailpipe-bench"
-ENV = harness.base_env(database=DATABASE, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}")
-os.environ.update(ENV)
-
 import psutil
 import psycopg
+
+from bench import harness
+from mailpipe.harness import fleet
+from mailpipe.harness.services import S3Server, delete_prefix
+
+RUN = uuid.uuid4().hex[:8]
+DATABASE = harness.database(f"mailpipe_bench_tp_{RUN}")
+PREFIX = f"benchtp{RUN}:"
+BASELINE_DATABASE = harness.database(f"mailpipe_bench_tp_{RUN}_baseline")
+BASELINE_PREFIX = f"benchtpbase{RUN}:"
+WORK = Path(tempfile.mkdtemp(prefix="mailpipe-throughput-"))
+BUCKET = "mailpipe-bench"
+ENV = harness.base_env(
+    database_url=DATABASE.url, prefix=PREFIX, blob_url=f"file://{WORK / 'blobs'}"
+)
+os.environ.update(ENV)
 
 POLL_S = 0.1
 TIMEOUT_S = 900.0
@@ -72,7 +87,7 @@ TIMEOUT_S = 900.0
 
 @dataclass
 class Measurement:
-    variant: str  # limit | mailpipe | noop
+    variant: str  # limit | mailpipe | noop | baseline
     blobs: str  # local | s3
     concurrency: int
     repetition: int
@@ -106,15 +121,10 @@ class Measurement:
         return (self.variant, self.blobs, self.concurrency)
 
 
-def _limit_child(  # type: ignore[no-untyped-def]
-    overrides, experiments, ids, counter, barrier, results
-) -> None:
-    from bench.experiments import apply
+def _limit_child(overrides, ids, counter, barrier, results) -> None:  # type: ignore[no-untyped-def]
     from mailpipe.pipeline import job
     from mailpipe.resources import Resources
     from mailpipe.settings import Settings
-
-    apply(experiments)
 
     res = Resources(Settings(**overrides))
     outcomes: Counter[str] = Counter()
@@ -127,35 +137,73 @@ def _limit_child(  # type: ignore[no-untyped-def]
         if index >= len(ids):
             break
         try:
-            outcomes[job.process_email(res, ids[index]).value] += 1
-        except Exception as exc:  # noqa: BLE001 - counted and shown, as the worker would log it
+            outcomes[job.process_email(res, ids[index]).kind.value] += 1
+        except Exception as exc:
             outcomes[f"raised {type(exc).__name__}"] += 1
     res.close()
     results.put((dict(outcomes), sum(os.times()[:2]) - cpu_start))
 
 
+class Baseline:
+    """The mailpipe checkout of `--baseline-src`, only ever run (its `mailpipe` command, its
+    `celery` workers), never imported: it may have another layout. It has a database of its own,
+    with the schema of its own migrations, and a Redis key prefix of its own; it stores the same
+    emails, written once as files for its `mailpipe ingest`."""
+
+    def __init__(self, src: Path, emails: list[bytes]) -> None:
+        self.src = src
+        self.commit = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        self.jobs = len(emails)
+        self.folder = harness.write_emails(WORK / "emails", emails)
+        self.env = {
+            **os.environ,
+            **harness.base_env(
+                database_url=BASELINE_DATABASE.create().url,
+                prefix=BASELINE_PREFIX,
+                blob_url=f"file://{WORK / 'baseline-blobs'}",
+                PYTHONPATH=str(src),
+            ),
+        }
+        self.mailpipe("db", "upgrade")
+        self.db = psycopg.connect(BASELINE_DATABASE.url, autocommit=True)
+
+    def mailpipe(self, *args: str) -> str:
+        return harness.run_mailpipe(self.src, self.env, *args)
+
+    def set_model_calls(self, enabled: bool) -> None:
+        self.mailpipe("model-calls", "on" if enabled else "off")
+
+    def ingest(self) -> None:
+        harness.ingest(self.src, self.env, self.folder, self.jobs)
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        from bench.workload import mixed_workload
-        from mailpipe import flags
-        from mailpipe.migrate import upgrade
+        from bench.workload import mixed_workload, plain_workload
         from mailpipe.resources import Resources, get_resources
         from mailpipe.settings import Settings
+        from mailpipe.storage import flags
+        from mailpipe.storage.migrate import upgrade
 
         self.args = args
         self.busy: float | None = None
         self.enqueue_s: float | None = None
         self.handover: float | None = None
-        self.url = harness.create_database(DATABASE)
+        self.url = DATABASE.create().url
         upgrade(self.url)
         self.res = {"local": get_resources()}
         self.redis_server = _local_redis_server(self.res["local"].redis)
         self.overrides: dict[str, dict[str, str]] = {"local": {}}
         self.env = {"local": dict(os.environ)}
-        self.moto: harness.MotoServer | None = None
+        self.s3: S3Server | None = None
         if not args.no_s3:
-            self.moto = harness.MotoServer(WORK / "moto.log").start(BUCKET)
-            s3 = {"blob_url": f"s3://{BUCKET}/{RUN}", "s3_endpoint_url": self.moto.url}
+            self.s3 = S3Server(WORK / "moto.log").start(BUCKET)
+            s3 = {"blob_url": f"s3://{BUCKET}/{RUN}", "s3_endpoint_url": self.s3.url}
             self.overrides["s3"] = s3
             self.res["s3"] = Resources(Settings(**s3))
             self.env["s3"] = {
@@ -163,17 +211,21 @@ class Bench:
                 "MAILPIPE_BLOB_URL": s3["blob_url"],
                 "MAILPIPE_S3_ENDPOINT_URL": s3["s3_endpoint_url"],
             }
-        self.emails, self.kinds = mixed_workload(args.jobs, seed=args.seed)
+        workload = mixed_workload if args.workload == "mixed" else plain_workload
+        self.emails, self.kinds = workload(args.jobs, seed=args.seed)
         self.flags = flags
         self.db = psycopg.connect(self.url, autocommit=True)
         self._set_model_calls(True)
+        self.base: Baseline | None = None
+        if args.baseline_src:
+            self.base = Baseline(args.baseline_src, self.emails)
 
     def _set_model_calls(self, enabled: bool) -> None:
         with self.res["local"].db.transaction() as session:
             self.flags.set_model_calls(session, enabled)
 
     def _store(self, blobs: str) -> list[int]:
-        from mailpipe.ingest import store_emails
+        from mailpipe.cli.ingest import store_emails
 
         harness.truncate(self.url)
         ids: list[int] = []
@@ -181,23 +233,7 @@ class Bench:
             ids += store_emails(self.res[blobs], self.emails[start : start + 500])
         return ids
 
-    def _outcomes(self) -> dict[str, int]:
-        rows = self.db.execute(
-            "SELECT status::text, count(*) FROM pipeline_run GROUP BY 1"
-        ).fetchall()
-        retried = self.db.execute("SELECT count(*) FROM pipeline_run WHERE attempts > 1").fetchone()
-        found = {status: count for status, count in rows}
-        if retried and retried[0]:
-            found["retried"] = retried[0]
-        return found
-
-    def _last_closed(self) -> float:
-        (last,) = self.db.execute("SELECT max(closed_at) FROM pipeline_run").fetchone()
-        return last.replace(tzinfo=UTC).timestamp()
-
-    def limit(
-        self, blobs: str, concurrency: int, experiments: str = ""
-    ) -> tuple[float, dict[str, int], None]:
+    def limit(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], None]:
         ids = self._store(blobs)
         ctx = multiprocessing.get_context("fork")
         counter = ctx.Value("i", 0)
@@ -206,14 +242,14 @@ class Bench:
         children = [
             ctx.Process(
                 target=_limit_child,
-                args=(self.overrides[blobs], experiments, ids, counter, barrier, results),
+                args=(self.overrides[blobs], ids, counter, barrier, results),
             )
             for _ in range(concurrency)
         ]
         for child in children:
             child.start()
         pg = harness.CpuMeter()
-        pg.poll(harness.postgres_backends(self.db, DATABASE))
+        pg.poll(harness.postgres_backends(self.db, DATABASE.name))
         redis_before = self._redis_cpu_s()
         barrier.wait(timeout=60)
         started = time.time()
@@ -227,84 +263,104 @@ class Bench:
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise RuntimeError("limit children did not finish") from None
-                pg.poll(harness.postgres_backends(self.db, DATABASE))
+                pg.poll(harness.postgres_backends(self.db, DATABASE.name))
                 continue
             outcomes.update(found)
             cpu += used
             received += 1
-        pg.poll(harness.postgres_backends(self.db, DATABASE))
+        pg.poll(harness.postgres_backends(self.db, DATABASE.name))
         for child in children:
             child.join(30)
-        seconds = self._last_closed() - started
+        seconds = _last_closed(self.db) - started
         if any(k.startswith("raised") for k in outcomes):
             print(f"  limit outcomes: {dict(outcomes)}", file=sys.stderr)
         self.cpu = (cpu, pg.seconds(), self._redis_since(redis_before))
-        return seconds, self._outcomes(), None
+        return seconds, _outcomes(self.db), None
 
-    def _worker(
-        self, blobs: str, concurrency: int, extra: tuple[str, ...] = (), experiments: str = ""
-    ):  # type: ignore[no-untyped-def]
-        from mailpipe import localfleet
-
-        env = dict(self.env[blobs])
-        if experiments:
-            # bench/experiment_hooks/celeryconfig.py stands in for the real one (and applies the
-            # experiments): no current directory on sys.path, the hooks folder first.
-            env["PYTHONSAFEPATH"] = "1"
-            env["PYTHONPATH"] = f"{harness.REPO / 'bench' / 'experiment_hooks'}:{harness.REPO}"
-            env["MAILPIPE_BENCH_EXPERIMENTS"] = experiments
-
+    def _worker(  # type: ignore[no-untyped-def]
+        self, env, concurrency: int, set_model_calls, extra: tuple[str, ...] = (), cwd=None
+    ) -> fleet.CeleryProcess:
         # Off while the worker starts: with model calls on, worker_ready fires a sweep that would
         # busy a child (and re-add stored emails) while the measurement runs.
-        self._set_model_calls(False)
-        worker = localfleet.worker(env, WORK / "logs", concurrency=concurrency, extra_args=extra)
+        set_model_calls(False)
+        worker = fleet.worker(env, WORK / "logs", concurrency=concurrency, extra_args=extra)
+        # `python -m celery` puts its working folder first on the path: the checkout it runs.
+        worker.cwd = cwd
         worker.start()
         worker.wait_ready(timeout=120)
-        self._set_model_calls(True)
+        set_model_calls(True)
         return worker
 
-    def _consume(self, worker, on: bool) -> None:  # type: ignore[no-untyped-def]
+    def _consume(self, worker: fleet.CeleryProcess, on: bool) -> None:
         """Stop or restart the worker's consumer of the email queue (a remote control command,
         answered once the worker has done it): the jobs are published while it is stopped, so
         the measurement is the worker draining a full queue, without the publisher's CPU."""
-        from mailpipe.celery import app
-        from mailpipe.queues import email_queue
+        from mailpipe.coordination.queues import email_queue
 
         queue = email_queue(self.res["local"].settings)
-        control = app.control.add_consumer if on else app.control.cancel_consumer
-        replies = control(queue, destination=[worker.nodename], reply=True, timeout=10)
+        with fleet.control_app(worker.env) as app:
+            command = app.control.add_consumer if on else app.control.cancel_consumer
+            replies = command(queue, destination=[worker.nodename], reply=True, timeout=10)
         if not replies or any("ok" not in answer for reply in replies for answer in reply.values()):
             raise RuntimeError(f"worker did not {'resume' if on else 'pause'} {queue}: {replies}")
 
-    def _publishes_during(self, experiments: str) -> bool:
-        return self.args.publish_during or "publishduring" in experiments.split("+")
-
-    def _publish_before(  # type: ignore[no-untyped-def]
-        self, worker, publish, during: bool
-    ) -> None:
+    def _publish_before(self, worker: fleet.CeleryProcess, publish) -> None:  # type: ignore[no-untyped-def]
         """Unless the jobs are published during the run: pause the consumer, publish them."""
-        if not during:
+        if not self.args.publish_during:
             self._consume(worker, False)
             publish()
 
-    def _begin(self, worker, publish, during: bool) -> None:  # type: ignore[no-untyped-def]
+    def _begin(self, worker: fleet.CeleryProcess, publish) -> None:  # type: ignore[no-untyped-def]
         """The measured part starts: publish now, or resume the paused consumer."""
-        if during:
+        if self.args.publish_during:
             publish()
         else:
             self._consume(worker, True)
 
-    def mailpipe(
-        self, blobs: str, concurrency: int, experiments: str = ""
+    def _drain(  # type: ignore[no-untyped-def]
+        self, worker: fleet.CeleryProcess, concurrency: int, publish, db, database: str
     ) -> tuple[float, dict[str, int], float]:
+        """Publish the jobs and time the worker until every run in `database` is closed."""
+        main = psutil.Process(worker.pid)
+        jobs_cpu, pg = harness.CpuMeter(), harness.CpuMeter()
+        self._publish_before(worker, publish)
+        jobs_cpu.poll([worker.pid, *worker.child_pids()])
+        pg.poll(harness.postgres_backends(db, database))
+        cpu_before = sum(main.cpu_times()[:2])
+        redis_before = self._redis_cpu_s()
+        started = time.time()
+        self._begin(worker, publish)
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            (closed,) = db.execute(
+                "SELECT count(*) FROM pipeline_run WHERE status <> 'open'"
+            ).fetchone()
+            jobs_cpu.poll([worker.pid, *worker.child_pids()])
+            pg.poll(harness.postgres_backends(db, database))
+            if closed >= len(self.emails):
+                break
+            if time.monotonic() > deadline or not worker.alive():
+                raise RuntimeError(
+                    f"{closed}/{len(self.emails)} closed; worker log:\n{worker.log_tail()}"
+                )
+            time.sleep(POLL_S)
+        cpu = sum(main.cpu_times()[:2]) - cpu_before
+        self.cpu = (jobs_cpu.seconds(), pg.seconds(), self._redis_since(redis_before))
+        if not self.args.publish_during:
+            # The worker's next BRPOP (up to a second later), not the control command's
+            # answer, starts the consumption.
+            started = first_job_start(worker.log_path)
+        seconds = _last_closed(db) - started
+        self.busy = busy_share(worker.log_path, concurrency, seconds)
+        self.handover = handover_ms(worker.log_path)
+        return seconds, _outcomes(db), cpu
+
+    def mailpipe(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], float]:
         from mailpipe.enqueue import enqueue_emails
 
-        worker = self._worker(blobs, concurrency, experiments=experiments)
-        publish_during = self._publishes_during(experiments)
+        worker = self._worker(self.env[blobs], concurrency, self._set_model_calls)
         try:
             ids = self._store(blobs)
-            main = psutil.Process(worker.pid)
-            jobs_cpu, pg = harness.CpuMeter(), harness.CpuMeter()
 
             def publish() -> None:
                 published = time.time()
@@ -315,48 +371,32 @@ class Bench:
                         f"only {len(result.sent)} of {len(ids)} enqueued: stale markers?"
                     )
 
-            self._publish_before(worker, publish, publish_during)
-            jobs_cpu.poll([worker.pid, *worker.child_pids()])
-            pg.poll(harness.postgres_backends(self.db, DATABASE))
-            cpu_before = sum(main.cpu_times()[:2])
-            redis_before = self._redis_cpu_s()
-            started = time.time()
-            self._begin(worker, publish, publish_during)
-            deadline = time.monotonic() + TIMEOUT_S
-            while True:
-                (closed,) = self.db.execute(
-                    "SELECT count(*) FROM pipeline_run WHERE status <> 'open'"
-                ).fetchone()
-                jobs_cpu.poll([worker.pid, *worker.child_pids()])
-                pg.poll(harness.postgres_backends(self.db, DATABASE))
-                if closed >= len(ids):
-                    break
-                if time.monotonic() > deadline or not worker.alive():
-                    raise RuntimeError(
-                        f"{closed}/{len(ids)} closed; worker log:\n{worker.log_tail()}"
-                    )
-                time.sleep(POLL_S)
-            cpu = sum(main.cpu_times()[:2]) - cpu_before
-            self.cpu = (jobs_cpu.seconds(), pg.seconds(), self._redis_since(redis_before))
-            if not publish_during:
-                # The worker's next BRPOP (up to a second later), not the control command's
-                # answer, starts the consumption.
-                started = first_job_start(worker.log_path)
-            seconds = self._last_closed() - started
-            self.busy = busy_share(worker.log_path, concurrency, seconds)
-            self.handover = handover_ms(worker.log_path)
+            return self._drain(worker, concurrency, publish, self.db, DATABASE.name)
         finally:
             worker.stop()
-        return seconds, self._outcomes(), cpu
 
-    def noop(
-        self, blobs: str, concurrency: int, experiments: str = ""
-    ) -> tuple[float, dict[str, int], float]:
+    def baseline(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], float]:
+        """The mailpipe variant with the baseline checkout's worker, and its `mailpipe ingest`
+        storing and enqueueing the emails into the paused consumer (`blobs` is always local)."""
+        assert self.base is not None
+        harness.truncate(BASELINE_DATABASE.url)
+        worker = self._worker(
+            self.base.env, concurrency, self.base.set_model_calls, cwd=self.base.src
+        )
+        try:
+            return self._drain(
+                worker, concurrency, self.base.ingest, self.base.db, BASELINE_DATABASE.name
+            )
+        finally:
+            worker.stop()
+
+    def noop(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], float]:
         from bench import noop_tasks
 
         redis = self.res["local"].redis
-        worker = self._worker(blobs, concurrency, ("-I", "bench.noop_tasks"), experiments)
-        publish_during = self._publishes_during(experiments)
+        worker = self._worker(
+            self.env[blobs], concurrency, self._set_model_calls, ("-I", "bench.noop_tasks")
+        )
         try:
             redis.delete(noop_tasks.done_key(), noop_tasks.first_key(), noop_tasks.last_key())
             jobs = len(self.emails)
@@ -371,12 +411,12 @@ class Bench:
                         noop_tasks.noop.apply_async((email_id,), producer=producer)
                 self.enqueue_s = time.time() - published
 
-            self._publish_before(worker, publish, publish_during)
+            self._publish_before(worker, publish)
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu_before = sum(main.cpu_times()[:2])
             redis_before = self._redis_cpu_s()
             started = time.time()
-            self._begin(worker, publish, publish_during)
+            self._begin(worker, publish)
             deadline = time.monotonic() + TIMEOUT_S
             while int(redis.get(noop_tasks.done_key()) or 0) < jobs:
                 jobs_cpu.poll([worker.pid, *worker.child_pids()])
@@ -386,7 +426,7 @@ class Bench:
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), None, self._redis_since(redis_before))
-            if not publish_during:
+            if not self.args.publish_during:
                 started = float(redis.get(noop_tasks.first_key()))
             seconds = float(redis.get(noop_tasks.last_key())) - started
         finally:
@@ -404,8 +444,24 @@ class Bench:
         self.db.close()
         for res in self.res.values():
             res.close()
-        if self.moto is not None:
-            self.moto.stop()
+        if self.base is not None:
+            self.base.db.close()
+        if self.s3 is not None:
+            self.s3.stop()
+
+
+def _outcomes(db) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    rows = db.execute("SELECT status::text, count(*) FROM pipeline_run GROUP BY 1").fetchall()
+    retried = db.execute("SELECT count(*) FROM pipeline_run WHERE attempts > 1").fetchone()
+    found = {status: count for status, count in rows}
+    if retried and retried[0]:
+        found["retried"] = retried[0]
+    return found
+
+
+def _last_closed(db) -> float:  # type: ignore[no-untyped-def]
+    (last,) = db.execute("SELECT max(closed_at) FROM pipeline_run").fetchone()
+    return last.replace(tzinfo=UTC).timestamp()
 
 
 def _local_redis_server(redis) -> psutil.Process | None:  # type: ignore[no-untyped-def]
@@ -426,6 +482,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
         ("mailpipe", "local", args.concurrency),
         ("noop", "local", args.concurrency),
     ]
+    if args.baseline_src:
+        main.append(("baseline", "local", args.concurrency))
     if not args.no_s3:
         main += [("limit", "s3", args.concurrency), ("mailpipe", "s3", args.concurrency)]
     sweep = [
@@ -434,32 +492,33 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
         if c != args.concurrency
         for variant in ("limit", "mailpipe", "noop")
     ]
-    tried = [(variant, "local", args.concurrency) for variant in args.experiments]
-    if args.only_experiments:
-        bases = sorted({v.partition("+")[0] for v in args.experiments})
-        return [(base, "local", args.concurrency) for base in bases] + tried
-    return main + sweep + tried
+    return main + sweep
 
 
-def summarise(measurements: list[Measurement], concurrency: int) -> dict[str, object]:
+Key = tuple[str, str, int]  # variant, blobs, concurrency
+
+
+def _paired(groups: dict[Key, list[Measurement]], over: Key, under: Key) -> list[float]:
+    """One rate over the other in each repetition: both ran in the same round, so a drift of the
+    machine over the run hits them alike."""
+    under_rates = {m.repetition: m.rate for m in groups[under]}
+    return [m.rate / under_rates[m.repetition] for m in groups[over] if m.repetition in under_rates]
+
+
+def summarise(measurements: list[Measurement]) -> dict[str, object]:
     groups: dict[tuple[str, str, int], list[Measurement]] = {}
     for m in measurements:
         groups.setdefault(m.key, []).append(m)
     rates = {k: harness.median(m.rate for m in ms) for k, ms in groups.items()}
     summary: dict[str, object] = {"rates": {f"{v}/{b}/c{c}": r for (v, b, c), r in rates.items()}}
     comparisons = []
+    baseline = []
     for blobs in ("local", "s3"):
         for c in sorted({k[2] for k in rates}):
             limit, mailpipe = rates.get(("limit", blobs, c)), rates.get(("mailpipe", blobs, c))
             if not limit or not mailpipe:
                 continue
-            # Per-repetition ratios too: each repetition's pair ran back to back.
-            paired = []
-            for rep in sorted({m.repetition for m in measurements}):
-                lm = [m for m in groups[("limit", blobs, c)] if m.repetition == rep]
-                mm = [m for m in groups[("mailpipe", blobs, c)] if m.repetition == rep]
-                if lm and mm:
-                    paired.append(mm[0].rate / lm[0].rate)
+            paired = _paired(groups, ("mailpipe", blobs, c), ("limit", blobs, c))
             noop = rates.get(("noop", blobs, c))
             comparisons.append(
                 {
@@ -475,31 +534,23 @@ def summarise(measurements: list[Measurement], concurrency: int) -> dict[str, ob
                     "limit_job_ms": c / limit * 1000,
                 }
             )
+            before = rates.get(("baseline", blobs, c))
+            if not before:
+                continue
+            paired = _paired(groups, ("baseline", blobs, c), ("mailpipe", blobs, c))
+            baseline.append(
+                {
+                    "blobs": blobs,
+                    "concurrency": c,
+                    "baseline_per_s": before,
+                    "mailpipe_per_s": mailpipe,
+                    "ratio": before / mailpipe,
+                    "ratio_paired_median": harness.median(paired) if paired else None,
+                    "ms_per_job_saved": (1 / before - 1 / mailpipe) * c * 1000,
+                }
+            )
     summary["comparisons"] = comparisons
-    tried = []
-    for (variant, blobs, c), rate in rates.items():
-        base = variant.partition("+")[0]
-        if base == variant or (base, blobs, c) not in rates:
-            continue
-        paired = []
-        for rep in sorted({m.repetition for m in measurements}):
-            em = [m for m in groups[(variant, blobs, c)] if m.repetition == rep]
-            bm = [m for m in groups[(base, blobs, c)] if m.repetition == rep]
-            if em and bm:
-                paired.append(em[0].rate / bm[0].rate)
-        tried.append(
-            {
-                "variant": variant,
-                "blobs": blobs,
-                "concurrency": c,
-                "per_s": rate,
-                "base_per_s": rates[(base, blobs, c)],
-                "ratio": rate / rates[(base, blobs, c)],
-                "ratio_paired_median": harness.median(paired) if paired else None,
-                "ms_per_job_saved": (1 / rates[(base, blobs, c)] - 1 / rate) * c * 1000,
-            }
-        )
-    summary["experiments"] = tried
+    summary["baseline"] = baseline
     return summary
 
 
@@ -604,18 +655,26 @@ def _cpu_cell(ms: list[Measurement]) -> str:
     if jobs is None:
         return " - |"
     services = (_ms_per_job(ms, name) for name in ("cpu_postgres_s", "cpu_redis_s"))
-    return f" {jobs:.1f}" + "".join(f" + {v:.1f}" if v is not None else " + -" for v in services) + " |"
+    return (
+        f" {jobs:.1f}"
+        + "".join(f" + {v:.1f}" if v is not None else " + -" for v in services)
+        + " |"
+    )
 
 
-def print_experiments(summary: dict[str, object]) -> None:
-    if not summary["experiments"]:
+def print_baseline(summary: dict[str, object]) -> None:
+    if not summary["baseline"]:
         return
-    print("\n| variant | -c | jobs/s | base jobs/s | ratio (paired) | ms/job saved (x c) |")
+    print(
+        "\n| blobs | -c | baseline jobs/s | mailpipe jobs/s | baseline/mailpipe (paired) | "
+        "ms/job saved since the baseline (x c) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
-    for e in summary["experiments"]:  # type: ignore[union-attr]
+    for b in summary["baseline"]:  # type: ignore[union-attr]
         print(
-            f"| {e['variant']} | {e['concurrency']} | {e['per_s']:.1f} | {e['base_per_s']:.1f} | "
-            f"{e['ratio']:.3f} ({e['ratio_paired_median']:.3f}) | {e['ms_per_job_saved']:.2f} |"
+            f"| {b['blobs']} | {b['concurrency']} | {b['baseline_per_s']:.1f} | "
+            f"{b['mailpipe_per_s']:.1f} | {b['ratio']:.3f} ({b['ratio_paired_median']:.3f}) | "
+            f"{b['ms_per_job_saved']:.2f} |"
         )
 
 
@@ -639,7 +698,10 @@ def plot(measurements: list[Measurement], path: Path) -> None:
         ax.errorbar(
             points,
             med,
-            yerr=[[a - b for a, b in zip(med, lo)], [b - a for a, b in zip(med, hi)]],
+            yerr=[
+                [a - b for a, b in zip(med, lo, strict=True)],
+                [b - a for a, b in zip(med, hi, strict=True)],
+            ],
             fmt=style,
             capsize=3,
             label={
@@ -678,6 +740,54 @@ def plot(measurements: list[Measurement], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def measure(bench: Bench, args: argparse.Namespace) -> list[Measurement]:
+    """Every step of the plan, each repetition starting at another step."""
+    measurements = []
+    steps = plan(args)
+    for rep in range(args.repeat):
+        shift = rep * max(1, len(steps) // args.repeat)
+        for variant, blobs, c in steps[shift:] + steps[:shift]:
+            load = os.getloadavg()[0]
+            seconds, outcomes, cpu = getattr(bench, variant)(blobs, c)
+            m = Measurement(
+                variant,
+                blobs,
+                c,
+                rep,
+                len(bench.emails),
+                seconds,
+                outcomes,
+                cpu,
+                load,
+                *bench.cpu,
+                bench.busy,
+                bench.handover,
+                bench.enqueue_s,
+            )
+            measurements.append(m)
+            bench.busy = bench.handover = bench.enqueue_s = None
+            print_measurement(m)
+    return measurements
+
+
+def print_measurement(m: Measurement) -> None:
+    services = "".join(
+        f" + {name} {used / m.jobs * 1000:.1f}"
+        for name, used in (("postgres", m.cpu_postgres_s), ("redis", m.cpu_redis_s))
+        if used is not None
+    )
+    print(
+        f"rep {m.repetition} {m.variant:8s} {m.blobs:5s} -c {m.concurrency}: {m.rate:7.1f} jobs/s "
+        f"({m.seconds:6.2f} s, load {m.load_avg:.2f}, "
+        f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{services}"
+        + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
+        + (f", hand-over {m.handover_ms:.1f} ms" if m.handover_ms else "")
+        + (f", enqueue {m.enqueue_s:.2f} s" if m.enqueue_s else "")
+        + f") {m.outcomes}",
+        flush=True,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -690,87 +800,62 @@ def main() -> int:
     )
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument(
-        "--only-experiments",
-        action="store_true",
-        help="measure the --experiments and their bases only",
-    )
-    parser.add_argument(
-        "--experiments",
-        type=lambda s: [x for x in s.split(",") if x],
-        default=[],
-        help="variants with candidate fixes (bench/experiments.py), e.g. "
-        "mailpipe+noevents,limit+nopreping+flagcache",
-    )
-    parser.add_argument(
         "--publish-during",
         action="store_true",
         help="publish the jobs while the worker takes them (the clock starts at the first "
         "publish; the publisher shares the CPUs), instead of into a paused consumer",
     )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="a checkout of another mailpipe (git worktree add DIR <commit>), measured as the "
+        "variant 'baseline'",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("mixed", "plain"),
+        default="mixed",
+        help="mixed: corpus, documents and copies; plain: short plain-text emails only",
+    )
     parser.add_argument("--seed", type=int, default=8)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+    if args.baseline_src:
+        args.baseline_src = args.baseline_src.resolve()
+        if not (args.baseline_src / "pyproject.toml").is_file():
+            parser.error(f"--baseline-src {args.baseline_src}: not a mailpipe checkout")
+        if args.publish_during:
+            # Its `mailpipe ingest` stores the emails as it publishes them: only a paused
+            # consumer keeps the storing out of the measurement.
+            parser.error("--baseline-src is measured into a paused consumer: no --publish-during")
 
     print(f"machine: {harness.machine()}")
-    print(f"run {RUN}: database {DATABASE}, Redis prefix {PREFIX}, work dir {WORK}")
-    bench = Bench(args)
-    print(
-        f"workload: {len(bench.emails)} emails {bench.kinds}, "
-        f"{sum(map(len, bench.emails)) / 1e6:.1f} MB raw"
-    )
+    print(f"run {RUN}: database {DATABASE.name}, Redis prefix {PREFIX}, work dir {WORK}")
+    bench: Bench | None = None
     measurements: list[Measurement] = []
-    steps = plan(args)
     try:
-        for rep in range(args.repeat):
-            shift = rep * max(1, len(steps) // args.repeat)
-            for variant, blobs, c in steps[shift:] + steps[:shift]:
-                load = os.getloadavg()[0]
-                base, _, experiments = variant.partition("+")
-                seconds, outcomes, cpu = getattr(bench, base)(blobs, c, experiments)
-                m = Measurement(
-                    variant,
-                    blobs,
-                    c,
-                    rep,
-                    len(bench.emails),
-                    seconds,
-                    outcomes,
-                    cpu,
-                    load,
-                    *bench.cpu,
-                    bench.busy,
-                    bench.handover,
-                    bench.enqueue_s,
-                )
-                measurements.append(m)
-                bench.busy = bench.handover = bench.enqueue_s = None
-                pg = "".join(
-                    f" + {name} {used / m.jobs * 1000:.1f}"
-                    for name, used in (("postgres", m.cpu_postgres_s), ("redis", m.cpu_redis_s))
-                    if used is not None
-                )
-                print(
-                    f"rep {rep} {variant:8s} {blobs:5s} -c {c}: {m.rate:7.1f} jobs/s "
-                    f"({seconds:6.2f} s, load {load:.2f}, "
-                    f"CPU ms/job {m.cpu_jobs_s / m.jobs * 1000:.1f}{pg}"
-                    + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
-                    + (f", hand-over {m.handover_ms:.1f} ms" if m.handover_ms else "")
-                    + (f", enqueue {m.enqueue_s:.2f} s" if m.enqueue_s else "")
-                    + ") "
-                    f"{outcomes}",
-                    flush=True,
-                )
+        bench = Bench(args)
+        print(
+            f"workload: {len(bench.emails)} emails {bench.kinds}, "
+            f"{sum(map(len, bench.emails)) / 1e6:.1f} MB raw"
+        )
+        if bench.base is not None:
+            print(f"baseline: {bench.base.src} (commit {bench.base.commit or 'unknown'})")
+        measurements = measure(bench, args)
     finally:
-        bench.close()
-        harness.drop_database(DATABASE)
-        harness.delete_prefix(harness.REDIS_URL, PREFIX)
+        if bench is not None:
+            bench.close()
+        for database, prefix in ((DATABASE, PREFIX), (BASELINE_DATABASE, BASELINE_PREFIX)):
+            database.drop()
+            delete_prefix(harness.REDIS_URL, prefix)
         # The blobs are big; the worker logs stay for a look after a failure.
-        shutil.rmtree(WORK / "blobs", ignore_errors=True)
+        for folder in ("blobs", "baseline-blobs", "emails"):
+            shutil.rmtree(WORK / folder, ignore_errors=True)
         print(f"worker logs: {WORK / 'logs'}")
-    summary = summarise(measurements, args.concurrency)
+    summary = summarise(measurements)
     print_tables(measurements, summary)
-    print_experiments(summary)
+    print_baseline(summary)
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -778,6 +863,9 @@ def main() -> int:
                     "machine": harness.machine(),
                     "workload": bench.kinds,
                     "jobs": len(bench.emails),
+                    "baseline_src": {"path": str(bench.base.src), "commit": bench.base.commit}
+                    if bench.base
+                    else None,
                     "measurements": [asdict(m) | {"rate": m.rate} for m in measurements],
                     **summary,
                 },

@@ -4,6 +4,8 @@
   PDF and DOCX attachments taken from the shared corpus documents, and about 10 % copies (an
   earlier email again with one more Received line: other raw bytes, the same origin, so its run
   ends as `duplicate`). What `bench/throughput.py` and `bench/profile_job.py` use.
+- `plain_workload`: short plain-text emails only, the job at its cheapest (`bench/throughput.py
+  --workload plain`).
 - `small_email`: a short plain-text email, optionally with a small text or CSV attachment; what
   the ingest mbox and the memory benchmark are made of.
 """
@@ -17,6 +19,14 @@ from email.utils import format_datetime
 from pathlib import Path
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+def _corpus(folder: str) -> Path:
+    path = CORPUS / folder
+    if not path.is_dir():
+        raise SystemExit(f"the shared corpus is not at {path}: the benchmarks read it from there")
+    return path
+
 
 # Documents above this size are left out of the mix: one of them (a 1.8 MB PDF of maps) takes
 # about 6 s to convert, so a single draw of it would decide a whole measurement.
@@ -82,11 +92,12 @@ DOCX_TYPE = ("application", "vnd.openxmlformats-officedocument.wordprocessingml.
 
 def corpus_emails() -> list[bytes]:
     """Every shared corpus email that `mailpipe ingest` would store, read its way."""
-    from mailpipe.ingest import RawEmail, read_sources
-    from mailpipe.pipeline.parse import looks_like_email
+    from mailpipe.cli.ingest import RawEmail, read_sources
+    from mailpipe.mail.parse import looks_like_email
+    from mailpipe.settings import Settings
 
     accepted = []
-    for item in read_sources([CORPUS / "emails"]):
+    for item in read_sources([_corpus("emails")], max_bytes=Settings().max_email_bytes):
         if isinstance(item, RawEmail) and item.data.strip() and looks_like_email(item.data):
             accepted.append(item.data)
     return accepted
@@ -94,7 +105,7 @@ def corpus_emails() -> list[bytes]:
 
 def corpus_documents() -> list[tuple[str, tuple[str, str], bytes]]:
     found = []
-    for path in sorted((CORPUS / "documents").rglob("*")):
+    for path in sorted(_corpus("documents").rglob("*")):
         if path.suffix not in (".pdf", ".docx") or path.stat().st_size > MAX_DOCUMENT_BYTES:
             continue
         found.append(
@@ -165,6 +176,13 @@ def copy_of(raw: bytes, number: int) -> bytes:
         f"{format_datetime(BASE_DATE)}"
     ).encode()
     return received + newline + raw
+
+
+def plain_workload(total: int, seed: int = 8) -> tuple[list[bytes], dict[str, int]]:
+    """`total` short plain-text emails, no attachment and no copy: the job at its cheapest."""
+    rng = random.Random(seed)
+    emails = [small_email(rng, number, attachment=False, tag="plain") for number in range(total)]
+    return emails, {"plain": total}
 
 
 def mixed_workload(total: int, seed: int = 8) -> tuple[list[bytes], dict[str, int]]:

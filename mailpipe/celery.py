@@ -1,13 +1,11 @@
-"""The Celery application: `celery -A mailpipe worker|beat|flower` finds `app` here."""
+"""The Celery application: `celery -A mailpipe worker|beat|flower` finds `app` here.
+
+Creating it changes nothing global: it is not made the current app, registers no signal handler
+and imports no task module. Worker and beat processes load those from its configuration
+(`mailpipe.app.config`: `include` and `imports`).
+"""
 
 from celery import Celery
 
-from mailpipe import broker
-
-broker.register()
-app = Celery("mailpipe", include=["mailpipe.tasks"])
-app.config_from_object("celeryconfig")
-
-# Every process that publishes jobs (the CLI and upstream code too, not only workers) needs the
-# signal handlers: the enqueue-time stamp behind OldestJobAgeSeconds is one.
-import mailpipe.signals  # noqa: E402, F401
+app = Celery("mailpipe", set_as_current=False)
+app.config_from_object("mailpipe.app.config")

@@ -7,22 +7,24 @@ code that stores emails itself:
     session.commit()            # the email_message row first
     enqueue_email(email_id)     # then the job
 
-A Redis marker per email (`mailpipe:job:<id>`) is set with SET NX before a job is sent: a second
-enqueue while the job waits or runs sends nothing. The job deletes the marker when it ends; the
-running job keeps refreshing it. A marker whose message was lost some other way (a broker flush,
-a message dropped by hand) expires by itself after `MAILPIPE_DEDUP_TTL` seconds (default 3600),
-after which the next sweep re-adds the email.
+Each email's marker is set first (`mailpipe.coordination.markers`): an email whose job is
+already queued or running gets nothing sent. Importing this module builds the Celery app but
+loads no task module, no document converter and no signal handler: the job is sent by its name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from celery import Celery
 from kombu import Producer
 
-from mailpipe import redis_keys
+from mailpipe.celery import app
+from mailpipe.coordination import markers
+from mailpipe.coordination.brokerstate import job_headers
+from mailpipe.coordination.queues import TaskName, queue_of
 from mailpipe.resources import Resources, get_resources
 
 
@@ -37,28 +39,40 @@ def enqueue_email(email_id: int) -> bool:
     return bool(enqueue_emails([email_id]).sent)
 
 
-def enqueue_emails(email_ids: Iterable[int], res: Resources | None = None) -> EnqueueResult:
-    """Enqueue many emails in two round trips to Redis: one for the markers, one for the jobs."""
-    from mailpipe.tasks import process_email
-
+def enqueue_emails(
+    email_ids: Iterable[int],
+    res: Resources | None = None,
+    task: TaskName = TaskName.PROCESS_EMAIL,
+) -> EnqueueResult:
+    """Enqueue many emails in two round trips to Redis: one for the markers, one for the jobs.
+    `task`: the stage to send; the sweeper sends the model stage of runs past their CPU stage."""
     res = res or get_resources()
     ids = list(dict.fromkeys(email_ids))
     if not ids:
         return EnqueueResult([], [])
-    claimed = _claim_markers(res, ids)
-    sent = [email_id for email_id, ok in zip(ids, claimed) if ok]
-    skipped = [email_id for email_id, ok in zip(ids, claimed) if not ok]
+    claimed = markers.claim(res.redis, ids, res.settings.dedup_ttl)
+    sent = [email_id for email_id, ok in zip(ids, claimed, strict=True) if ok]
+    skipped = [email_id for email_id, ok in zip(ids, claimed, strict=True) if not ok]
     try:
-        with process_email.app.producer_or_acquire() as producer:
-            declare_queue(process_email.app, producer, res.settings.queue)
+        with app.producer_or_acquire() as producer:
+            declare_queue(app, producer, queue_of(task, res.settings))
             with producer.batch():
                 for email_id in sent:
-                    process_email.apply_async((email_id,), producer=producer)
+                    send_job(email_id, task, producer=producer)
     except BaseException:
         # Nothing may stay marked as queued that was not sent.
-        res.redis.delete(*(redis_keys.job_marker(email_id) for email_id in sent))
+        markers.release(res.redis, sent)
         raise
     return EnqueueResult(sent, skipped)
+
+
+def send_job(email_id: int, task: TaskName = TaskName.PROCESS_EMAIL, **options: Any) -> None:
+    """Publish one message of the email's job (`task`: its stage), with the headers every job
+    carries, whatever its marker says: the enqueue above, and the job's own follow-ups (a
+    deferral, a delivery cut off by the hard time limit, the hand-off to the model stage), which
+    hold their email's marker already. `options`: Celery's `send_task` options (kwargs,
+    countdown, producer)."""
+    app.send_task(task.value, (email_id,), headers=job_headers(email_id), **options)
 
 
 def declare_queue(app: Celery, producer: Producer, name: str) -> None:
@@ -69,18 +83,3 @@ def declare_queue(app: Celery, producer: Producer, name: str) -> None:
     per enqueue call (not per email) keeps every publishing path safe from that.
     """
     app.amqp.queues[name].bind(producer.channel).declare()
-
-
-def is_queued(res: Resources, email_ids: Sequence[int]) -> list[bool]:
-    """Whether each email's job is queued or running, by its marker."""
-    pipe = res.redis.pipeline(transaction=False)
-    for email_id in email_ids:
-        pipe.exists(redis_keys.job_marker(email_id))
-    return [bool(found) for found in pipe.execute()]
-
-
-def _claim_markers(res: Resources, ids: list[int]) -> list[bool]:
-    pipe = res.redis.pipeline(transaction=False)
-    for email_id in ids:
-        pipe.set(redis_keys.job_marker(email_id), "queued", nx=True, ex=res.settings.dedup_ttl)
-    return [bool(ok) for ok in pipe.execute()]

@@ -35,10 +35,6 @@ class PermanentError(MailpipeError):
     """Retrying cannot help: the email or the request itself is at fault."""
 
 
-class UnknownEmail(PermanentError):
-    """The job names an email id that has no `email_message` row."""
-
-
 class InputRejected(PermanentError):
     """The email breaks a limit (size, nesting, part count) or cannot be read as an email."""
 
@@ -56,10 +52,10 @@ def is_transient(exc: BaseException) -> bool:
     """True for errors of the services around a job that are worth retrying.
 
     Library errors are named one by one: a database, Redis or S3 that cannot be reached or
-    answered "busy", and the soft time limit (a slow dependency is the likelier cause; attempts
-    still bound it). Anything not named here is a bug or bad input and is not retried.
+    answered "busy". Anything not named here is a bug or bad input and is not retried; so is the
+    soft time limit: every service call has a timeout far below it, so a job that reaches it is
+    slow by itself and would be again (`is_soft_time_limit`).
     """
-    from billiard.exceptions import SoftTimeLimitExceeded
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.exceptions import ReadTimeoutError
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -67,7 +63,7 @@ def is_transient(exc: BaseException) -> bool:
     from sqlalchemy.exc import DBAPIError, OperationalError
     from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-    if isinstance(exc, TransientError | SoftTimeLimitExceeded):
+    if isinstance(exc, TransientError):
         return True
     if isinstance(exc, OperationalError | PoolTimeoutError):
         return True
@@ -76,3 +72,10 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(
         exc, RedisConnectionError | RedisTimeoutError | BotoConnectionError | ReadTimeoutError
     )
+
+
+def is_soft_time_limit(exc: BaseException) -> bool:
+    """The job ran past MAILPIPE_TASK_SOFT_TIME_LIMIT (raised inside it by the pool)."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    return isinstance(exc, SoftTimeLimitExceeded)

@@ -1,7 +1,8 @@
 """The process's connections to the outside: database, blob store, Redis and classifier.
 
 Built lazily, once per process, and rebuilt after a fork (`worker_process_init` calls `reset`), so
-no socket or thread is ever shared between a worker's children.
+no socket or thread is ever shared between a worker's children. Each is also imported when first
+used: a process that only enqueues (upstream code) loads neither SQLAlchemy nor boto3.
 """
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from redis import Redis
 
-from mailpipe.blobstore import BlobStore, open_blobstore
-from mailpipe.classifiers import Classifier, make_classifier
-from mailpipe.db import Database
 from mailpipe.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from mailpipe.classifiers import Classifier
+    from mailpipe.storage.blobs import BlobStore
+    from mailpipe.storage.db import Database
+    from mailpipe.storage.flags import CachedModelCalls
 
 
 @dataclass
@@ -25,10 +30,23 @@ class Resources:
 
     @cached_property
     def db(self) -> Database:
-        return Database(self.settings.database_url)
+        from mailpipe.storage.db import ConnectionLimits, Database
+
+        settings = self.settings
+        return Database(
+            settings.database_url,
+            ConnectionLimits(
+                connect_timeout=settings.db_connect_timeout,
+                statement_timeout=settings.db_statement_timeout,
+                keepalives_idle=settings.db_keepalives_idle,
+                pool_size=settings.db_pool_size,
+            ),
+        )
 
     @cached_property
     def blobs(self) -> BlobStore:
+        from mailpipe.storage.blobs import open_blobstore
+
         return open_blobstore(self.settings.blob_url, self.settings.s3_endpoint_url)
 
     @cached_property
@@ -42,7 +60,16 @@ class Resources:
         )
 
     @cached_property
+    def model_calls(self) -> CachedModelCalls:
+        """Whether model calls are on, read from the database at most every few seconds."""
+        from mailpipe.storage.flags import CachedModelCalls
+
+        return CachedModelCalls(self.settings.model_calls_cache_seconds)
+
+    @cached_property
     def classifier(self) -> Classifier:
+        from mailpipe.classifiers import make_classifier
+
         return make_classifier(self.settings)
 
     def close(self) -> None:

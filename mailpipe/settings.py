@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     model_rate_per_s: float = Field(5.0, gt=0)  # fleet-wide model calls per second
     model_burst: int = Field(5, ge=1)
     model_max_in_flight: int = Field(16, ge=1)  # fleet-wide model calls at once
+    # How long a model-stage job waits in its thread for a model-call slot before it is deferred.
+    model_slot_wait: float = Field(30.0, ge=0)
+    # How long a job process trusts the model-calls flag it read (seconds): `mailpipe model-calls
+    # on|off` reaches every worker within this; 0 reads it on every job.
+    model_calls_cache_seconds: float = Field(5.0, ge=0)
 
     # Jobs: time limits, retries and the broker's redelivery window (seconds).
     visibility_timeout: int = Field(900, ge=5)
@@ -59,12 +64,34 @@ class Settings(BaseSettings):
     retry_backoff_base: float = Field(10.0, gt=0)
     retry_backoff_max: int = Field(300, ge=1)
     lease_ttl: int = Field(30, ge=3)  # renewed before half of it has passed while the job runs
-    dedup_ttl: int = Field(3600, ge=10)  # longest a lost job's marker can block its email
+    # The enqueue dedup marker lapses this long after it was last set; sweeps refresh the markers
+    # of jobs they find in the broker, so a waiting job keeps its marker however long it waits.
+    dedup_ttl: int = Field(3600, ge=2)
+    # Deferrals (a held lease, the fleet rate limit, the provider's throttling, a database that
+    # cannot count the attempt) wait without using an attempt, this long in all before the run is
+    # failed with the reason.
+    max_deferral: int = Field(3600, ge=1)
+
+    # Worker liveness: each worker's main process writes a heartbeat with the messages it holds;
+    # a worker silent for `worker_dead_after` seconds is dead, and its messages go back to the
+    # front of their queue at once instead of after the visibility timeout.
+    worker_heartbeat_interval: float = Field(10.0, gt=0)
+    worker_dead_after: float = Field(30.0, gt=0)
+
+    # Database connections: a dead or unreachable server fails a statement in seconds, as a
+    # transient error, instead of hanging the job until its hard time limit.
+    db_connect_timeout: int = Field(5, ge=1)
+    db_statement_timeout: int = Field(30, ge=1)
+    db_keepalives_idle: int = Field(30, ge=1)
+    # Connections per process (and as many again in a burst): a prefork child runs one job at a
+    # time; the model role's threads hold one only for their short transactions, so a few serve
+    # dozens of threads.
+    db_pool_size: int = Field(2, ge=1)
 
     # Workers.
     worker_concurrency: int = Field(2, ge=1)
     # Messages reserved per child: the running one and the next (why and at what cost:
-    # celeryconfig.py). 1 for jobs of minutes.
+    # mailpipe/app/config.py). 1 for jobs of minutes.
     worker_prefetch_multiplier: int = Field(2, ge=1)
     # Measured (docs/benchmarks.md): a child grows under 1 MB per 1,000 jobs, and a fresh child's
     # first job costs ~0.2 s; the memory cap is the guard against one pathological document.
@@ -107,6 +134,25 @@ class Settings(BaseSettings):
     # Flower.
     flower_basic_auth: str | None = None  # "user:password[,user2:password2]"
 
+    # Logs: `text` (Celery's lines, for a terminal) or `json` (one JSON object per record, with the
+    # traceback, task id and email id inside it: mailpipe/app/logs.py). The ECS task definitions
+    # set json.
+    log_format: Literal["text", "json"] = "text"
+    # Health files, touched while the role is healthy; the ECS health checks test their age with a
+    # shell test (deploy/README.md). The worker's heartbeat thread touches its file after each
+    # heartbeat it wrote to Redis; beat's scheduler touches its file on each tick that reached Redis.
+    worker_health_file: Path = Path("/tmp/mailpipe-worker.health")
+    beat_health_file: Path = Path("/tmp/mailpipe-beat.health")
+
+    @model_validator(mode="after")
+    def _check_labels(self) -> Settings:
+        if not self.labels or any(not label.strip() for label in self.labels):
+            raise ValueError("MAILPIPE_LABELS must name at least one label, none of them empty")
+        repeated = sorted({label for label in self.labels if self.labels.count(label) > 1})
+        if repeated:
+            raise ValueError(f"MAILPIPE_LABELS names {', '.join(repeated)} more than once")
+        return self
+
     @model_validator(mode="after")
     def _check_time_budget(self) -> Settings:
         if self.task_soft_time_limit >= self.task_time_limit:
@@ -120,7 +166,57 @@ class Settings(BaseSettings):
                 f"MAILPIPE_RETRY_BACKOFF_MAX ({self.task_time_limit} + {self.retry_backoff_max}), "
                 "or the broker redelivers jobs that are still running or waiting to retry"
             )
+        if self.worker_dead_after < 2 * self.worker_heartbeat_interval:
+            raise ValueError(
+                "MAILPIPE_WORKER_DEAD_AFTER must be at least twice "
+                "MAILPIPE_WORKER_HEARTBEAT_INTERVAL, or one late heartbeat declares a live worker "
+                "dead and its jobs are run twice"
+            )
+        if self.dedup_ttl < 2 * self.sweep_interval:
+            raise ValueError(
+                "MAILPIPE_DEDUP_TTL must be at least twice MAILPIPE_SWEEP_INTERVAL, so that sweeps "
+                "refresh the markers of waiting jobs before they lapse"
+            )
+        if self.retry_backoff_base > self.retry_backoff_max:
+            raise ValueError(
+                f"MAILPIPE_RETRY_BACKOFF_BASE ({self.retry_backoff_base:g} s) must not exceed "
+                f"MAILPIPE_RETRY_BACKOFF_MAX ({self.retry_backoff_max} s): every backoff would be "
+                "the maximum"
+            )
+        if self.lease_ttl >= self.max_deferral:
+            raise ValueError(
+                f"MAILPIPE_LEASE_TTL ({self.lease_ttl} s) must be below MAILPIPE_MAX_DEFERRAL "
+                f"({self.max_deferral} s): a delivery that finds the lease of a worker that died "
+                "on another host defers until it lapses, and would fail its run first"
+            )
         return self
+
+    def window_warnings(self) -> list[str]:
+        """Windows that work together but defeat a mechanism: a worker logs each at start.
+
+        Not refused, because a test may shrink one window on purpose to reach a path (a visibility
+        timeout of a few seconds, a lease longer than a job), but never right in production.
+        """
+        warnings = []
+        if self.worker_dead_after >= self.visibility_timeout:
+            warnings.append(
+                f"MAILPIPE_WORKER_DEAD_AFTER ({self.worker_dead_after:g} s) is not below "
+                f"MAILPIPE_VISIBILITY_TIMEOUT ({self.visibility_timeout} s): the broker puts a "
+                "dead worker's messages back before the heartbeat would"
+            )
+        if self.lease_ttl >= self.task_time_limit:
+            warnings.append(
+                f"MAILPIPE_LEASE_TTL ({self.lease_ttl} s) is not below MAILPIPE_TASK_TIME_LIMIT "
+                f"({self.task_time_limit} s): a job killed on another host keeps its email "
+                "blocked for longer than the job itself could have run"
+            )
+        if self.lease_ttl >= self.visibility_timeout:
+            warnings.append(
+                f"MAILPIPE_LEASE_TTL ({self.lease_ttl} s) is not below "
+                f"MAILPIPE_VISIBILITY_TIMEOUT ({self.visibility_timeout} s): a message the broker "
+                "redelivers finds the dead delivery's lease still held"
+            )
+        return warnings
 
     @property
     def max_attempts(self) -> int:

@@ -36,6 +36,29 @@ class EmailForClassifier:
     documents: tuple[DocumentText, ...] = ()
 
 
+def input_as_json(email: EmailForClassifier) -> dict[str, Any]:
+    """What the classification stage reads, as stored between the stages."""
+    return {
+        "subject": email.subject,
+        "sender": email.sender,
+        "recipients": list(email.recipients),
+        "date": email.date,
+        "body_text": email.body_text,
+        "documents": [[d.filename, d.content_type, d.text] for d in email.documents],
+    }
+
+
+def input_from_json(data: dict[str, Any]) -> EmailForClassifier:
+    return EmailForClassifier(
+        subject=data["subject"],
+        sender=data["sender"],
+        recipients=tuple(data["recipients"]),
+        date=data["date"],
+        body_text=data["body_text"],
+        documents=tuple(DocumentText(*document) for document in data["documents"]),
+    )
+
+
 @dataclass(frozen=True)
 class LabelScore:
     label: str

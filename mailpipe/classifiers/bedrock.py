@@ -224,7 +224,7 @@ def _labels(tool_input: Mapping[str, Any], allowed: Sequence[str]) -> tuple[Labe
         if not isinstance(item, dict):
             raise PermanentError("unusable model output: a labels item is not an object")
         label, confidence = item.get("label"), item.get("confidence")
-        if label not in allowed:
+        if not isinstance(label, str) or label not in allowed:
             raise PermanentError(
                 f"unusable model output: label {str(label)[:40]!r} is not a configured label"
             )

@@ -143,9 +143,7 @@ def build_prompt(email: EmailForClassifier, labels: Sequence[str], budget: int) 
     while any(nonce in part.data for part in parts):
         nonce = secrets.token_hex(16)
     system = _SYSTEM.format(nonce=nonce, tool=TOOL_NAME, labels=", ".join(labels))
-    blocks = [
-        "Label the email below. Everything between the fences is the email, as received."
-    ]
+    blocks = ["Label the email below. Everything between the fences is the email, as received."]
     for part in parts:
         blocks.append(f"{part.note}\n<<<EMAIL_DATA {nonce}\n{part.data}\nEMAIL_DATA_END {nonce}>>>")
     omitted = len(email.documents) - len(doc_parts)
@@ -163,9 +161,7 @@ def _header(value: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-def _document_parts(
-    documents: Sequence[DocumentText], budget: int
-) -> tuple[list[_Part], bool]:
+def _document_parts(documents: Sequence[DocumentText], budget: int) -> tuple[list[_Part], bool]:
     """Fenced parts for as many attachments as `budget` characters allow, and whether any was cut.
 
     Attachments are kept in order while their name lines fit; the text budget left over is then

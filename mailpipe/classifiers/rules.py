@@ -16,7 +16,7 @@ from pathlib import Path
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
 from mailpipe.settings import Settings
 
-DEFAULT_RULES = "default.toml"
+DEFAULT_RULES = "default_rules.toml"
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ class RulesClassifier:
         if settings.rules_file is not None:
             source = Path(settings.rules_file).read_text(encoding="utf-8")
         else:
-            source = resources.files("mailpipe.rules").joinpath(DEFAULT_RULES).read_text("utf-8")
+            source = (
+                resources.files("mailpipe.classifiers").joinpath(DEFAULT_RULES).read_text("utf-8")
+            )
         return cls.from_toml(source, allowed_labels=settings.labels)
 
     @classmethod
@@ -99,4 +101,3 @@ def _reasons(rule: Rule, text: str, sender: str, content_types: set[str]) -> lis
     reasons.extend(f"sender {p.pattern!r}" for p in rule.sender_patterns if p.search(sender))
     reasons.extend(f"content type {t}" for t in sorted(rule.content_types & content_types))
     return reasons
-

@@ -6,25 +6,37 @@ held open that long blocks SQLite writers and ties up a PostgreSQL connection.
 
 from __future__ import annotations
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from mailpipe.classifiers import ClassificationResult, Classifier, DocumentText, EmailForClassifier
-from mailpipe.db import upsert
-from mailpipe.models import Classification, utcnow
-from mailpipe.pipeline.parse import ParsedEmail
-from mailpipe.ratelimit import FleetRateLimiter
+from mailpipe.classifiers import (
+    ClassificationResult,
+    Classifier,
+    DocumentText,
+    EmailForClassifier,
+    LabelScore,
+)
+from mailpipe.coordination.ratelimit import FleetRateLimiter
+from mailpipe.mail.parse import ParsedEmail
+from mailpipe.storage.db import upsert
+from mailpipe.storage.models import Classification, utcnow
 
 
 def email_for_classifier(
-    parsed: ParsedEmail, documents: tuple[DocumentText, ...]
+    parsed: ParsedEmail, documents: tuple[DocumentText, ...], budget: int
 ) -> EmailForClassifier:
+    """What a classifier reads. No text is longer than `budget` characters, the most a prompt
+    takes of the email's text in all (MAILPIPE_CLASSIFIER_TEXT_BUDGET), so what is kept between
+    the stages stays small however large the email."""
     return EmailForClassifier(
-        subject=parsed.subject,
-        sender=parsed.sender,
+        subject=parsed.subject[:budget],
+        sender=parsed.sender[:budget],
         recipients=parsed.recipients,
         date=parsed.date,
-        body_text=parsed.body_text,
-        documents=documents,
+        body_text=parsed.body_text[:budget],
+        documents=tuple(
+            DocumentText(d.filename, d.content_type, d.text[:budget]) for d in documents
+        ),
     )
 
 
@@ -53,6 +65,7 @@ def store_classification(
                 "model_id": result.model_id,
                 "prompt_version": result.prompt_version,
                 "output": result.output,
+                "labels": [[score.label, score.confidence] for score in result.labels],
                 "input_tokens": result.input_tokens,
                 "output_tokens": result.output_tokens,
                 "latency_ms": result.latency_ms,
@@ -60,4 +73,18 @@ def store_classification(
             }
         ],
         ["run_id"],
+    )
+
+
+def stored_result(session: Session, run_id: int) -> ClassificationResult:
+    """The answer an earlier attempt of the run stored, as the classifier gave it."""
+    row = session.scalars(select(Classification).where(Classification.run_id == run_id)).one()
+    return ClassificationResult(
+        labels=tuple(LabelScore(label, confidence) for label, confidence in row.labels or ()),
+        model_id=row.model_id,
+        prompt_version=row.prompt_version,
+        output=row.output,
+        input_tokens=row.input_tokens,
+        output_tokens=row.output_tokens,
+        latency_ms=row.latency_ms,
     )

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from mailpipe.blobstore import BlobStore, document_text_key
 from mailpipe.classifiers import DocumentText
-from mailpipe.db import upsert
-from mailpipe.documents import ConvertedDocument, DocumentLimits, convert_attachment, document_for
-from mailpipe.models import Document, DocumentStatus, utcnow
-from mailpipe.pipeline.parse import Attachment, ParsedEmail
+from mailpipe.mail.documents import (
+    ConvertedDocument,
+    DocumentLimits,
+    convert_attachment,
+    document_for,
+)
+from mailpipe.mail.parse import Attachment, ParsedEmail
 from mailpipe.settings import Settings
+from mailpipe.storage.blobs import BlobStore, document_text_key
+from mailpipe.storage.db import upsert
+from mailpipe.storage.models import Document, DocumentStatus, utcnow
 
 
 def convert_documents(parsed: ParsedEmail, settings: Settings) -> list[ConvertedDocument]:

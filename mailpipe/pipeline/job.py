@@ -1,28 +1,49 @@
-"""One job, steps 2 to 7 of DESIGN: the whole of `process_email` that is not Celery.
+"""One email's job, the whole of it that is not Celery (docs/architecture.md).
 
-`process_email` returns how the job ended, or raises:
-- `RetryLater` after a transient error was recorded and attempts remain;
-- `Deferred` when the job was throttled (no model-call slot, the provider's quota) and must come
-  back later without its attempt being counted;
-- `UnknownEmail` when there is no such email (nothing to record it on).
-Permanent and unexpected errors and exhausted attempts end the run as `failed` with the error,
-and return.
+The job has two stages, each a task of its own. `process_email` is the CPU stage: it parses the
+email, records its origin, converts its documents and stores them with what the model will read.
+`classify_email` is the model stage: it calls the model, stores the answer and syncs the labels.
+A remote model is called only from the model stage, on the model role's threads, so that no
+CPU-sized process waits on the model; a local classifier (`rules`) answers in the CPU stage at
+once, as a hand-off would cost more than the answer. Each stage takes the email's lease, claims an
+attempt, runs its steps and returns an `Outcome`: what happened, and for a retry, a deferral or a
+hand-off what comes next. It raises nothing the task shell has to interpret; the shell maps the
+outcome to Celery's actions in one place.
+
+- A transient error (a service down or busy) is recorded on the run and retried after an
+  exponential backoff with full jitter, until the attempts are used up.
+- A deferral (the lease held by a live delivery, the fleet's rate limit, the provider's
+  throttling, a database that cannot count the attempt) waits without using an attempt, never
+  longer than `MAILPIPE_RETRY_BACKOFF_MAX` at a time (so never past the visibility timeout), and
+  fails the run once it has waited `MAILPIPE_MAX_DEFERRAL` in all.
+- A permanent error, the soft time limit and anything unforeseen fail the run at once.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import random
+import time
+from dataclasses import dataclass
 
+from redis import RedisError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from mailpipe import flags
-from mailpipe.classifiers import ClassificationResult
-from mailpipe.errors import PermanentError, Throttled, UnknownEmail, is_transient
-from mailpipe.models import EmailMessage, PipelineRun, RunStatus
+from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
+from mailpipe.coordination import leases, redis_keys
+from mailpipe.coordination.leases import LeaseHeld
+from mailpipe.coordination.ratelimit import FleetRateLimiter
+from mailpipe.errors import PermanentError, Throttled, is_soft_time_limit, is_transient
+from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
 from mailpipe.pipeline import runs
-from mailpipe.pipeline.classify import classify_remote, email_for_classifier, store_classification
+from mailpipe.pipeline.classify import (
+    classify_remote,
+    email_for_classifier,
+    store_classification,
+    stored_result,
+)
 from mailpipe.pipeline.documents import (
     convert_documents,
     document_rows,
@@ -31,98 +52,271 @@ from mailpipe.pipeline.documents import (
 )
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.pipeline.origin import record_origin
-from mailpipe.pipeline.parse import ParseLimits, parse_email
-from mailpipe.ratelimit import FleetRateLimiter
 from mailpipe.resources import Resources
+from mailpipe.settings import Settings
+from mailpipe.storage.db import once_more_if_disconnected, upsert
+from mailpipe.storage.models import EmailMessage, ModelInput, PipelineRun, RunStatus, utcnow
 
 log = logging.getLogger(__name__)
 
-# How long a job waits in its child for a model-call slot before it gives the child back and is
-# re-queued instead.
-SLOT_WAIT_S = 5.0
 
-
-class Outcome(str, enum.Enum):
+class Kind(enum.StrEnum):
     SUCCEEDED = "succeeded"
     DUPLICATE = "duplicate"
-    WAITING = "waiting"  # open: model calls are off
+    WAITING = "waiting"  # open: the documents are stored, model calls are off
+    CLOSED = "already_closed"  # nothing done: the run was closed, or a later attempt holds it
     FAILED = "failed"
-    ALREADY_CLOSED = "already_closed"
+    RETRY = "retry"  # an attempt failed and attempts remain: send again after `delay`
+    DEFER = "deferred"  # not an attempt: send again after `delay`
+    HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
 
 
-class RetryLater(Exception):
-    def __init__(self, error: str, attempt: int | None, retry_after: float | None = None) -> None:
-        super().__init__(error)
-        self.attempt = attempt
-        self.retry_after = retry_after
+@dataclass(frozen=True)
+class Outcome:
+    kind: Kind
+    delay: float = 0.0  # RETRY, DEFER: seconds before the next delivery
+    error: str | None = None  # why, for FAILED, RETRY and DEFER
+    deferred_since: float | None = None  # DEFER: when this job was first deferred (unix time)
+
+    @property
+    def follows_up(self) -> bool:
+        """Another delivery of the job is to be sent."""
+        return self.kind in (Kind.RETRY, Kind.DEFER, Kind.HANDED_OFF)
 
 
-class Deferred(Exception):
-    def __init__(self, reason: str, delay: float) -> None:
-        super().__init__(reason)
-        self.delay = delay
+def process_email(
+    res: Resources,
+    email_id: int,
+    *,
+    cut_off: float | None = None,
+    deferred_since: float | None = None,
+) -> Outcome:
+    """Run one delivery of the email's CPU stage.
+
+    `cut_off`: this delivery replaces one killed by the hard time limit (its seconds).
+    `deferred_since`: when the job was first deferred, carried by each deferred delivery.
+    """
+    return _deliver(res, email_id, runs.Stage.CONVERT, cut_off, deferred_since)
 
 
-def process_email(res: Resources, email_id: int) -> Outcome:
+def classify_email(
+    res: Resources, email_id: int, *, deferred_since: float | None = None
+) -> Outcome:
+    """Run one delivery of the email's model stage."""
+    return _deliver(res, email_id, runs.Stage.CLASSIFY, None, deferred_since)
+
+
+def _deliver(
+    res: Resources,
+    email_id: int,
+    stage: runs.Stage,
+    cut_off: float | None,
+    deferred_since: float | None,
+) -> Outcome:
     settings = res.settings
-    with res.db.transaction() as session:
-        email = session.get(EmailMessage, email_id)
-        if email is None:
-            raise UnknownEmail(f"no email_message row with id {email_id}")
-        blob_key = email.blob_key
-        claim = runs.claim_attempt(session, email_id, settings.max_attempts)
-    if claim.claim is runs.Claim.CLOSED:
-        return Outcome.ALREADY_CLOSED
-    if claim.claim is runs.Claim.EXHAUSTED:
-        log.error("email %s: failed after %s attempts", email_id, claim.attempt)
-        return Outcome.FAILED
     try:
-        return _run_steps(res, email_id, blob_key)
+        with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
+            outcome = run_claimed(res, email_id, cut_off, stage)
+            lease.keep_marker = outcome.follows_up
+    except LeaseHeld as held:
+        outcome = Outcome(Kind.DEFER, held.wait, str(held))
+    except RedisError as exc:
+        outcome = Outcome(
+            Kind.DEFER, _deferral_delay(settings, deferred_since), f"Redis unavailable: {exc}"
+        )
+    if outcome.kind is Kind.DEFER:
+        return _bounded_deferral(res, email_id, outcome, deferred_since)
+    return outcome
+
+
+def retry_delay(settings: Settings, attempt: int, retry_after: float | None = None) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(max, base * 2**(attempt-1))],
+    or the service's own `retry_after` hint when it gave one; never more than the maximum.
+
+    Celery's own helper draws whole seconds only, which cannot express the sub-second bases that
+    tests use; the jitter spreads retries of jobs that failed together.
+    """
+    if retry_after is not None:
+        return min(retry_after, settings.retry_backoff_max)
+    ceiling = min(settings.retry_backoff_max, settings.retry_backoff_base * 2 ** (attempt - 1))
+    return random.uniform(0, ceiling)
+
+
+def run_claimed(
+    res: Resources,
+    email_id: int,
+    cut_off: float | None = None,
+    stage: runs.Stage = runs.Stage.CONVERT,
+) -> Outcome:
+    """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
+    the attempt, so two of these at once for one email (what a lapsed lease allows) leave the
+    rows one would."""
+    settings = res.settings
+
+    def claim_in_a_transaction() -> tuple[str, runs.ClaimResult, bool] | None:
+        with res.db.transaction() as session:
+            blob_key = session.scalar(
+                select(EmailMessage.blob_key).where(EmailMessage.id == email_id)
+            )
+            if blob_key is None:
+                return None
+            result = runs.claim_attempt(
+                session, email_id, settings.max_attempts, cut_off=cut_off, stage=stage
+            )
+            model_calls = result.claim is runs.Claim.CONVERTED and res.model_calls(session)
+            return blob_key, result, model_calls
+
+    try:
+        claimed = once_more_if_disconnected(claim_in_a_transaction)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        # Nothing was counted: wait like a deferral, bounded the same way.
+        return Outcome(
+            Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {_describe(exc)}"
+        )
+    if claimed is None:
+        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
+    blob_key, claim, model_calls = claimed
+    if claim.claim is runs.Claim.CLOSED:
+        return Outcome(Kind.CLOSED)
+    if claim.claim is runs.Claim.CONVERTED:
+        # A second delivery of a CPU stage already done (redelivered, or sent again once model
+        # calls are on): the model stage is next, sent again in case the first hand-off was
+        # lost with its worker. Two of them run once: the lease and the claim see to it.
+        return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
+    if claim.claim is runs.Claim.NOT_CONVERTED:
+        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
+    if claim.claim is runs.Claim.EXHAUSTED:
+        log.error("email %s: failed after %s attempts: %s", email_id, claim.attempt, claim.error)
+        return Outcome(Kind.FAILED, error=f"gave up after {claim.attempt} attempts: {claim.error}")
+    if claim.claim is runs.Claim.BACK_OFF:
+        return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
+    return _attempt(res, email_id, claim, stage, blob_key)
+
+
+def _attempt(
+    res: Resources, email_id: int, claim: runs.ClaimResult, stage: runs.Stage, blob_key: str
+) -> Outcome:
+    settings = res.settings
+    attempt = claim.attempt
+    try:
+        if stage is runs.Stage.CLASSIFY:
+            return _classify_steps(res, email_id, attempt, claim.classified)
+        return _run_steps(res, email_id, attempt, blob_key)
+    except runs.Superseded as exc:
+        log.warning("%s; this delivery stops without writing", exc)
+        return Outcome(Kind.CLOSED, error=str(exc))
     except Throttled as exc:
-        with res.db.transaction() as session:
-            runs.give_back_attempt(session, email_id)
-        raise Deferred(str(exc), exc.retry_after or 1.0) from exc
-    except PermanentError as exc:
-        with res.db.transaction() as session:
-            runs.close(session, email_id, RunStatus.FAILED, f"{type(exc).__name__}: {exc}")
-        log.warning("email %s: failed: %s", email_id, exc)
-        return Outcome.FAILED
+        if _write(res, lambda session: runs.give_back_attempt(session, email_id, attempt)) is None:
+            return Outcome(Kind.CLOSED, error="superseded")
+        return Outcome(Kind.DEFER, exc.retry_after or 1.0, str(exc))
     except Exception as exc:
         if is_transient(exc):
-            return _after_transient(res, email_id, claim.attempt, exc)
-        # A bug or an input no check foresaw: retrying cannot help. The run records it for the
-        # failed list; the traceback goes to the log.
-        log.exception("email %s: unexpected error", email_id)
-        with res.db.transaction() as session:
-            runs.close(session, email_id, RunStatus.FAILED, f"unexpected {type(exc).__name__}: {exc}")
-        return Outcome.FAILED
-
-
-def run_error(res: Resources, email_id: int) -> str | None:
-    with res.db.session() as session:
-        return session.scalar(select(PipelineRun.error).where(PipelineRun.email_id == email_id))
+            return _after_transient(res, email_id, attempt, exc)
+        if isinstance(exc, PermanentError):
+            error = _describe(exc)
+            log.warning("email %s: failed: %s", email_id, exc)
+        elif is_soft_time_limit(exc):
+            error = (
+                f"soft time limit ({settings.task_soft_time_limit} s) exceeded: the job is too "
+                "slow for its budget, and would be again"
+            )
+            log.warning("email %s: %s", email_id, error)
+        else:
+            # A bug or an input no check foresaw: retrying cannot help. The run records it for
+            # the failed list; the traceback goes to the log.
+            error = f"unexpected {_describe(exc)}"
+            log.exception("email %s: unexpected error", email_id)
+        closed = _write(res, lambda s: runs.close(s, email_id, attempt, RunStatus.FAILED, error))
+        if closed is None:
+            return Outcome(Kind.CLOSED, error="superseded")
+        if closed is False:
+            # The database is out: the attempt stays counted, the next one records how it ended.
+            return Outcome(Kind.RETRY, retry_delay(settings, attempt), error)
+        return Outcome(Kind.FAILED, error=error)
 
 
 def _after_transient(res: Resources, email_id: int, attempt: int, exc: Exception) -> Outcome:
-    error = f"{type(exc).__name__}: {exc}"
-    retry_after = getattr(exc, "retry_after", None)
+    settings = res.settings
+    error = _describe(exc)
+    delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
+    outcome: dict[str, bool] = {}
+
+    def record(session: Session) -> None:
+        outcome["may_retry"] = runs.record_failed_attempt(
+            session, email_id, attempt, error, settings.max_attempts
+        )
+
+    written = _write(res, record)
+    if written is None:
+        return Outcome(Kind.CLOSED, error="superseded")
+    if written and not outcome["may_retry"]:
+        log.error("email %s: failed after %s attempts: %s", email_id, attempt, error)
+        return Outcome(Kind.FAILED, error=f"gave up after {attempt} attempts: {error}")
+    # Retried, whether or not the error could be recorded: the attempt was counted at the claim.
+    log.info("email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error)
+    return Outcome(Kind.RETRY, delay, error)
+
+
+def _write(res: Resources, write) -> bool | None:
+    """Run `write` in a transaction: True when done, None when the attempt was superseded,
+    False when the database could not take it (a transient error, logged)."""
     try:
         with res.db.transaction() as session:
-            may_retry = runs.record_failed_attempt(session, email_id, error, res.settings.max_attempts)
-    except Exception as record_exc:
-        if not is_transient(record_exc):
+            write(session)
+        return True
+    except runs.Superseded as exc:
+        log.warning("%s; this delivery stops without writing", exc)
+        return None
+    except Exception as exc:
+        if not is_transient(exc):
             raise
-        # The database itself is out: retry on Celery's count; the sweeper covers the rest.
-        raise RetryLater(error, None, retry_after) from exc
-    if not may_retry:
-        log.error("email %s: failed after %s attempts: %s", email_id, attempt, error)
-        return Outcome.FAILED
-    raise RetryLater(error, attempt, retry_after) from exc
+        log.warning("could not record the outcome: %s", _describe(exc))
+        return False
 
 
-def _run_steps(res: Resources, email_id: int, blob_key: str) -> Outcome:
-    """Steps 3 to 7 in three transactions at most: origin, then documents with the outcome (with
-    a local classifier), or documents, then the remote classifier's answer."""
+def _bounded_deferral(
+    res: Resources, email_id: int, outcome: Outcome, deferred_since: float | None
+) -> Outcome:
+    settings = res.settings
+    now = time.time()
+    since = deferred_since or now
+    delay = min(max(outcome.delay, 0.5), settings.retry_backoff_max)
+    if now + delay - since > settings.max_deferral:
+        error = (
+            f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
+            f"({settings.max_deferral} s): {outcome.error}"
+        )
+        failed = _write(res, lambda session: runs.fail_open_run(session, email_id, error))
+        log.error(
+            "email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)"
+        )
+        return Outcome(Kind.FAILED, error=error)
+    try:
+        pipe = res.redis.pipeline(transaction=False)
+        pipe.zadd(redis_keys.deferred(), {str(email_id): now + delay})
+        pipe.incr(redis_keys.deferrals_counter())
+        pipe.execute()
+    except RedisError:
+        log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)
+    log.info("email %s: deferred %.1fs: %s", email_id, delay, outcome.error)
+    return Outcome(Kind.DEFER, delay, outcome.error, since)
+
+
+def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
+    """Doubles with the time already waited, from the backoff base up to its maximum."""
+    waited = time.time() - deferred_since if deferred_since else 0.0
+    return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
+
+
+def _run_steps(res: Resources, email_id: int, attempt: int, blob_key: str) -> Outcome:
+    """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
+    Every write is fenced by the attempt (`runs.current`).
+
+    An email without attachments takes one transaction for all of it. With attachments, the
+    origin is recorded in a transaction of its own first, so that a copy stops before its
+    documents are converted."""
     settings = res.settings
     raw = res.blobs.get(blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
@@ -135,40 +329,116 @@ def _run_steps(res: Resources, email_id: int, blob_key: str) -> Outcome:
         ),
     )
 
-    with res.db.transaction() as session:
-        email = session.get_one(EmailMessage, email_id)
-        origin = record_origin(session, email, parsed)
-        if origin.duplicate_of is not None:
-            runs.close(session, email_id, RunStatus.DUPLICATE)
-            return Outcome.DUPLICATE
+    origin_recorded = False
+    if parsed.attachments:
+        with res.db.transaction() as session:
+            run = runs.current(session, email_id, attempt)
+            _note_defects(run, parsed)
+            if _closed_as_copy(session, run, parsed):
+                return Outcome(Kind.DUPLICATE)
+        origin_recorded = True
 
     documents = convert_documents(parsed, settings)
     rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
-    email_text = email_for_classifier(parsed, texts_for_classifier(documents))
-    with res.db.transaction() as session:
-        store_documents(session, rows)
-        if not flags.model_calls_enabled(session):
-            runs.leave_open(session, email_id)
-            return Outcome.WAITING
-        if not res.classifier.remote:
-            # A local classifier answers in well under a millisecond: no reason to hold the
-            # documents' transaction open, nor to pay for a second one.
-            _close_classified(session, email_id, res.classifier.classify(email_text))
-            return Outcome.SUCCEEDED
-
-    limiter = FleetRateLimiter(
-        res.redis,
-        rate_per_s=settings.model_rate_per_s,
-        burst=settings.model_burst,
-        max_in_flight=settings.model_max_in_flight,
+    email_text = email_for_classifier(
+        parsed, texts_for_classifier(documents), settings.classifier_text_budget
     )
-    result = classify_remote(res.classifier, email_text, limiter, wait=SLOT_WAIT_S)
     with res.db.transaction() as session:
-        _close_classified(session, email_id, result)
-    return Outcome.SUCCEEDED
+        run = runs.current(session, email_id, attempt)
+        _note_defects(run, parsed)
+        if not origin_recorded and _closed_as_copy(session, run, parsed):
+            return Outcome(Kind.DUPLICATE)
+        store_documents(session, rows)
+        model_calls = res.model_calls(session)
+        if model_calls and not res.classifier.remote:
+            # A local classifier answers in well under a millisecond: in this transaction, with
+            # no hand-off and no second one.
+            result = res.classifier.classify(email_text)
+            store_classification(session, run.id, email_id, result)
+            sync_model_labels(session, email_id, result.labels)
+            # The run's changes last, in one UPDATE with the commit.
+            runs.mark_classified(run)
+            runs.finish(run, RunStatus.SUCCEEDED)
+            return Outcome(Kind.SUCCEEDED)
+        # What the model will read is kept, so that its stage never parses the email again.
+        upsert(
+            session,
+            ModelInput,
+            [{"email_id": email_id, "input": input_as_json(email_text), "created_at": utcnow()}],
+            ["email_id"],
+        )
+        runs.converted(session, email_id, attempt)
+    return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
 
 
-def _close_classified(session: Session, email_id: int, result: ClassificationResult) -> None:
-    run = runs.close(session, email_id, RunStatus.SUCCEEDED)
+def _note_defects(run: PipelineRun, parsed: ParsedEmail) -> None:
+    """What the parser got past (a malformed header line skipped, a broken part), on the run; no
+    statement of its own, it goes with the run's next update."""
+    if parsed.defect_count:
+        run.parse_defects = {
+            "count": parsed.defect_count,
+            "skipped_header_lines": list(parsed.skipped_header_lines),
+        }
+
+
+def _closed_as_copy(session: Session, run: PipelineRun, parsed: ParsedEmail) -> bool:
+    """Record the email's origin; a copy of an email already recorded is linked and closed."""
+    if record_origin(session, run.email_id, parsed).duplicate_of is None:
+        return False
+    runs.finish(run, RunStatus.DUPLICATE)
+    return True
+
+
+def _classify_steps(res: Resources, email_id: int, attempt: int, classified: bool) -> Outcome:
+    """The model stage after the claim: the model's answer, kept at once, then the labels."""
+    settings = res.settings
+    with res.db.transaction() as session:
+        run = runs.current(session, email_id, attempt)
+        if not res.model_calls(session):
+            runs.leave_open(session, email_id, attempt)
+            return Outcome(Kind.WAITING)
+        if classified:
+            # An earlier attempt stored the model's answer and died before the labels: no
+            # second call, the labels come from the stored answer.
+            _sync_and_close(session, run, email_id, stored_result(session, run.id))
+            return Outcome(Kind.SUCCEEDED)
+        email_text = input_from_json(session.get_one(ModelInput, email_id).input)
+
+    if res.classifier.remote:
+        limiter = FleetRateLimiter(
+            res.redis,
+            rate_per_s=settings.model_rate_per_s,
+            burst=settings.model_burst,
+            max_in_flight=settings.model_max_in_flight,
+        )
+        # A thread waits its turn here, cheaply; past the wait the job is deferred.
+        result = classify_remote(res.classifier, email_text, limiter, wait=settings.model_slot_wait)
+    else:
+        result = res.classifier.classify(email_text)
+    # The answer is kept before anything else: a job that dies after the call never pays for it
+    # twice (the sweeper re-adds such a run after MAILPIPE_STALL_AFTER).
+    with res.db.transaction() as session:
+        run = runs.current(session, email_id, attempt)
+        _store_classification(session, run, email_id, result)
+    with res.db.transaction() as session:
+        run = runs.current(session, email_id, attempt)
+        _sync_and_close(session, run, email_id, result)
+    return Outcome(Kind.SUCCEEDED)
+
+
+def _store_classification(
+    session: Session, run: PipelineRun, email_id: int, result: ClassificationResult
+) -> None:
     store_classification(session, run.id, email_id, result)
+    runs.mark_classified(run)
+
+
+def _sync_and_close(
+    session: Session, run: PipelineRun, email_id: int, result: ClassificationResult
+) -> None:
     sync_model_labels(session, email_id, result.labels)
+    runs.finish(run, RunStatus.SUCCEEDED)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

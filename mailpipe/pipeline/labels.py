@@ -12,17 +12,22 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from mailpipe.classifiers import LabelScore
-from mailpipe.db import insert_ignore
-from mailpipe.models import EmailLabel
+from mailpipe.storage.db import insert_ignore
+from mailpipe.storage.models import EmailLabel
 
 MODEL_SOURCE = "model"
 
 
 def sync_model_labels(session: Session, email_id: int, scores: Iterable[LabelScore]) -> None:
     wanted = {score.label: score.confidence for score in scores}
-    existing = {row.label: row for row in session.scalars(select(EmailLabel).where(EmailLabel.email_id == email_id))}
+    existing = {
+        row.label: row
+        for row in session.scalars(select(EmailLabel).where(EmailLabel.email_id == email_id))
+    }
     stale = [
-        label for label, row in existing.items() if row.source == MODEL_SOURCE and label not in wanted
+        label
+        for label, row in existing.items()
+        if row.source == MODEL_SOURCE and label not in wanted
     ]
     if stale:
         session.execute(

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from mailpipe.db import insert_ignore
-from mailpipe.models import EmailMessage, EmailOrigin
-from mailpipe.pipeline.parse import ParsedEmail
+from mailpipe.mail.parse import ParsedEmail
+from mailpipe.storage.db import insert_ignore
+from mailpipe.storage.models import EmailMessage, EmailOrigin
 
 FINGERPRINT_VERSION = "v1"
 
@@ -38,19 +38,34 @@ class OriginResult:
     duplicate_of: int | None  # the first email with this origin, when this one is a copy
 
 
-def record_origin(session: Session, email: EmailMessage, parsed: ParsedEmail) -> OriginResult:
-    """Idempotent: the first email to record a fingerprint owns it, whoever runs it again."""
+def record_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginResult:
+    """Idempotent: the first email to record a fingerprint owns it, whoever runs it again.
+
+    Two statements for a new origin (the insert returns its id; the email row is updated by id,
+    never read), three for a copy (the insert yields nothing, the existing origin is read)."""
     key = fingerprint(parsed)
-    insert_ignore(
+    inserted = insert_ignore(
         session,
         EmailOrigin,
-        [{"fingerprint": key, "message_id": parsed.message_id, "first_email_id": email.id}],
+        [{"fingerprint": key, "message_id": parsed.message_id, "first_email_id": email_id}],
         ["fingerprint"],
+        EmailOrigin.id,
     )
-    origin = session.scalars(select(EmailOrigin).where(EmailOrigin.fingerprint == key)).one()
-    duplicate_of = None if origin.first_email_id == email.id else origin.first_email_id
-    email.origin_id = origin.id
-    email.duplicate_of = duplicate_of
-    email.subject = parsed.subject[:1000]
-    email.sender = parsed.sender[:1000]
-    return OriginResult(origin.id, duplicate_of)
+    if inserted:
+        origin_id, first_email_id = inserted[0], email_id
+    else:
+        origin_id, first_email_id = session.execute(
+            select(EmailOrigin.id, EmailOrigin.first_email_id).where(EmailOrigin.fingerprint == key)
+        ).one()
+    duplicate_of = None if first_email_id == email_id else first_email_id
+    session.execute(
+        update(EmailMessage)
+        .where(EmailMessage.id == email_id)
+        .values(
+            origin_id=origin_id,
+            duplicate_of=duplicate_of,
+            subject=parsed.subject[:1000],
+            sender=parsed.sender[:1000],
+        )
+    )
+    return OriginResult(origin_id, duplicate_of)

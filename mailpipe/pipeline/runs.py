@@ -1,4 +1,10 @@
-"""The pipeline run of an email: its status, attempts and error, moved only through here."""
+"""The pipeline run of an email: its status, attempts and error, moved only through here.
+
+Every write a delivery makes after its claim goes through `current`, which locks the run and
+checks that it is still open and still at this delivery's attempt. A delivery whose lease lapsed
+while a later one claimed the run, or one that finishes after the run was closed (by another
+delivery, by the sweeper), is thereby fenced off: it writes nothing more.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,8 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from mailpipe.db import insert_ignore
-from mailpipe.models import EmailMessage, PipelineRun, RunStatus, utcnow
+from mailpipe.storage.db import insert_ignore
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, utcnow
 
 # Errors are for operators: long tracebacks belong in the log, not in the row.
 MAX_ERROR_CHARS = 2000
@@ -19,79 +25,156 @@ class Claim(enum.Enum):
     GO = "go"  # this delivery runs the job
     CLOSED = "closed"  # the run is already closed: stop without touching anything
     EXHAUSTED = "exhausted"  # every attempt is used: the run was failed just now
+    BACK_OFF = (
+        "back_off"  # the last attempt was cut off; it is recorded, the next waits its backoff
+    )
+    CONVERTED = "converted"  # the CPU stage is done: only the classification stage is left
+    NOT_CONVERTED = "not_converted"  # the classification stage came before the CPU stage
+
+
+class Stage(enum.StrEnum):
+    """The two stages of a job: the CPU stage (parse, origin, documents), then the model's."""
+
+    CONVERT = "convert"
+    CLASSIFY = "classify"
 
 
 @dataclass(frozen=True)
 class ClaimResult:
     claim: Claim
     attempt: int
+    error: str | None = None
+    classified: bool = False  # the run holds the model's answer from an earlier attempt
 
 
-def claim_attempt(session: Session, email_id: int, max_attempts: int) -> ClaimResult:
-    """Count one attempt, or say why the job must not run.
+class Superseded(Exception):
+    """The run is closed, or a later attempt has claimed it: this delivery must write nothing."""
+
+
+def claim_attempt(
+    session: Session,
+    email_id: int,
+    max_attempts: int,
+    *,
+    cut_off: float | None = None,
+    stage: Stage = Stage.CONVERT,
+) -> ClaimResult:
+    """Count one attempt of `stage`, or say why it must not run now.
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
+    `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
     """
     ensure_runs(session, [email_id])
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
         return ClaimResult(Claim.CLOSED, run.attempts)
+    converted = run.converted_at is not None
+    if stage is Stage.CONVERT and converted:
+        return ClaimResult(Claim.CONVERTED, run.attempts)
+    if stage is Stage.CLASSIFY and not converted:
+        return ClaimResult(Claim.NOT_CONVERTED, run.attempts)
     if run.attempt_started_at is not None:
-        run.error = _clip(
-            f"attempt {run.attempts} ended without a result: its worker process died or was killed"
-        )
+        run.attempt_started_at = None
+        if cut_off is not None:
+            run.error = _clip(
+                f"attempt {run.attempts} was cut off by the hard time limit ({cut_off:g} s)"
+            )
+            if run.attempts < max_attempts:
+                return ClaimResult(Claim.BACK_OFF, run.attempts, run.error)
+        else:
+            run.error = _clip(
+                f"attempt {run.attempts} ended without a result: its worker process died or was "
+                "killed, or stopped renewing its lease"
+            )
     if run.attempts >= max_attempts:
-        _close(run, RunStatus.FAILED, f"gave up after {run.attempts} attempts: {run.error or 'no error recorded'}")
-        return ClaimResult(Claim.EXHAUSTED, run.attempts)
+        _close(
+            run,
+            RunStatus.FAILED,
+            f"gave up after {run.attempts} attempts: {run.error or 'no error recorded'}",
+        )
+        return ClaimResult(Claim.EXHAUSTED, run.attempts, run.error)
     run.attempts += 1
     run.attempt_started_at = utcnow()
-    return ClaimResult(Claim.GO, run.attempts)
+    return ClaimResult(Claim.GO, run.attempts, classified=run.classified_at is not None)
 
 
 def ensure_runs(session: Session, email_ids: list[int]) -> None:
     """Create the open runs of emails that have none yet (and flag those emails as having one)."""
     created = insert_ignore(
-        session, PipelineRun, [{"email_id": i} for i in email_ids], ["email_id"], PipelineRun.email_id
+        session,
+        PipelineRun,
+        [{"email_id": i} for i in email_ids],
+        ["email_id"],
+        PipelineRun.email_id,
     )
     if created:
-        session.execute(update(EmailMessage).where(EmailMessage.id.in_(created)).values(has_run=True))
+        session.execute(
+            update(EmailMessage).where(EmailMessage.id.in_(created)).values(has_run=True)
+        )
 
 
-def give_back_attempt(session: Session, email_id: int) -> None:
-    """Undo the count of an attempt that did not run (deferred by the rate limiter)."""
+def current(session: Session, email_id: int, attempt: int) -> PipelineRun:
+    """The run, locked, if it is still open at `attempt`; raises Superseded otherwise."""
     run = _locked_run(session, email_id)
-    if run.status is RunStatus.OPEN and run.attempt_started_at is not None:
-        run.attempts = max(0, run.attempts - 1)
-        run.attempt_started_at = None
+    if run.status is not RunStatus.OPEN:
+        raise Superseded(f"email {email_id}: the run is {run.status.value} already")
+    if run.attempts != attempt:
+        raise Superseded(f"email {email_id}: attempt {run.attempts} has claimed the run")
+    return run
 
 
-def leave_open(session: Session, email_id: int) -> None:
-    """The job did all it may with model calls off; the run waits for them, attempts reset."""
-    run = _locked_run(session, email_id)
+def give_back_attempt(session: Session, email_id: int, attempt: int) -> None:
+    """Undo the count of an attempt that did not run (deferred: throttled, rate-limited)."""
+    run = current(session, email_id, attempt)
+    run.attempts = max(0, run.attempts - 1)
+    run.attempt_started_at = None
+
+
+def converted(session: Session, email_id: int, attempt: int) -> None:
+    """The CPU stage is done (the documents and the model's input are stored): the run waits
+    for its classification stage, with a fresh attempt budget for it."""
+    run = current(session, email_id, attempt)
+    run.converted_at = utcnow()
     run.attempts = 0
     run.sweep_count = 0
     run.attempt_started_at = None
     run.error = None
 
 
+def leave_open(session: Session, email_id: int, attempt: int) -> None:
+    """The classification stage found model calls off: the run waits for them, attempts reset."""
+    run = current(session, email_id, attempt)
+    run.attempts = 0
+    run.sweep_count = 0
+    run.attempt_started_at = None
+    run.error = None
+
+
+def mark_classified(run: PipelineRun) -> None:
+    """The model's answer is stored: a later attempt syncs labels from it, never calls again."""
+    run.classified_at = utcnow()
+
+
 def close(
-    session: Session, email_id: int, status: RunStatus, error: str | None = None
+    session: Session, email_id: int, attempt: int, status: RunStatus, error: str | None = None
 ) -> PipelineRun:
-    """Close an open run; a run closed meanwhile (a second delivery) is left as it is."""
-    run = _locked_run(session, email_id)
-    if run.status is RunStatus.OPEN:
-        _close(run, status, error)
-        if status is RunStatus.SUCCEEDED:
-            run.classified_at = run.closed_at
+    """Close the run this attempt holds."""
+    run = current(session, email_id, attempt)
+    _close(run, status, error)
     return run
 
 
-def record_failed_attempt(session: Session, email_id: int, error: str, max_attempts: int) -> bool:
+def finish(run: PipelineRun, status: RunStatus, error: str | None = None) -> None:
+    """Close a run already locked through `current`."""
+    _close(run, status, error)
+
+
+def record_failed_attempt(
+    session: Session, email_id: int, attempt: int, error: str, max_attempts: int
+) -> bool:
     """Record a transient error; True when attempts remain, False when the run failed for good."""
-    run = _locked_run(session, email_id)
-    if run.status is not RunStatus.OPEN:
-        return False
+    run = current(session, email_id, attempt)
     run.attempt_started_at = None
     if run.attempts >= max_attempts:
         _close(run, RunStatus.FAILED, f"gave up after {run.attempts} attempts: {error}")
@@ -100,8 +183,20 @@ def record_failed_attempt(session: Session, email_id: int, error: str, max_attem
     return True
 
 
+def fail_open_run(session: Session, email_id: int, error: str) -> bool:
+    """Fail an open run whatever its attempt (a job deferred past its bound); False if closed."""
+    run = _locked_run(session, email_id)
+    if run.status is not RunStatus.OPEN:
+        return False
+    _close(run, RunStatus.FAILED, error)
+    return True
+
+
 def reopen(session: Session, email_id: int) -> bool:
-    """Put a failed run back to open with a fresh attempt budget (`mailpipe failed --retry`)."""
+    """Put a failed run back to open with a fresh attempt budget (`mailpipe failed --retry`).
+    Its classification is kept but no longer counts: the reopened run calls the model again.
+    The email leaves the review list in the same transaction: the operator's retry answers the
+    review, and a run that stalls again is marked again by the sweeper."""
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.FAILED:
         return False
@@ -109,7 +204,15 @@ def reopen(session: Session, email_id: int) -> bool:
     run.attempts = 0
     run.sweep_count = 0
     run.attempt_started_at = None
+    run.classified_at = None
+    # A manual retry runs the whole job again, the CPU stage included.
+    run.converted_at = None
     run.closed_at = None
+    session.execute(
+        update(EmailMessage)
+        .where(EmailMessage.id == email_id)
+        .values(needs_review=False, review_reason=None)
+    )
     return True
 
 

@@ -6,6 +6,7 @@ cfn-lint, IAM documents by inspection, the Dockerfile by parsing. No AWS call, n
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -19,13 +20,15 @@ import pytest
 from botocore.validate import ParamValidator
 from cfnlint.decode import decode
 
+from mailpipe.coordination.queues import control_queue, email_queue, job_queues, model_queue
 from mailpipe.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 TEMPLATE = DEPLOY / "cloudformation" / "mailpipe.yaml"
-ROLES = ("worker", "beat", "flower", "release")
-SERVICES = ("worker", "beat", "flower")  # long-running; release is a one-off run-task
+ROLES = ("worker", "model", "beat", "flower", "release")
+SERVICES = ("worker", "model", "beat", "flower")  # long-running; release is a one-off run-task
+WORKERS = ("worker", "model")  # Celery workers: the CPU stage and the model stage
 ACCOUNT = "123456789012"
 
 # Fargate's allowed task sizes: cpu units -> memory MiB.
@@ -36,7 +39,9 @@ FARGATE_SIZES = {
     2048: set(range(4096, 16385, 1024)),
     4096: set(range(8192, 30721, 1024)),
 }
-SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|BASIC_AUTH|API_KEY|ACCESS_KEY|CREDENTIAL", re.I)
+SECRET_NAME = re.compile(
+    r"PASSWORD|SECRET|TOKEN|BASIC_AUTH|API_KEY|ACCESS_KEY|CREDENTIAL", re.IGNORECASE
+)
 # Actions AWS only authorises on Resource "*"; each must be narrowed some other way if it can be.
 STAR_RESOURCE_ACTIONS = {
     "cloudwatch:PutMetricData": "cloudwatch:namespace",  # narrowed by this condition key
@@ -148,13 +153,139 @@ def test_logs_go_to_awslogs_in_the_stack_log_group(role, template):
 def test_command_is_the_role_and_keeps_the_image_entrypoint(role):
     c = container(role)
     expected = {
-        "worker": ["celery", "-A", "mailpipe", "worker", "--loglevel", "INFO"],
-        "beat": ["celery", "-A", "mailpipe", "beat", "--loglevel", "INFO"],
-        "flower": ["celery", "-A", "mailpipe", "flower", "--conf", "/etc/mailpipe/flowerconfig.py", "--port", "5555"],
+        # --quiet: no startup banner, so every line the role writes is a JSON log record.
+        "worker": [
+            "celery",
+            "-A",
+            "mailpipe",
+            "--quiet",
+            "worker",
+            "--queues=mailpipe,mailpipe.control",
+            "--loglevel=INFO",
+        ],
+        "model": [
+            "celery",
+            "-A",
+            "mailpipe",
+            "--quiet",
+            "worker",
+            "--pool=threads",
+            "--concurrency=32",
+            "--queues=mailpipe.model",
+            "--hostname=model@%h",
+            "--loglevel=INFO",
+        ],
+        "beat": ["celery", "-A", "mailpipe", "--quiet", "beat", "--loglevel=INFO"],
+        "flower": [
+            "celery",
+            "-A",
+            "mailpipe",
+            "flower",
+            "--conf=/etc/mailpipe/flowerconfig.py",
+            "--port=5555",
+        ],
         "release": ["mailpipe", "db", "upgrade"],
     }[role]
     assert c["command"] == expected
     assert "entryPoint" not in c, "tini stays PID 1 only through the image's ENTRYPOINT"
+
+
+def _role_arguments(command: list[str]) -> list[str]:
+    """The arguments after the role's subcommand (worker, beat, flower)."""
+    for i, token in enumerate(command):
+        if token in ("worker", "beat", "flower"):
+            return command[i + 1 :]
+    return []
+
+
+def option(command: list[str], name: str) -> str | None:
+    """The value of `--<name>=value` in `command`; None when the option is not given."""
+    values = [t.split("=", 1)[1] for t in command if t.startswith(f"--{name}=")]
+    assert len(values) <= 1, (name, command)
+    return values[0] if values else None
+
+
+def procfile() -> dict[str, str]:
+    lines = (ROOT / "Procfile").read_text().splitlines()
+    return dict(line.split(": ", 1) for line in lines if line.strip())
+
+
+def all_commands() -> dict[str, list[str]]:
+    commands = {f"ecs:{role}": container(role)["command"] for role in ROLES}
+    commands |= {f"procfile:{role}": shlex.split(line) for role, line in procfile().items()}
+    return commands
+
+
+@pytest.mark.parametrize("where", sorted(all_commands()))
+def test_options_take_their_value_after_an_equals_sign(where):
+    """Flower 2.x keeps only the arguments that look like options: `--port 5555` loses its value
+    and Flower stops with "Option 'port' requires a value". One rule for every command."""
+    arguments = _role_arguments(all_commands()[where])
+    for option, following in itertools.pairwise([*arguments, None]):
+        if option.startswith("--") and "=" not in option:
+            assert following is None or following.startswith("-"), (where, option, following)
+
+
+def test_the_procfile_has_every_role():
+    assert set(procfile()) == set(ROLES)
+    # The model role on threads, with the connections they share, as its task definition has it.
+    model = shlex.split(procfile()["model"])
+    assert option(model, "pool") == "threads"
+    assert option(model, "concurrency") == option(container("model")["command"], "concurrency")
+    assert "MAILPIPE_DB_POOL_SIZE=8" in model
+    # Both workers may run on one machine, and Flower and `celery inspect` tell workers apart by
+    # node name (celery@<host> unless --hostname= says otherwise).
+    names = {role: option(shlex.split(procfile()[role]), "hostname") for role in WORKERS}
+    assert names == {"worker": None, "model": "model@%h"}
+    # The Procfile is the local set-up: Flower on loopback, its config named explicitly (a
+    # missing ./flowerconfig.py is then an error, not a Flower without its checks).
+    flower = shlex.split(procfile()["flower"])
+    assert "--address=127.0.0.1" in flower
+    assert "--conf=./flowerconfig.py" in flower
+
+
+def consumed(where: str, queue: str | None = None) -> list[str]:
+    """The queues the command's `--queues=` names, as `sh` expands it with MAILPIPE_QUEUE=`queue`
+    (unset for None); an exec-form command has nothing to expand."""
+    value = option(all_commands()[where], "queues")
+    assert value is not None, f"{where} names no queues, so it would consume every one"
+    env = {"PATH": os.environ["PATH"]} | ({"MAILPIPE_QUEUE": queue} if queue else {})
+    expanded = subprocess.run(
+        ["sh", "-c", f"printf %s {value}"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return expanded.split(",")
+
+
+def queues_of_the_roles(queue: str) -> dict[str, set[str]]:
+    settings = Settings.model_construct(queue=queue)
+    return {
+        "worker": {email_queue(settings), control_queue(settings)},
+        "model": {model_queue(settings)},
+    }
+
+
+@pytest.mark.parametrize("queue", [None, "acme"])
+def test_the_procfile_workers_consume_the_queues_derived_from_mailpipe_queue(queue):
+    """The Procfile names the queues through ${MAILPIPE_QUEUE:-mailpipe}, as the app derives them
+    (mailpipe/coordination/queues.py): the CPU stage and the sweeps on the worker, the model stage
+    on the model role, every job queue consumed by exactly one of them."""
+    name = queue or Settings.model_fields["queue"].default
+    expected = queues_of_the_roles(name)
+    for role in WORKERS:
+        names = consumed(f"procfile:{role}", queue)
+        assert len(names) == len(set(names)) and set(names) == expected[role], role
+    settings = Settings.model_construct(queue=name)
+    assert set(job_queues(settings)) | {control_queue(settings)} == set().union(*expected.values())
+    assert not set.intersection(*expected.values())
+
+
+def test_the_task_definitions_consume_the_default_queues():
+    """Exec form has no shell: the task definitions name the queues of the default
+    MAILPIPE_QUEUE, which their environment leaves as it is."""
+    expected = queues_of_the_roles(Settings.model_fields["queue"].default)
+    for role in WORKERS:
+        assert "MAILPIPE_QUEUE" not in env(role)
+        assert set(consumed(f"ecs:{role}")) == expected[role], role
 
 
 @pytest.mark.parametrize("role", SERVICES)
@@ -165,41 +296,80 @@ def test_long_running_roles_have_a_health_check(role):
     assert check["retries"] >= 2
 
 
-def test_worker_health_check_pings_this_worker_only():
-    kind, command = container("worker")["healthCheck"]["command"]
+# The setting naming each role's health file; the model role is a worker, with a file of its own.
+HEALTH_FILES = {
+    "worker": "MAILPIPE_WORKER_HEALTH_FILE",
+    "model": "MAILPIPE_WORKER_HEALTH_FILE",
+    "beat": "MAILPIPE_BEAT_HEALTH_FILE",
+}
+
+
+@pytest.mark.parametrize("role", sorted(HEALTH_FILES))
+def test_worker_model_and_beat_health_checks_test_the_age_of_their_health_file(role):
+    """No interpreter, no broadcast: sh and find, on the file the role touches (a worker's
+    heartbeat thread every 10 s, beat's scheduler every tick, at most 20 s apart)."""
+    kind, command = container(role)["healthCheck"]["command"]
+    path = env(role)[HEALTH_FILES[role]]
     assert kind == "CMD-SHELL"
-    args = shlex.split(command)
-    assert args[:5] == ["celery", "-A", "mailpipe", "inspect", "ping"]
-    # celery@<hostname> is the worker's default node name; without --destination any worker answers.
-    assert args[args.index("--destination") + 1] == "celery@$(hostname)"
-    timeout = float(args[args.index("--timeout") + 1])
-    assert timeout < container("worker")["healthCheck"]["timeout"]
+    assert command == f'test -n "$(find {path} -mmin -1)"'
+    # On a task volume (the root filesystem is read-only), named for its role.
+    assert path == f"/tmp/mailpipe-{role}.health" and "/tmp" in dockerfile_volumes()
+    assert HEALTH_FILES[role].removeprefix("MAILPIPE_").lower() in Settings.model_fields
+    # Touched at least twice within the minute the check allows.
+    defaults = Settings.model_fields
+    touched_every = {
+        "worker": float(defaults["worker_heartbeat_interval"].default),
+        "model": float(defaults["worker_heartbeat_interval"].default),
+        "beat": defaults["beat_lock_timeout"].default / 3,
+    }[role]
+    assert touched_every <= 30
 
 
-def test_beat_health_check_cannot_match_its_own_shell():
-    # CMD-SHELL would run `sh -c 'pgrep -f "...beat"'`, whose own command line matches the
-    # pattern: the check would pass with beat dead. The exec form has no such shell.
-    command = container("beat")["healthCheck"]["command"]
-    assert command[:3] == ["CMD", "pgrep", "-f"]
-    pattern = command[3]
-    beat_cmdline = "/opt/venv/bin/python /opt/venv/bin/celery -A mailpipe beat --loglevel INFO"
-    tini_cmdline = "tini -- celery -A mailpipe beat --loglevel INFO"
-    assert re.search(pattern, beat_cmdline) and not re.search(pattern, tini_cmdline)
+def test_the_health_file_settings_default_to_the_worker_s_and_beat_s_files():
+    """Outside ECS (the Procfile) the defaults apply; in ECS every role names its file."""
+    defaults = Settings.model_fields
+    assert str(defaults["worker_health_file"].default) == env("worker")[HEALTH_FILES["worker"]]
+    assert str(defaults["beat_health_file"].default) == env("beat")[HEALTH_FILES["beat"]]
 
 
-def test_flower_health_check_uses_the_unauthenticated_endpoint():
+def test_flower_health_check_uses_the_unauthenticated_endpoint_with_curl():
     command = container("flower")["healthCheck"]["command"]
-    assert command[0] == "CMD"
-    assert "http://127.0.0.1:5555/healthcheck" in " ".join(command)
+    assert command[:2] == ["CMD", "curl"]
+    assert "--fail" in command and command[-1] == "http://127.0.0.1:5555/healthcheck"
+    max_time = float(command[command.index("--max-time") + 1])
+    assert max_time < container("flower")["healthCheck"]["timeout"]
     assert container("flower")["portMappings"][0]["containerPort"] == 5555
+    # curl is installed in the image's final stage.
+    installs = " ".join(v for k, v in final_stage() if k == "RUN" and "apt-get install" in v)
+    assert re.search(r"\bcurl\b", installs)
 
 
-def test_worker_stops_through_celery_soft_shutdown():
-    c = container("worker")
+@pytest.mark.parametrize("role", ROLES)
+def test_every_role_logs_json_lines_and_awslogs_starts_an_event_at_each(role):
+    assert env(role)["MAILPIPE_LOG_FORMAT"] == "json"
+    pattern = container(role)["logConfiguration"]["options"]["awslogs-multiline-pattern"]
+    record = '{"level": "ERROR", "message": "x", "exc_info": "Traceback (most recent call last):"}'
+    assert re.match(pattern, record)
+    # A line that is not a record (a crash before logging was set up) joins the event before it.
+    for stray in ("Traceback (most recent call last):", '  File "x.py", line 1', "KeyError: 1"):
+        assert not re.match(pattern, stray)
+
+
+def test_flower_config_path_is_fixed_in_the_image():
+    env_lines = " ".join(v for k, v in final_stage() if k == "ENV")
+    copied = [v.split() for k, v in final_stage() if k == "COPY" and "--from" not in v]
+    assert ["mailpipe/app/flowerconfig.py", "/etc/mailpipe/flowerconfig.py"] in copied
+    assert "FLOWER_CONF=/etc/mailpipe/flowerconfig.py" in env_lines
+    assert "--conf=/etc/mailpipe/flowerconfig.py" in container("flower")["command"]
+
+
+@pytest.mark.parametrize("role", WORKERS)
+def test_workers_stop_through_celery_soft_shutdown(role):
+    c = container(role)
     assert c["stopTimeout"] == 120
-    assert env("worker")["REMAP_SIGTERM"] == "SIGQUIT"
+    assert env(role)["REMAP_SIGTERM"] == "SIGQUIT"
     soft = float(
-        env("worker").get(
+        env(role).get(
             "MAILPIPE_SOFT_SHUTDOWN_TIMEOUT", Settings.model_fields["soft_shutdown_timeout"].default
         )
     )
@@ -209,19 +379,40 @@ def test_worker_stops_through_celery_soft_shutdown():
     assert soft + 10 <= c["stopTimeout"]
 
 
-def test_worker_settings_pass_the_app_time_budget_check(monkeypatch):
+def task_settings(role: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The settings the role's task runs with: its environment over the app's defaults."""
     # Only the task definition and the app defaults count, not the test suite's short timeouts.
     for name in [n for n in os.environ if n.startswith("MAILPIPE_")]:
         monkeypatch.delenv(name)
     values = {
         k.removeprefix("MAILPIPE_").lower(): v
-        for k, v in env("worker").items()
+        for k, v in env(role).items()
         if k.startswith("MAILPIPE_")
     }
-    settings = Settings(**values)  # raises when the time budget rule is broken
+    return Settings(**values)  # raises when a rule of the settings is broken
+
+
+def test_worker_settings_pass_the_app_time_budget_check(monkeypatch):
+    settings = task_settings("worker", monkeypatch)
     assert settings.worker_concurrency == 2
     assert settings.metrics_namespace == "Mailpipe"
     assert settings.blob_url.startswith("s3://")
+    # The CPU stage must know that the model is remote, to hand the email off to the model role.
+    assert settings.model_backend == "bedrock"
+
+
+def test_model_settings_are_sized_for_threads(monkeypatch):
+    settings = task_settings("model", monkeypatch)
+    assert settings.model_backend == "bedrock"
+    assert settings.metrics_namespace == "Mailpipe"
+    # Threads hold a connection only for their short transactions: a few serve all 32.
+    assert option(container("model")["command"], "concurrency") == "32"
+    assert settings.db_pool_size == 8
+    # The model stage reads what the CPU stage stored in the database, never a blob.
+    assert "MAILPIPE_BLOB_URL" not in env("model")
+    # Both workers call the same model in the same region.
+    for name in ("MAILPIPE_BEDROCK_MODEL_ID", "MAILPIPE_BEDROCK_REGION"):
+        assert env("model")[name] == env("worker")[name]
 
 
 def test_every_broker_client_uses_the_same_visibility_timeout():
@@ -230,7 +421,7 @@ def test_every_broker_client_uses_the_same_visibility_timeout():
         for role in ROLES
         if "MAILPIPE_BROKER_URL" in secrets(role)
     }
-    assert set(timeouts) == {"worker", "beat", "flower"}
+    assert set(timeouts) == {"worker", "model", "beat", "flower"}
     assert set(timeouts.values()) == {"900"}, timeouts
 
 
@@ -259,6 +450,7 @@ def test_every_secret_comes_from_secrets_manager_or_ssm(role):
 
 def test_roles_get_only_the_secrets_they_use():
     assert set(secrets("worker")) == {"MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"}
+    assert set(secrets("model")) == {"MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"}
     assert set(secrets("beat")) == {"MAILPIPE_BROKER_URL"}
     assert set(secrets("flower")) == {"MAILPIPE_BROKER_URL", "MAILPIPE_FLOWER_BASIC_AUTH"}
     assert set(secrets("release")) == {"MAILPIPE_DATABASE_URL"}
@@ -289,11 +481,21 @@ def test_task_definition_roles_are_the_stack_roles(role, template):
     }
     execution = td["executionRoleArn"].removeprefix(f"arn:aws:iam::{ACCOUNT}:role/")
     assert execution == f"mailpipe-{role}-execution" and execution in stack_roles
-    if role in ("worker", "beat"):
+    if role in WORKERS:
         task = td["taskRoleArn"].removeprefix(f"arn:aws:iam::{ACCOUNT}:role/")
         assert task == f"mailpipe-{role}-task" and task in stack_roles
     else:
         assert "taskRoleArn" not in td, "no AWS API calls, so no credentials"
+
+
+def test_only_workers_send_metrics():
+    """Both workers report from their main process, the CPU stage's also from the sweeps it runs
+    (the sweep is a task on the control queue); beat only sends the sweep message. So only the
+    workers have the namespace, and only their task roles may put metrics."""
+    senders = {role for role in ROLES if "MAILPIPE_METRICS_NAMESPACE" in env(role)}
+    assert senders == set(WORKERS)
+    task_policies = {p.stem for p in (DEPLOY / "iam").glob("*-task-policy.json")}
+    assert task_policies == {f"{role}-task-policy" for role in WORKERS}
 
 
 # --- Dockerfile --------------------------------------------------------------------------------
@@ -355,15 +557,18 @@ def test_dockerfile_holds_no_secret():
 def test_dockerfile_installs_the_package_from_the_repository():
     copied = [v for k, v in dockerfile_instructions() if k == "COPY" and "--from" not in v]
     sources = {src for v in copied for src in v.split()[:-1]}
-    for needed in ("pyproject.toml", "celeryconfig.py", "mailpipe"):
+    for needed in ("pyproject.toml", "requirements.lock", "mailpipe"):
         assert needed in sources
-    # Dependencies are installed before the source is copied, so code changes reuse that layer.
+    # Dependencies are installed from the lock file, with hashes, before the source is copied,
+    # so code changes reuse that layer.
     instructions = dockerfile_instructions()
     first_source = next(
         i for i, (k, v) in enumerate(instructions) if k == "COPY" and "mailpipe" in v.split()
     )
     deps = next(
-        i for i, (k, v) in enumerate(instructions) if k == "RUN" and "requirements.txt" in v
+        i
+        for i, (k, v) in enumerate(instructions)
+        if k == "RUN" and "--require-hashes" in v and "requirements.lock" in v
     )
     assert deps < first_source
 
@@ -373,7 +578,7 @@ def test_dockerignore_applies_to_the_documented_build():
     # deploy/.dockerignore would not apply to that build context.
     patterns = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     assert patterns[patterns.index("*") + 1 :].count("!mailpipe/") == 1
-    assert "!pyproject.toml" in patterns and "!celeryconfig.py" in patterns
+    assert "!pyproject.toml" in patterns and "!requirements.lock" in patterns
 
 
 # --- CloudFormation ----------------------------------------------------------------------------
@@ -426,13 +631,51 @@ def test_worker_scales_on_backlog_per_task(template):
     assert config["DisableScaleIn"] is False
 
 
+def test_model_service_scales_on_the_backlog_per_task_of_the_model_queue(template):
+    res = template["Resources"]
+    params = template["Parameters"]
+    target = res["ModelScalableTarget"]["Properties"]
+    assert target["ScalableDimension"] == "ecs:service:DesiredCount"
+    assert target["ResourceId"] == {"Fn::Sub": "service/${ClusterName}/${ModelService.Name}"}
+    assert target["MinCapacity"] == {"Ref": "ModelMinTasks"}
+    assert target["MaxCapacity"] == {"Ref": "ModelMaxTasks"}
+    assert 1 <= params["ModelMinTasks"]["Default"] <= params["ModelMaxTasks"]["Default"]
+    # Its own policy on its own target: the worker's policies never move the model service.
+    policies = {
+        name: r["Properties"]
+        for name, r in res.items()
+        if r["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
+        and r["Properties"]["ScalingTargetId"] == {"Ref": "ModelScalableTarget"}
+    }
+    assert list(policies) == ["ModelBacklogScalingPolicy"]
+    (policy,) = policies.values()
+    assert policy["PolicyType"] == "TargetTrackingScaling"
+    config = policy["TargetTrackingScalingPolicyConfiguration"]
+    metric = config["CustomizedMetricSpecification"]
+    assert metric["MetricName"] == "BacklogPerTask"
+    assert metric["Namespace"] == {"Ref": "MetricsNamespace"}
+    (dimension,) = metric["Dimensions"]
+    assert dimension == {"Name": "Queue", "Value": {"Fn::Sub": "${QueueName}.model"}}
+    queue = params["QueueName"]["Default"]
+    assert dimension["Value"]["Fn::Sub"].replace("${QueueName}", queue) == model_queue(
+        Settings.model_construct(queue=queue)
+    )
+    assert metric["Statistic"] == "Average"
+    assert config["TargetValue"] == {"Ref": "ModelBacklogPerTaskTarget"}
+    assert config["DisableScaleIn"] is False
+    # The default target is threads per task x acceptable wait (60 s) / mean call time (2 s).
+    assert params["ModelBacklogPerTaskTarget"]["Default"] == 32 * 60 / 2
+
+
 def test_services(template):
     res = template["Resources"]
     worker = res["WorkerService"]["Properties"]
     assert "DesiredCount" not in worker, "auto scaling owns the worker count"
+    assert "DesiredCount" not in res["ModelService"]["Properties"], "and the model count"
     assert res["BeatService"]["Properties"]["DesiredCount"] == 1
     assert res["FlowerService"]["Properties"]["DesiredCount"] == 1
-    for name in ("WorkerService", "BeatService", "FlowerService"):
+    assert res["ModelService"]["Properties"]["TaskDefinition"] == {"Ref": "ModelTaskDefinitionArn"}
+    for name in ("WorkerService", "ModelService", "BeatService", "FlowerService"):
         props = res[name]["Properties"]
         assert props["LaunchType"] == "FARGATE"
         assert props["NetworkConfiguration"]["AwsvpcConfiguration"]["AssignPublicIp"] == "DISABLED"
@@ -489,24 +732,73 @@ def test_task_role_trust_is_limited_to_this_account():
     assert statement["Condition"]["ArnLike"]["aws:SourceArn"].startswith("arn:aws:ecs:")
 
 
-def test_metrics_are_limited_to_the_mailpipe_namespace():
-    for name in ("worker-task-policy", "beat-task-policy"):
-        (statement,) = [s for s in iam_document(name)["Statement"] if s["Sid"] == "PutMetrics"]
-        assert statement["Condition"] == {"StringEquals": {"cloudwatch:namespace": "Mailpipe"}}
+@pytest.mark.parametrize("role", WORKERS)
+def test_metrics_are_limited_to_the_mailpipe_namespace(role):
+    (statement,) = [
+        s for s in iam_document(f"{role}-task-policy")["Statement"] if s["Sid"] == "PutMetrics"
+    ]
+    assert statement["Condition"] == {"StringEquals": {"cloudwatch:namespace": "Mailpipe"}}
 
 
-def test_worker_reaches_only_its_blob_prefix_and_model():
+def test_worker_reaches_only_its_blob_prefix():
     by_sid = {s["Sid"]: s for s in iam_document("worker-task-policy")["Statement"]}
+    assert set(by_sid) == {"ReadWriteBlobs", "PutMetrics"}
     blobs = by_sid["ReadWriteBlobs"]
     assert sorted(as_list(blobs["Action"])) == ["s3:GetObject", "s3:PutObject"]
     bucket, prefix = env("worker")["MAILPIPE_BLOB_URL"].removeprefix("s3://").split("/", 1)
     assert as_list(blobs["Resource"]) == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+
+
+def test_model_role_reaches_only_its_model():
+    by_sid = {s["Sid"]: s for s in iam_document("model-task-policy")["Statement"]}
+    assert set(by_sid) == {"InvokeModel", "PutMetrics"}
     model = by_sid["InvokeModel"]
     assert as_list(model["Action"]) == ["bedrock:InvokeModel"]
     assert as_list(model["Resource"]) == [
-        f"arn:aws:bedrock:{env('worker')['MAILPIPE_BEDROCK_REGION']}::foundation-model/"
-        f"{env('worker')['MAILPIPE_BEDROCK_MODEL_ID']}"
+        f"arn:aws:bedrock:{env('model')['MAILPIPE_BEDROCK_REGION']}::foundation-model/"
+        f"{env('model')['MAILPIPE_BEDROCK_MODEL_ID']}"
     ]
+
+
+def _actions_by_policy(template: dict) -> dict[str, set[str]]:
+    """Every IAM action granted, by the standalone document or template resource granting it."""
+    granted = {
+        name: {a for s in iam_document(name)["Statement"] for a in as_list(s["Action"])}
+        for name in IAM_DOCUMENTS
+    }
+    for name, res in template["Resources"].items():
+        props = res["Properties"]
+        if res["Type"] == "AWS::IAM::Role":
+            documents = [p["PolicyDocument"] for p in props.get("Policies", [])]
+        elif res["Type"] in ("AWS::IAM::ManagedPolicy", "AWS::IAM::Policy"):
+            documents = [props["PolicyDocument"]]
+        else:
+            continue
+        granted[name] = {a for doc in documents for acts in _statements(doc).values() for a in acts}
+    return granted
+
+
+def test_only_the_model_task_role_may_invoke_bedrock(template):
+    """The CPU stage hands the email off; only the model role's threads call the model."""
+    callers = {
+        name
+        for name, actions in _actions_by_policy(template).items()
+        if any(a.lower().startswith("bedrock:") for a in actions)
+    }
+    assert callers == {"model-task-policy", "ModelTaskRole"}
+    (statement,) = [
+        s
+        for s in template["Resources"]["ModelTaskRole"]["Properties"]["Policies"][0][
+            "PolicyDocument"
+        ]["Statement"]
+        if s["Sid"] == "InvokeModel"
+    ]
+    assert statement["Resource"] == {
+        "Fn::Sub": "arn:${AWS::Partition}:bedrock:${BedrockRegion}::foundation-model/${BedrockModelId}"
+    }
+    params = template["Parameters"]
+    assert params["BedrockModelId"]["Default"] == env("model")["MAILPIPE_BEDROCK_MODEL_ID"]
+    assert params["BedrockRegion"]["Default"] == env("model")["MAILPIPE_BEDROCK_REGION"]
 
 
 def _statements(document: dict) -> dict[str, list[str]]:
@@ -521,8 +813,9 @@ def _statements(document: dict) -> dict[str, list[str]]:
 STANDALONE_TWINS = {
     # template resource -> standalone documents of its policies
     "WorkerTaskRole": ["worker-task-policy"],
-    "BeatTaskRole": ["beat-task-policy"],
     "WorkerExecutionRole": ["worker-execution-policy"],
+    "ModelTaskRole": ["model-task-policy"],
+    "ModelExecutionRole": ["model-execution-policy"],
     "BeatExecutionRole": ["beat-execution-policy"],
     "FlowerExecutionRole": ["flower-execution-policy"],
     "ReleaseExecutionRole": ["release-execution-policy"],

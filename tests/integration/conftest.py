@@ -7,14 +7,13 @@ must not have a worker from an earlier module consuming it.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import select
 
-from mailpipe import localfleet
-from mailpipe.localfleet import CeleryProcess
+from mailpipe.harness import fleet as localfleet
+from mailpipe.harness.fleet import CeleryProcess
+from tests.support.fleet import Fleet
 
 
 @pytest.fixture(scope="module")
@@ -35,30 +34,15 @@ def live_worker(worker: CeleryProcess) -> CeleryProcess:
     assert worker.alive(), f"the worker died during the test:\n{worker.log_tail()}"
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+@pytest.fixture
+def fleet(res, tmp_path):  # type: ignore[no-untyped-def]
+    """Makes fleets of workers of the test's own (tests/support/fleet.py), stopped after it."""
+    fleets: list[Fleet] = []
 
+    def make(**settings: str) -> Fleet:
+        fleets.append(Fleet(res, tmp_path, **settings))
+        return fleets[-1]
 
-def run_statuses(res, email_ids: list[int]) -> dict[int, str]:  # type: ignore[no-untyped-def]
-    from mailpipe.models import PipelineRun
-
-    with res.db.session() as session:
-        rows = session.execute(
-            select(PipelineRun.email_id, PipelineRun.status).where(PipelineRun.email_id.in_(email_ids))
-        ).all()
-    return {email_id: status.value for email_id, status in rows}
-
-
-def wait_until_closed(res, email_ids: list[int], timeout: float = 90.0) -> dict[int, str]:  # type: ignore[no-untyped-def]
-    """Wait until every email has a run that is not open; returns email id -> status."""
-    def closed() -> bool:
-        statuses = run_statuses(res, email_ids)
-        return len(statuses) == len(email_ids) and "open" not in statuses.values()
-
-    wait_for(closed, timeout, f"{len(email_ids)} runs to close")
-    return run_statuses(res, email_ids)
+    yield make
+    for made in fleets:
+        made.stop()

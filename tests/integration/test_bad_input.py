@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-
-from mailpipe import flags, redis_keys
+from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import enqueue_email, enqueue_emails
-from mailpipe.errors import UnknownEmail
-from mailpipe.ingest import store_emails
-from mailpipe.models import PipelineRun
 from mailpipe.pipeline import job
-from tests.integration.conftest import run_statuses, wait_for, wait_until_closed
-from tests.unit.pipeline.test_parse import nested_multipart
+from mailpipe.storage import flags
+from mailpipe.storage.models import PipelineRun
+from tests.support.emails import nested_multipart
+from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 GOOD = b"From: a@example.org\r\nSubject: Invoice 7\r\nMessage-ID: <good@x>\r\n\r\nAmount due: 5 EUR\r\n"
 # An address header the default policy cannot read; the job must read it raw and go on.
-RAISING_HEADER = b"From: =?utf-8?b?////?= <@@@>, \"unclosed\r\nTo: <<>>\r\nSubject: odd\r\n\r\nbody\r\n"
+RAISING_HEADER = (
+    b'From: =?utf-8?b?////?= <@@@>, "unclosed\r\nTo: <<>>\r\nSubject: odd\r\n\r\nbody\r\n'
+)
 
 
 def test_bad_emails_fail_alone_with_their_reason(res, live_worker) -> None:  # type: ignore[no-untyped-def]
@@ -28,7 +28,7 @@ def test_bad_emails_fail_alone_with_their_reason(res, live_worker) -> None:  # t
         "raising_header": RAISING_HEADER,
         "good": GOOD,
     }
-    ids = dict(zip(inputs, store_emails(res, list(inputs.values()))))
+    ids = dict(zip(inputs, store_emails(res, list(inputs.values())), strict=True))
     enqueue_emails(list(ids.values()), res)
     statuses = wait_until_closed(res, list(ids.values()))
     with res.db.session() as session:
@@ -38,7 +38,7 @@ def test_bad_emails_fail_alone_with_their_reason(res, live_worker) -> None:  # t
         }
     assert statuses[ids["empty"]] == "failed" and "empty" in errors["empty"]
     assert statuses[ids["garbage"]] == "failed" and "not an email" in errors["garbage"]
-    assert statuses[ids["deep"]] == "failed" and "nested too deeply" in errors["deep"]
+    assert statuses[ids["deep"]] == "failed" and "nested deeper than 25 levels" in errors["deep"]
     assert statuses[ids["raising_header"]] == "succeeded"
     assert statuses[ids["good"]] == "succeeded"
     # Permanent errors are not retried: one attempt each.
@@ -53,8 +53,8 @@ def test_bad_emails_fail_alone_with_their_reason(res, live_worker) -> None:  # t
 def test_unknown_email_id_fails_cleanly_and_the_worker_goes_on(res, live_worker) -> None:  # type: ignore[no-untyped-def]
     with res.db.transaction() as session:
         flags.set_model_calls(session, True)
-    with pytest.raises(UnknownEmail, match="no email_message row with id 987654"):
-        job.process_email(res, 987654)
+    outcome = job.process_email(res, 987654)
+    assert (outcome.kind.value, outcome.error) == ("failed", "no email_message row with id 987654")
     assert enqueue_email(987654)
     [good] = store_emails(res, [GOOD])
     enqueue_email(good)

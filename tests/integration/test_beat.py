@@ -11,9 +11,10 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from mailpipe import flags, localfleet
-from mailpipe.models import Classification, EmailMessage, PipelineRun
-from tests.integration.conftest import wait_for, wait_until_closed
+from mailpipe.harness import fleet as localfleet
+from mailpipe.storage import flags
+from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
+from tests.support.waits import wait_for, wait_until_closed
 
 SWEEP_INTERVAL = 2
 LOCK_TIMEOUT = 6
@@ -29,6 +30,9 @@ def fleet_env(**extra: str) -> dict[str, str]:
     return env
 
 
+HOLDING = "beat: holding the scheduler lock"
+
+
 def test_two_beats_fire_each_sweep_once_and_the_standby_takes_over(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     env = fleet_env()
     control = env["MAILPIPE_REDIS_PREFIX"] + "mailpipe.control"
@@ -37,19 +41,18 @@ def test_two_beats_fire_each_sweep_once_and_the_standby_takes_over(res, tmp_path
     try:
         wait_for(lambda: res.redis.exists(lock), 30, "a beat to take the lock")
         start, sent_before = time.monotonic(), res.redis.llen(control)
-        time.sleep(5 * SWEEP_INTERVAL)
+        wait_for(lambda: res.redis.llen(control) - sent_before >= 3, 60, "three sweeps")
         elapsed, sent = time.monotonic() - start, res.redis.llen(control) - sent_before
         # One schedule fires: at most one sweep per interval (plus one at a boundary), not two.
-        assert 3 <= sent <= elapsed / SWEEP_INTERVAL + 1, sent
+        assert sent <= elapsed / SWEEP_INTERVAL + 1, (sent, elapsed)
 
-        holder_pid = int(res.redis.get(lock).decode().split(":")[1])
-        [active] = [b for b in beats if b.pid == holder_pid]
+        [active] = [b for b in beats if HOLDING in b.log_path.read_text()]
         [standby] = [b for b in beats if b is not active]
         active.kill()
         killed_at, sent_at_kill = time.monotonic(), res.redis.llen(control)
         wait_for(lambda: res.redis.llen(control) > sent_at_kill, 60, "the standby to fire")
         takeover = time.monotonic() - killed_at
-        assert int(res.redis.get(lock).decode().split(":")[1]) == standby.pid
+        assert HOLDING in standby.log_path.read_text()
         # Within the lock timeout plus one check interval (well inside two minutes).
         assert takeover <= LOCK_TIMEOUT + LOCK_TIMEOUT / 3 + SWEEP_INTERVAL + 2, takeover
     finally:
@@ -69,8 +72,11 @@ def test_flush_while_200_emails_wait_then_each_is_processed_once(res, tmp_path: 
             f"From: a@example.org\r\nSubject: Invoice {i}\r\nMessage-ID: <f{i}@x>\r\n\r\nAmount due {i}\r\n".encode()
         )
     ingest = subprocess.run(
-        [sys.executable, "-m", "mailpipe.cli", "ingest", str(folder)],
-        env=env, capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "mailpipe.cli.main", "ingest", str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "stored 200, enqueued 200" in ingest.stdout
     assert res.redis.llen(prefix + "mailpipe") == 200

@@ -2,29 +2,71 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import mailbox
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from datetime import datetime
 from email.message import EmailMessage
 from pathlib import Path
 
+import click
+import psycopg
+import pytest
+from alembic.script import ScriptDirectory
 from sqlalchemy import select
 
-from mailpipe import flags, redis_keys
-from mailpipe.ingest import store_emails
-from mailpipe.models import EmailMessage as EmailRow
-from mailpipe.models import PipelineRun
+from mailpipe.cli.ingest import store_emails
+from mailpipe.cli.main import main
+from mailpipe.coordination import brokerstate, redis_keys
+from mailpipe.coordination.queues import control_queue
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.harness.services import Database, free_port
+from mailpipe.operations import sweeper
+from mailpipe.operations.metrics import LogMetricsSink
 from mailpipe.pipeline import job
-from mailpipe.queues import control_queue
+from mailpipe.resources import Resources
+from mailpipe.storage import flags
+from mailpipe.storage.migrate import MIGRATIONS
+from mailpipe.storage.models import EmailMessage as EmailRow
+from mailpipe.storage.models import PipelineRun
+from tests.conftest import PG_ADMIN_URL, RUN_ID
+
+NOT_AN_EMAIL = b"\x00 not an email"
 
 
-def mailpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def mailpipe(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """`mailpipe ARGS` in a subprocess; `env`: MAILPIPE_ variables to set for it alone."""
     return subprocess.run(
-        [sys.executable, "-m", "mailpipe.cli", *args],
-        capture_output=True, text=True, env=dict(os.environ), cwd=cwd, timeout=300,
+        [sys.executable, "-m", "mailpipe.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=cwd,
+        timeout=300,
     )
+
+
+def one_error_line(run: subprocess.CompletedProcess[str]) -> str:
+    """The single line a failure prints on stderr (asserted single, with no traceback)."""
+    assert "Traceback" not in run.stderr, run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    return lines[0]
+
+
+def statuses(res: Resources) -> dict[int, str]:
+    with res.db.session() as session:
+        rows = session.execute(select(PipelineRun.email_id, PipelineRun.status))
+        return {email_id: status.value for email_id, status in rows}
+
+
+def set_model_calls(res: Resources, on: bool) -> None:
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, on)
 
 
 def message(n: int) -> EmailMessage:
@@ -49,9 +91,15 @@ def test_ingest_reads_mbox_maildir_and_files_and_reports_rejections(res, tmp_pat
     (tmp_path / "loose" / "empty.eml").write_bytes(b"")
     (tmp_path / "loose" / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
 
-    run = mailpipe("ingest", str(tmp_path / "inbox.mbox"), str(tmp_path / "Maildir"),
-                   str(tmp_path / "loose"), str(tmp_path / "missing.eml"))
-    assert run.returncode == 0, run.stderr
+    run = mailpipe(
+        "ingest",
+        str(tmp_path / "inbox.mbox"),
+        str(tmp_path / "Maildir"),
+        str(tmp_path / "loose"),
+        str(tmp_path / "missing.eml"),
+    )
+    assert run.returncode == 2, run.stderr  # bad input: the rest is stored all the same
+    assert "3 rejected (listed above); the rest was stored" in run.stderr
     assert "stored 6, enqueued 6, already queued 0, rejected 3" in run.stdout
     assert "empty.eml: empty file" in run.stdout
     assert "photo.png: not an email" in run.stdout
@@ -66,24 +114,38 @@ def test_ingest_reads_mbox_maildir_and_files_and_reports_rejections(res, tmp_pat
 
 def _has_run(res, email_id: int) -> bool:  # type: ignore[no-untyped-def]
     with res.db.session() as session:
-        return session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id)) is not None
+        return (
+            session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id))
+            is not None
+        )
 
 
-def test_status_json_contract(res) -> None:  # type: ignore[no-untyped-def]
-    store_emails(res, [message(1).as_bytes()])
+def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untyped-def]
+    bad, good, queued, _idle = store_emails(
+        res, [NOT_AN_EMAIL, *(message(n).as_bytes() for n in (1, 2, 3))]
+    )
+    set_model_calls(res, True)
+    assert job.process_email(res, bad).kind.value == "failed"
+    assert job.process_email(res, good).kind.value == "succeeded"
+    assert enqueue_emails([queued], res).sent == [queued]
+
     run = mailpipe("status", "--json")
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
-    assert data["emails"] == 1 and data["no_run"] == 1
-    assert set(data["runs"]) == {"open", "succeeded", "duplicate", "failed"}
+    assert data["emails"] == 4
+    assert data["no_run"] == 2  # the queued one and the idle one
+    assert data["runs"] == {"open": 0, "succeeded": 1, "duplicate": 0, "failed": 1}
     assert data["needs_review"] == 0
-    assert set(data["queue"]) >= {"depth", "oldest_age_s"}
-    assert mailpipe("status").returncode == 0
+    assert data["queue"]["depth"] == 1
+    assert 0 <= data["queue"]["oldest_age_s"] < 60
+    assert data["model_calls"] is True
+    table = mailpipe("status")
+    assert table.returncode == 0 and "queue depth" in table.stdout
 
 
 def test_failed_list_retry_and_show(res) -> None:  # type: ignore[no-untyped-def]
-    bad, good = store_emails(res, [b"\x00 not an email", message(2).as_bytes()])
-    assert job.process_email(res, bad) is job.Outcome.FAILED
+    bad, good = store_emails(res, [NOT_AN_EMAIL, message(2).as_bytes()])
+    assert job.process_email(res, bad).kind.value == "failed"
     listed = mailpipe("failed")
     assert listed.returncode == 0 and str(bad) in listed.stdout and "not an email" in listed.stdout
 
@@ -100,7 +162,235 @@ def test_failed_list_retry_and_show(res) -> None:  # type: ignore[no-untyped-def
     shown = json.loads(mailpipe("show", str(good)).stdout)
     assert shown["run"]["status"] == "succeeded"
     assert shown["classification"]["model_id"] == "rules"
-    assert mailpipe("show", "424242").returncode != 0
+
+
+def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
+    ids = store_emails(res, [NOT_AN_EMAIL + bytes([n]) for n in range(3)])
+    for email_id in ids:
+        assert job.process_email(res, email_id).kind.value == "failed"
+
+    listed = mailpipe("failed", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert sorted(row["email_id"] for row in rows) == ids
+    for row in rows:
+        assert set(row) == {"email_id", "attempts", "failed_at", "error"}
+        assert row["attempts"] == 1 and "not an email" in row["error"]
+        datetime.fromisoformat(row["failed_at"])
+    assert len(json.loads(mailpipe("failed", "--json", "--limit", "2").stdout)) == 2
+
+    retried = mailpipe("failed", "--retry-all")
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stdout.strip() == "reopened 3, enqueued 3"
+    assert statuses(res) == {email_id: "open" for email_id in ids}
+    assert all(res.redis.exists(redis_keys.job_marker(i)) for i in ids)
+    assert json.loads(mailpipe("failed", "--json").stdout) == []
+
+
+def test_retry_names_the_ids_it_cannot_retry_and_retries_the_rest(res) -> None:  # type: ignore[no-untyped-def]
+    bad, done, idle = store_emails(
+        res, [NOT_AN_EMAIL, message(1).as_bytes(), message(2).as_bytes()]
+    )
+    set_model_calls(res, True)
+    job.process_email(res, bad)
+    job.process_email(res, done)
+
+    run = mailpipe(
+        "failed",
+        "--retry",
+        str(bad),
+        "--retry",
+        str(done),
+        "--retry",
+        str(idle),
+        "--retry",
+        "424242",
+    )
+    assert run.returncode == 3
+    assert run.stdout.strip() == "reopened 1, enqueued 1"
+    assert "Traceback" not in run.stderr
+    assert run.stderr.splitlines() == [
+        f"email {done}: not retried, its run is succeeded",
+        f"email {idle}: not retried, it has no run",
+        "email 424242: not retried, it has no run",
+    ]
+    assert statuses(res) == {bad: "open", done: "succeeded"}
+    assert res.redis.exists(redis_keys.job_marker(bad))
+
+
+def lose_the_job_until_marked_for_review(res: Resources) -> int:
+    """An email whose job the broker loses at every sweep, until the sweeper gives up on it
+    (tests/integration/test_sweeper.py), as a `celery purge` between sweeps does."""
+    set_model_calls(res, True)
+    [stuck] = store_emails(res, [message(7).as_bytes()])
+    for _ in range(res.settings.max_sweeps + 1):
+        sweeper.sweep(
+            res,
+            enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
+            count_workers=lambda: 1,
+            sink=LogMetricsSink(),
+            in_flight_grace=0.0,  # the job just sent is lost already: the purge below
+        )
+        for name in brokerstate.priority_lists(res.settings.queue):
+            res.redis.delete(name)
+    return stuck
+
+
+def test_review_lists_the_marked_emails_and_a_retry_clears_the_mark(res) -> None:  # type: ignore[no-untyped-def]
+    stuck = lose_the_job_until_marked_for_review(res)
+    [marked] = json.loads(mailpipe("review", "--json").stdout)
+    # Its job never ran, so nothing was parsed: no subject yet.
+    assert (marked["email_id"], marked["subject"]) == (stuck, None)
+    assert "re-added 3 times" in marked["reason"]
+    assert str(stuck) in mailpipe("review").stdout
+    assert json.loads(mailpipe("status", "--json").stdout)["needs_review"] == 1
+
+    retried = mailpipe("failed", "--retry", str(stuck))
+    assert retried.returncode == 0, retried.stderr
+    assert json.loads(mailpipe("review", "--json").stdout) == []
+    shown = json.loads(mailpipe("show", str(stuck)).stdout)
+    assert (shown["needs_review"], shown["review_reason"]) == (False, None)
+    assert shown["run"]["status"] == "open"
+    assert json.loads(mailpipe("status", "--json").stdout)["needs_review"] == 0
+
+
+def test_sweep_prints_its_summary(res) -> None:  # type: ignore[no-untyped-def]
+    store_emails(res, [message(1).as_bytes()])  # stored without a job, as if its enqueue failed
+    run = mailpipe("sweep")
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert (summary["ran"], summary["readded_no_run"], summary["readded_stalled"]) == (True, 1, 0)
+    assert summary["queue_depth"] == 1
+    status = json.loads(mailpipe("status", "--json").stdout)
+    assert status["last_sweep"]["readded_no_run"] == 1
+    assert status["queue"]["depth"] == 1
+
+
+def test_show_of_an_unknown_email_is_one_line_and_exit_3(res) -> None:  # type: ignore[no-untyped-def]
+    run = mailpipe("show", "424242")
+    assert run.returncode == 3
+    assert "424242" in one_error_line(run)
+    assert run.stdout == ""
+
+
+def test_bad_input_is_one_line_and_exit_2(services: None) -> None:
+    run = mailpipe("failed", "--limit", "many")
+    assert run.returncode == 2
+    assert "--limit" in one_error_line(run)
+    assert mailpipe("review", "--limit", "0").returncode == 2
+    assert mailpipe("no-such-command").returncode == 2
+    setting = mailpipe("status", MAILPIPE_MAX_SWEEPS="0")
+    assert setting.returncode == 2
+    assert "MAILPIPE_MAX_SWEEPS" in one_error_line(setting)
+
+
+def test_redis_down_is_one_line_and_exit_4_and_a_retry_changes_nothing(res) -> None:  # type: ignore[no-untyped-def]
+    [bad] = store_emails(res, [NOT_AN_EMAIL])
+    job.process_email(res, bad)
+    down = f"redis://:secret@127.0.0.1:{free_port()}/0"
+    run = mailpipe("status", MAILPIPE_BROKER_URL=down)
+    assert run.returncode == 4
+    line = one_error_line(run)
+    assert "Redis unavailable" in line and down.replace("secret", "***") in line
+    assert "secret" not in line
+    retry = mailpipe("failed", "--retry", str(bad), MAILPIPE_BROKER_URL=down)
+    assert retry.returncode == 4 and "Redis" in one_error_line(retry)
+    assert statuses(res) == {bad: "failed"}  # not reopened only to wait for a job never sent
+
+
+def test_database_unreachable_is_one_line_and_exit_4(services: None) -> None:
+    url = f"postgresql://postgres:secret@127.0.0.1:{free_port()}/mailpipe"
+    run = mailpipe("status", MAILPIPE_DATABASE_URL=url)
+    assert run.returncode == 4
+    line = one_error_line(run)
+    assert line.startswith("Error: database unavailable at postgresql://postgres:***@127.0.0.1:")
+    assert "secret" not in line
+
+
+def test_a_missing_sqlite_database_is_named_and_not_created(tmp_path: Path, services: None) -> None:
+    path = tmp_path / "var" / "none.db"
+    url = f"sqlite:///{path}"
+    run = mailpipe("status", MAILPIPE_DATABASE_URL=url)
+    assert run.returncode == 5
+    assert one_error_line(run) == (
+        f"Error: no database at {url} (no such file); run `mailpipe db upgrade`"
+    )
+    assert not path.parent.exists()
+
+
+@pytest.fixture
+def fresh_database() -> Iterator[Database]:
+    """A PostgreSQL database of the test's own with no table in it, dropped after."""
+    database = Database(PG_ADMIN_URL, f"mailpipe_test_{RUN_ID}_cli").create()
+    yield database
+    database.drop()
+
+
+def tables(database: Database) -> set[str]:
+    with psycopg.connect(database.url) as conn:
+        rows = conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        )
+        return {name for (name,) in rows}
+
+
+def test_a_database_without_schema_is_named_and_db_upgrade_migrates_it(
+    fresh_database: Database, services: None
+) -> None:
+    # A password on the URL, to see it masked (the local server trusts and ignores it).
+    url = fresh_database.url.replace("postgres@", "postgres:secret@")
+    shown = url.replace("secret", "***")
+    run = mailpipe("status", MAILPIPE_DATABASE_URL=url)
+    assert run.returncode == 5
+    assert one_error_line(run) == (
+        f"Error: the database at {shown} has no schema; run `mailpipe db upgrade`"
+    )
+    assert tables(fresh_database) == set()
+
+    assert (
+        mailpipe("db", "upgrade", "--revision", "0001", MAILPIPE_DATABASE_URL=url).returncode == 0
+    )
+    behind = mailpipe("show", "1", MAILPIPE_DATABASE_URL=url)
+    assert behind.returncode == 5
+    head = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    assert f"is at schema revision 0001, this mailpipe needs {head}" in one_error_line(behind)
+
+    upgraded = mailpipe("db", "upgrade", MAILPIPE_DATABASE_URL=url)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert upgraded.stdout.strip() == f"database at head: {shown}"
+    assert tables(fresh_database) >= {
+        "alembic_version",
+        "email_message",
+        "pipeline_run",
+        "document",
+        "classification",
+        "sweep_report",
+    }
+    status = mailpipe("status", "--json", MAILPIPE_DATABASE_URL=url)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["emails"] == 0
+
+
+def test_version_is_the_installed_package_version(services: None) -> None:
+    run = mailpipe("--version")
+    assert run.returncode == 0
+    assert run.stdout.strip() == f"mailpipe, version {importlib.metadata.version('mailpipe')}"
+
+
+def test_every_option_has_help() -> None:
+    def commands(group: click.Group) -> Iterator[click.Command]:
+        for command in group.commands.values():
+            yield command
+            if isinstance(command, click.Group):
+                yield from commands(command)
+
+    missing = [
+        f"{command.name} {option.opts[0]}"
+        for command in [main, *commands(main)]
+        for option in command.params
+        if isinstance(option, click.Option) and not option.help
+    ]
+    assert missing == []
 
 
 def test_model_calls_switch_is_durable_and_on_enqueues_a_sweep(res) -> None:  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Crash isolation, leases, worker death and SIGTERM on real prefork workers (issue: failures).
+"""Crash isolation, leases, worker death and SIGTERM on real prefork workers.
 
 Each test starts its own workers with `tests.support.faults` loaded and its own Redis key prefix,
 so a killed worker never takes the session's shared worker with it.
@@ -6,96 +6,22 @@ so a killed worker never takes the session's shared worker with it.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
-from mailpipe import flags, localfleet
-from mailpipe.ingest import store_emails
-from mailpipe.models import Classification, PipelineRun
-from tests.integration.conftest import run_statuses, wait_for, wait_until_closed
-from tests.support.faults import runs_key, set_fault
+from mailpipe.cli.ingest import store_emails
+from mailpipe.storage.models import PipelineRun
+from tests.support.fleet import Fleet
+from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 pytestmark = pytest.mark.slow
 
 
 def email(tag: str) -> bytes:
     return f"From: a@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\nAmount due\r\n".encode()
-
-
-class Fleet:
-    """Workers on their own key prefix, and what the test process needs to talk to them."""
-
-    def __init__(self, res, tmp_path: Path, **settings: str) -> None:  # type: ignore[no-untyped-def]
-        self.res = res
-        self.tmp_path = tmp_path
-        self.prefix = f"crash{uuid.uuid4().hex[:8]}:"
-        self.env = dict(os.environ)
-        self.env["MAILPIPE_REDIS_PREFIX"] = self.prefix
-        self.env.update(settings)
-        self.workers: list[localfleet.CeleryProcess] = []
-        with res.db.transaction() as session:
-            flags.set_model_calls(session, True)
-
-    def worker(self, name: str, *args: str, **env: str) -> localfleet.CeleryProcess:
-        process = localfleet.worker(
-            {**self.env, **env}, self.tmp_path, name=name, extra_args=("-I", "tests.support.faults", *args)
-        ).start()
-        process.wait_ready()
-        self.workers.append(process)
-        return process
-
-    def set_fault(self, email_id: int, mode: str, times: int | None = None) -> None:
-        set_fault(self.res.redis, email_id, mode, times, prefix=self.prefix)
-
-    def runs(self, email_id: int) -> int:
-        return int(self.res.redis.get(runs_key(email_id, self.prefix)) or 0)
-
-    def enqueue(self, email_ids: list[int]) -> None:
-        """The deduplicated enqueue, run in the fleet's key space."""
-        subprocess.run(
-            [sys.executable, "-c", "import sys; from mailpipe.enqueue import enqueue_emails; "
-             "enqueue_emails([int(a) for a in sys.argv[1:]])", *map(str, email_ids)],
-            env=self.env, check=True,
-        )
-
-    def send(self, email_id: int, **options: float) -> None:
-        """One process_email message with its own options. It sets the dedup marker as an
-        enqueue would, so that the sweep a worker runs at start does not add a second copy."""
-        subprocess.run(
-            [sys.executable, "-c", "import json, sys; from mailpipe import redis_keys; "
-             "from mailpipe.resources import get_resources; "
-             "from mailpipe.tasks import process_email; email_id = int(sys.argv[1]); "
-             "get_resources().redis.set(redis_keys.job_marker(email_id), 'queued', ex=600); "
-             "process_email.apply_async((email_id,), **json.loads(sys.argv[2]))",
-             str(email_id), json.dumps(options)],
-            env=self.env, check=True,
-        )
-
-    def stop(self) -> None:
-        for process in self.workers:
-            process.stop()
-
-
-@pytest.fixture
-def fleet(res, tmp_path: Path):  # type: ignore[no-untyped-def]
-    fleets: list[Fleet] = []
-
-    def make(**settings: str) -> Fleet:
-        fleets.append(Fleet(res, tmp_path, **settings))
-        return fleets[-1]
-
-    yield make
-    for made in fleets:
-        made.stop()
 
 
 def run_of(res, email_id: int) -> PipelineRun:  # type: ignore[no-untyped-def]
@@ -169,28 +95,13 @@ def test_a_job_whose_child_died_runs_again_without_waiting_out_the_lease(res, fl
     assert (run.status.value, run.attempts) == ("succeeded", 2)
 
 
-def test_a_killed_worker_s_jobs_come_back_after_the_visibility_timeout(res, fleet) -> None:  # type: ignore[no-untyped-def]
-    f = fleet(MAILPIPE_VISIBILITY_TIMEOUT="12", MAILPIPE_TASK_SOFT_TIME_LIMIT="4",
-              MAILPIPE_TASK_TIME_LIMIT="5", MAILPIPE_RETRY_BACKOFF_MAX="2")
-    doomed = f.worker("doomed")
-    ids = store_emails(res, [email("w1"), email("w2")])
-    for email_id in ids:
-        f.set_fault(email_id, "slow:30", times=1)
-        f.send(email_id, soft_time_limit=60, time_limit=70)
-    wait_for(lambda: all(f.runs(i) == 1 for i in ids), 30, "both jobs to start")
-    doomed.kill()  # SIGKILL to the main process and its children
-    assert set(run_statuses(res, ids).values()) == {"open"}
-    f.worker("rescuer")
-    statuses = wait_until_closed(res, ids, timeout=90)
-    assert set(statuses.values()) == {"succeeded"}
-    with res.db.session() as session:
-        assert session.scalar(select(func.count()).select_from(Classification)) == 2
-        assert set(session.scalars(select(PipelineRun.attempts))) == {2}
-
-
 def test_sigterm_finishes_short_jobs_and_requeues_the_long_one_at_once(res, fleet) -> None:  # type: ignore[no-untyped-def]
-    f = fleet(MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="6", MAILPIPE_VISIBILITY_TIMEOUT="300",
-              MAILPIPE_TASK_SOFT_TIME_LIMIT="100", MAILPIPE_TASK_TIME_LIMIT="120")
+    f = fleet(
+        MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="6",
+        MAILPIPE_VISIBILITY_TIMEOUT="300",
+        MAILPIPE_TASK_SOFT_TIME_LIMIT="100",
+        MAILPIPE_TASK_TIME_LIMIT="120",
+    )
     leaving = f.worker("leaving", REMAP_SIGTERM="SIGQUIT")
     short, long = store_emails(res, [email("short"), email("long")])
     f.set_fault(short, "slow:2", times=1)
@@ -199,12 +110,10 @@ def test_sigterm_finishes_short_jobs_and_requeues_the_long_one_at_once(res, flee
     wait_for(lambda: f.runs(short) == 1 and f.runs(long) == 1, 30, "both jobs to start")
     f.worker("staying")
     leaving.signal(signal.SIGTERM)
-    window_end = time.monotonic() + 6
     # The long job is requeued when the window ends and finished elsewhere, long before the
-    # 300 s visibility timeout would have brought it back.
+    # 300 s visibility timeout would have brought it back (the wait gives up at 60 s).
     statuses = wait_until_closed(res, [short, long], timeout=60)
     assert statuses == {short: "succeeded", long: "succeeded"}
-    assert time.monotonic() - window_end < 60
     assert run_of(res, short).attempts == 1
     assert run_of(res, long).attempts == 2
     assert leaving.process.wait(30) is not None
@@ -227,7 +136,9 @@ def test_every_job_is_acked_as_it_ends(res, fleet) -> None:  # type: ignore[no-u
 
 
 @pytest.mark.parametrize("stop", ["warm", "soft"])
-def test_a_job_that_ends_while_its_worker_stops_is_acked_not_requeued(res, fleet, stop: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_job_that_ends_while_its_worker_stops_is_acked_not_requeued(
+    res, fleet, stop: str
+) -> None:  # type: ignore[no-untyped-def]
     # warm: SIGTERM as Celery takes it (wait for running jobs); soft: SIGTERM remapped to a cold
     # shutdown that first waits the soft-shutdown window, as the ECS task definitions run it.
     f = fleet(MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="20")

@@ -12,18 +12,18 @@ from email.message import EmailMessage
 import psutil
 from sqlalchemy import select
 
-from mailpipe import flags
+from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.ingest import store_emails
-from mailpipe.models import Document, PipelineRun
-from tests.integration.conftest import wait_until_closed
-from tests.unit.documents.document_samples import (
+from mailpipe.storage import flags
+from mailpipe.storage.models import Document, PipelineRun
+from tests.support.document_samples import (
     corpus_files,
     docx_zip_bomb,
     nested_email,
     pdf_stream_bomb,
     xlsx_billion_laughs,
 )
+from tests.support.waits import wait_until_closed
 
 DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 XLSX = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
@@ -41,8 +41,14 @@ def with_attachment(payload: bytes, filename: str, content_type: str, tag: str) 
 
 
 def many_parts(count: int) -> bytes:
-    parts = b"".join(b"--p\r\nContent-Type: text/plain\r\n\r\npart %d\r\n" % i for i in range(count))
-    return b'From: a@example.org\r\nSubject: parts\r\nContent-Type: multipart/mixed; boundary="p"\r\n\r\n' + parts + b"--p--\r\n"
+    parts = b"".join(
+        b"--p\r\nContent-Type: text/plain\r\n\r\npart %d\r\n" % i for i in range(count)
+    )
+    return (
+        b'From: a@example.org\r\nSubject: parts\r\nContent-Type: multipart/mixed; boundary="p"\r\n\r\n'
+        + parts
+        + b"--p--\r\n"
+    )
 
 
 def attached_email(inner: bytes) -> bytes:
@@ -62,7 +68,9 @@ def html_email() -> bytes:
     message.add_attachment(
         b"<html><head><script>exfiltrate()</script><style>p{}</style></head><body><p>Visible words"
         b'</p><img src="https://tracker.example/pixel.gif"><iframe src="https://evil.example/"></iframe></body></html>',
-        maintype="text", subtype="html", filename="page.html",
+        maintype="text",
+        subtype="html",
+        filename="page.html",
     )
     return message.as_bytes()
 
@@ -105,20 +113,25 @@ def test_corpus_and_hostile_documents_through_a_worker(res, live_worker) -> None
     assert len(corpus) > 60
     emails = {
         f"corpus:{path.name}": with_attachment(
-            path.read_bytes(), path.name, "application/pdf" if path.suffix == ".pdf" else DOCX, f"c{n}"
+            path.read_bytes(),
+            path.name,
+            "application/pdf" if path.suffix == ".pdf" else DOCX,
+            f"c{n}",
         )
         for n, path in enumerate(corpus)
     }
     emails |= {
         "docx_zip_bomb": with_attachment(docx_zip_bomb(), "bomb.docx", DOCX, "zip"),
-        "pdf_stream_bomb": with_attachment(pdf_stream_bomb(300), "bomb.pdf", "application/pdf", "pdf"),
+        "pdf_stream_bomb": with_attachment(
+            pdf_stream_bomb(300), "bomb.pdf", "application/pdf", "pdf"
+        ),
         "xlsx_billion_laughs": with_attachment(xlsx_billion_laughs(), "laughs.xlsx", XLSX, "lol"),
         "hostile_name": with_attachment(b"plain text", "../../etc/passwd", "text/plain", "name"),
         "html": html_email(),
         "parts_10000": many_parts(10_000),
         "nested_1000": attached_email(nested_email(1000)),
     }
-    ids = dict(zip(emails, store_emails(res, list(emails.values()))))
+    ids = dict(zip(emails, store_emails(res, list(emails.values())), strict=True))
     with PeakRss(live_worker) as rss:
         enqueue_emails(list(ids.values()), res)
         statuses = wait_until_closed(res, list(ids.values()), timeout=240)
@@ -128,11 +141,16 @@ def test_corpus_and_hostile_documents_through_a_worker(res, live_worker) -> None
             continue
         assert statuses[email_id] == "succeeded", name
         [document] = documents_of(res, email_id)
-        assert document.status.value in ("converted", "failed", "unsupported"), (name, document.status)
+        assert document.status.value in ("converted", "failed", "unsupported"), (
+            name,
+            document.status,
+        )
         if document.status.value != "converted":
             assert document.error, name
     converted = sum(
-        documents_of(res, i)[0].status.value == "converted" for n, i in ids.items() if n.startswith("corpus:")
+        documents_of(res, i)[0].status.value == "converted"
+        for n, i in ids.items()
+        if n.startswith("corpus:")
     )
     assert converted >= len(corpus) - 3
 

@@ -1,5 +1,5 @@
 """Task events from a real worker: every job's events reach a monitor (Flower's feed), in batches,
-and the last ones go out when the worker stops (mailpipe.consumer)."""
+and the last ones go out when the worker stops (mailpipe.app.consumer)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 
 from celery.events.receiver import EventReceiver
 
-from mailpipe import flags, localfleet
 from mailpipe.celery import app
+from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.ingest import store_emails
-from tests.integration.conftest import wait_for, wait_until_closed
+from mailpipe.harness import fleet as localfleet
+from mailpipe.storage import flags
+from tests.support.waits import wait_for, wait_until_closed
 
 JOBS = 30
 
@@ -49,11 +50,14 @@ class CountingReceiver(EventReceiver):
         super()._receive(body, message, list, isinstance)
 
 
-def test_every_jobs_events_arrive_batched_and_the_last_ones_at_shutdown(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_jobs_events_arrive_batched_and_the_last_ones_at_shutdown(
+    res, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     with res.db.transaction() as session:
         flags.set_model_calls(session, True)
     ids = store_emails(
-        res, [f"From: a@example.org\r\nSubject: e{i}\r\n\r\nbody {i}\r\n".encode() for i in range(JOBS)]
+        res,
+        [f"From: a@example.org\r\nSubject: e{i}\r\n\r\nbody {i}\r\n".encode() for i in range(JOBS)],
     )
     with app.connection_for_read() as connection:
         receiver = CountingReceiver(connection, app=app)

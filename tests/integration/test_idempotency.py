@@ -3,92 +3,150 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from mailpipe import flags
-from mailpipe.ingest import store_emails
-from mailpipe.models import (
+from mailpipe.cli.ingest import store_emails
+from mailpipe.enqueue import enqueue_emails, send_job
+from mailpipe.pipeline import job
+from mailpipe.storage import flags
+from mailpipe.storage.models import (
     Classification,
     Document,
     EmailLabel,
     EmailMessage,
     EmailOrigin,
     PipelineRun,
-    RunStatus,
 )
-from mailpipe.pipeline import job
-from mailpipe.tasks import process_email
-from tests.integration.conftest import wait_for, wait_until_closed
+from tests.support.database import clean
+from tests.support.waits import wait_for, wait_until_closed
 
 EMAIL = (
-    b'From: billing@acme.example\r\nTo: d@example.org\r\nSubject: Invoice 9\r\nMessage-ID: <i9@acme>\r\n'
+    b"From: billing@acme.example\r\nTo: d@example.org\r\nSubject: Invoice 9\r\nMessage-ID: <i9@acme>\r\n"
     b'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
     b"--b\r\nContent-Type: text/plain\r\n\r\nAmount due: 3 EUR. Unsubscribe here.\r\n"
     b'--b\r\nContent-Type: text/csv; name="a.csv"\r\nContent-Disposition: attachment; filename="a.csv"\r\n\r\n'
     b"x,y\r\n1,2\r\n--b--\r\n"
 )
 COPY = EMAIL.replace(b"To: d@", b"Received: from mx2\r\nTo: d@")
+MODELS = (EmailMessage, EmailOrigin, PipelineRun, Document, EmailLabel, Classification)
+# Columns that record when, or how long, rather than what.
+WHEN = {
+    "created_at",
+    "updated_at",
+    "closed_at",
+    "classified_at",
+    "latency_ms",
+    "attempt_started_at",
+    "received_at",
+}
 
-VOLATILE = {"created_at", "updated_at", "closed_at", "classified_at", "latency_ms", "attempt_started_at", "attempts"}
 
-
-def snapshot(res) -> dict[str, list[tuple]]:  # type: ignore[no-untyped-def]
-    """Every row the pipeline writes, without the columns that record when."""
+def snapshot(res, skip: set[str] = frozenset()) -> dict[str, list[tuple]]:  # type: ignore[no-untyped-def]
+    """Every row the pipeline writes, every column but those in `skip`."""
     out = {}
     with res.db.session() as session:
-        for model in (EmailMessage, EmailOrigin, PipelineRun, Document, EmailLabel, Classification):
-            rows = session.scalars(select(model).order_by(model.__table__.primary_key.columns.values()[0])).all()
+        for model in MODELS:
+            rows = session.scalars(
+                select(model).order_by(*model.__table__.primary_key.columns)
+            ).all()
             out[model.__tablename__] = [
-                tuple((c.name, getattr(r, c.key)) for c in model.__table__.columns if c.name not in VOLATILE and c.name != "id")
+                tuple(
+                    (c.name, getattr(r, c.key))
+                    for c in model.__table__.columns
+                    if c.name not in skip
+                )
                 for r in rows
             ]
     return out
 
 
-def reopen_all(res) -> None:  # type: ignore[no-untyped-def]
+def model_calls(res, on: bool) -> None:  # type: ignore[no-untyped-def]
     with res.db.transaction() as session:
-        session.execute(update(PipelineRun).values(status=RunStatus.OPEN, closed_at=None, attempts=0))
+        flags.set_model_calls(session, on)
 
 
-def test_running_a_job_again_leaves_identical_rows(res, live_worker) -> None:  # type: ignore[no-untyped-def]
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, True)
+def test_a_second_delivery_of_a_closed_run_changes_no_row(res, live_worker) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, True)
     ids = store_emails(res, [EMAIL, COPY])
-    for email_id in ids:
-        process_email.apply_async((email_id,))
-    wait_until_closed(res, ids)
+    enqueue_emails(ids, res)
+    # Both children race for the origin: whichever records it first owns it.
+    assert sorted(wait_until_closed(res, ids).values()) == ["duplicate", "succeeded"]
     first = snapshot(res)
     assert len(first["document"]) == 1 and len(first["classification"]) == 1
 
-    # A second delivery of a closed run stops without touching anything.
-    process_email.apply_async((ids[0],))
-    reopen_all(res)  # and a full re-run of every step leaves the same rows
+    closed_before = live_worker.log_path.read_text().count("'already_closed'")
     for email_id in ids:
-        process_email.apply_async((email_id,))
-    wait_until_closed(res, ids)
-    wait_for(lambda: snapshot(res) == first, 30, "the same rows after the re-run")
+        send_job(email_id)  # a redelivery, as after a lost ack
+    wait_for(
+        lambda: live_worker.log_path.read_text().count("'already_closed'") == closed_before + 2,
+        30,
+        "both deliveries to end",
+    )
+    assert snapshot(res) == first  # to the last timestamp
 
 
-def _run_in_child(email_id: int, barrier) -> str:  # type: ignore[no-untyped-def]
+def test_steps_run_again_after_model_calls_are_switched_on_leave_the_same_rows(
+    res, live_worker
+) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, False)
+    [email_id] = store_emails(res, [EMAIL])
+    enqueue_emails([email_id], res)
+    # The run stays open with model calls off; its documents commit with that.
+    wait_for(lambda: snapshot(res)["document"] != [], 60, "the documents of a run left open")
+    waiting = snapshot(res, WHEN)
+    assert waiting["classification"] == []
+
+    # Switched on and sent again: the CPU stage hands the run to the model stage, which
+    # classifies it from what was kept; the rows written before stay as they were.
+    model_calls(res, True)
+    enqueue_emails([email_id], res)
+    assert wait_until_closed(res, [email_id]) == {email_id: "succeeded"}
+    done = snapshot(res, WHEN)
+    for table in ("email_message", "email_origin", "document"):
+        assert done[table] == waiting[table]
+    assert len(done["classification"]) == 1
+    assert [row[2][1] for row in done["email_label"]] == ["invoice", "newsletter"]
+
+
+def _run_in_child(email_id: int, inside, starts) -> str:  # type: ignore[no-untyped-def]
+    """One delivery without its lease (what a lapsed lease allows), in a process of its own,
+    meeting the other delivery inside the steps: both are there at once."""
     from mailpipe.resources import get_resources
 
-    barrier.wait()
-    return job.process_email(get_resources(), email_id).value
+    real_steps = job._run_steps
+
+    def meeting(*args: object) -> job.Outcome:
+        starts.append(time.time())
+        inside.wait(30)
+        return real_steps(*args)  # type: ignore[arg-type]
+
+    job._run_steps = meeting  # type: ignore[assignment]
+    return job.run_claimed(get_resources(), email_id).kind.value
 
 
-def test_two_deliveries_at_once_without_the_lease_leave_identical_rows(res) -> None:  # type: ignore[no-untyped-def]
-    """What a lost lease allows: two processes running every step of one job at the same time."""
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, True)
+def test_two_deliveries_at_once_without_the_lease_leave_the_rows_of_one(res) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, True)
     [email_id] = store_emails(res, [EMAIL])
-    assert job.process_email(res, email_id) is job.Outcome.SUCCEEDED
-    single = snapshot(res)
+    assert job.process_email(res, email_id).kind.value == "succeeded"
+    single = snapshot(res, WHEN | {"attempts", "error"})
 
-    reopen_all(res)
+    clean(res)  # the same email again, from nothing, with the same ids
+    model_calls(res, True)
+    assert store_emails(res, [EMAIL]) == [email_id]
     context = multiprocessing.get_context("spawn")
-    barrier = context.Manager().Barrier(2)
+    manager = context.Manager()
+    inside, starts = manager.Barrier(2), manager.list()
     with context.Pool(2) as pool:
-        outcomes = pool.starmap(_run_in_child, [(email_id, barrier), (email_id, barrier)])
-    assert "succeeded" in outcomes
-    assert snapshot(res) == single
+        outcomes = pool.starmap(
+            _run_in_child, [(email_id, inside, starts), (email_id, inside, starts)]
+        )
+    # Both were inside the steps at once (the barrier let them through together); the second
+    # to claim holds the run, and the first, fenced off, wrote nothing after its claim.
+    assert len(starts) == 2
+    assert sorted(outcomes) == ["already_closed", "succeeded"]
+    assert snapshot(res, WHEN | {"attempts", "error"}) == single
+    with res.db.session() as session:
+        run = session.scalars(select(PipelineRun)).one()
+    assert (run.attempts, run.error) == (2, None)

@@ -7,13 +7,11 @@ import json
 import math
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +19,41 @@ import boto3
 import pytest
 from sqlalchemy import update
 
-from mailpipe import flags, localfleet, metrics, redis_keys, sweeper
+from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import redis_keys
+from mailpipe.coordination.brokerstate import ENQUEUED_AT_HEADER
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.ingest import store_emails
-from mailpipe.models import PipelineRun, RunStatus, utcnow
+from mailpipe.harness import fleet as localfleet
+from mailpipe.operations import metrics, sweeper
 from mailpipe.pipeline import runs
-from mailpipe.queuestats import ENQUEUED_AT_HEADER
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
-from tests.conftest import S3_ENDPOINT
-from tests.integration.conftest import wait_for, wait_until_closed
+from mailpipe.storage import flags
+from mailpipe.storage.models import PipelineRun, RunStatus, utcnow
+from tests.support.fleet import enqueue_in
+from tests.support.waits import wait_for, wait_until_closed
 
-NAMES = {"QueueDepth", "OldestJobAgeSeconds", "BacklogPerTask", "RunningTasks", "FailedRuns"}
+NAMES = {
+    "QueueDepth",
+    "OldestJobAgeSeconds",
+    "DeferredJobs",
+    "BacklogPerTask",
+    "RunningTasks",
+    "FailedRuns",
+}
 QUEUE_DIMENSION = [{"Name": "Queue", "Value": "mailpipe"}]
 INTERVAL = 1.0
 
 
 def good_email(i: int) -> bytes:
     message_id = f"<m{i}-{uuid.uuid4().hex}@x>"
-    return (f"From: a@example.org\r\nSubject: Invoice {i}\r\nMessage-ID: {message_id}\r\n\r\n"
-            f"Amount due {i}\r\n").encode()
+    return (
+        f"From: a@example.org\r\nSubject: Invoice {i}\r\nMessage-ID: {message_id}\r\n\r\n"
+        f"Amount due {i}\r\n"
+    ).encode()
 
 
-def fleet_env(endpoint: str = S3_ENDPOINT) -> dict[str, str]:
+def fleet_env(endpoint: str | None = None) -> dict[str, str]:
     """Its own key prefix (under the run's, so the session cleans it up): these workers see only
     their own jobs and pings, and the shared worker never sees them. Its own namespace: the
     server keeps every test's datapoints."""
@@ -51,31 +61,25 @@ def fleet_env(endpoint: str = S3_ENDPOINT) -> dict[str, str]:
     env["MAILPIPE_REDIS_PREFIX"] = f"{os.environ['MAILPIPE_REDIS_PREFIX']}m{uuid.uuid4().hex[:8]}:"
     env["MAILPIPE_METRICS_NAMESPACE"] = f"MailpipeTest{uuid.uuid4().hex[:8]}"
     env["MAILPIPE_METRICS_INTERVAL"] = str(INTERVAL)
-    env["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"] = endpoint
+    env["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"] = endpoint or os.environ["MAILPIPE_S3_ENDPOINT_URL"]
     return env
 
 
-def enqueue_in(env: dict[str, str], email_ids: list[int]) -> None:
-    """Enqueue through the one deduplicated path, as upstream code would, on `env`'s broker."""
-    subprocess.run(
-        [sys.executable, "-c", "import sys; from mailpipe.enqueue import enqueue_emails; "
-         "enqueue_emails(int(i) for i in sys.argv[1:])", *map(str, email_ids)],
-        env=env, check=True,
-    )
-
-
 def cloudwatch() -> Any:
-    return boto3.client("cloudwatch", endpoint_url=S3_ENDPOINT)
+    return boto3.client("cloudwatch", endpoint_url=os.environ["MAILPIPE_S3_ENDPOINT_URL"])
 
 
 def stats(namespace: str, name: str, start: float, end: float) -> dict[str, float]:
     """Minimum, Maximum, Sum and SampleCount of the datapoints timestamped in the whole seconds
     inside [start, end): the server drops the fraction of a query's bounds, as CloudWatch does."""
     reply = cloudwatch().get_metric_statistics(
-        Namespace=namespace, MetricName=name, Dimensions=QUEUE_DIMENSION,
-        StartTime=datetime.fromtimestamp(math.ceil(start), timezone.utc),
-        EndTime=datetime.fromtimestamp(math.floor(end), timezone.utc),
-        Period=60, Statistics=["Minimum", "Maximum", "Sum", "SampleCount"],
+        Namespace=namespace,
+        MetricName=name,
+        Dimensions=QUEUE_DIMENSION,
+        StartTime=datetime.fromtimestamp(math.ceil(start), UTC),
+        EndTime=datetime.fromtimestamp(math.floor(end), UTC),
+        Period=60,
+        Statistics=["Minimum", "Maximum", "Sum", "SampleCount"],
     )
     points = reply["Datapoints"]
     if not points:
@@ -136,6 +140,7 @@ def test_a_worker_reports_exact_figures_with_the_queue_dimension(res, tmp_path: 
     assert waiting["QueueDepth"]["Minimum"] == waiting["QueueDepth"]["Maximum"] == 6
     assert waiting["RunningTasks"]["Minimum"] == waiting["RunningTasks"]["Maximum"] == 1
     assert waiting["BacklogPerTask"]["Minimum"] == waiting["BacklogPerTask"]["Maximum"] == 6
+    assert waiting["DeferredJobs"]["Maximum"] == 0  # nothing was deferred
     # The oldest job's age grows with the wall clock and never exceeds the time since the worker
     # started (it enqueued the jobs).
     age = waiting["OldestJobAgeSeconds"]
@@ -157,15 +162,24 @@ def test_failed_runs_are_counted_once_across_reporters(res) -> None:  # type: ig
     now = utcnow()
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
-        closed = {ids[0]: now - timedelta(seconds=10), ids[1]: now - timedelta(seconds=20),
-                  ids[2]: now - timedelta(seconds=30),
-                  ids[3]: now - timedelta(seconds=1),   # not settled yet: the next window's
-                  ids[4]: now - timedelta(hours=1)}     # before the first window
+        closed = {
+            ids[0]: now - timedelta(seconds=10),
+            ids[1]: now - timedelta(seconds=20),
+            ids[2]: now - timedelta(seconds=30),
+            ids[3]: now - timedelta(seconds=1),  # not settled yet: the next window's
+            ids[4]: now - timedelta(hours=1),
+        }  # before the first window
         for email_id, closed_at in closed.items():
-            session.execute(update(PipelineRun).where(PipelineRun.email_id == email_id)
-                            .values(status=RunStatus.FAILED, closed_at=closed_at))
-        session.execute(update(PipelineRun).where(PipelineRun.email_id == ids[5])
-                        .values(status=RunStatus.SUCCEEDED, closed_at=now))
+            session.execute(
+                update(PipelineRun)
+                .where(PipelineRun.email_id == email_id)
+                .values(status=RunStatus.FAILED, closed_at=closed_at)
+            )
+        session.execute(
+            update(PipelineRun)
+            .where(PipelineRun.email_id == ids[5])
+            .values(status=RunStatus.SUCCEEDED, closed_at=now)
+        )
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
     counts: list[int | None] = [None] * len(reporters)
@@ -188,7 +202,10 @@ def test_failed_runs_are_counted_once_across_reporters(res) -> None:  # type: ig
 def test_the_sweeper_reports_through_cloudwatch(res) -> None:  # type: ignore[no-untyped-def]
     namespace = f"MailpipeTest{uuid.uuid4().hex[:8]}"
     settings = res.settings.model_copy(
-        update={"metrics_namespace": namespace, "cloudwatch_endpoint_url": S3_ENDPOINT}
+        update={
+            "metrics_namespace": namespace,
+            "cloudwatch_endpoint_url": os.environ["MAILPIPE_S3_ENDPOINT_URL"],
+        }
     )
     sink = metrics.make_sink(settings)
     assert isinstance(sink, metrics.CloudWatchSink)

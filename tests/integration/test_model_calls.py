@@ -9,81 +9,45 @@ at the provider: from the times the calls arrived there, not from the limiter's 
 The bound for rate r and burst B: every window of length t holds at most B + r*t calls. Calls are
 admitted in Redis time and arrive at the server a moment later; that moment varies (a child is
 descheduled between admission and sending on a busy machine; 10-22 ms seen here), so the window
-check allows `ARRIVAL_JITTER_S` of it: far less than the 1/r = 0.33 s that one call over the
-bound would take. The in-flight count needs no allowance: the server answers a call strictly
+check allows `ARRIVAL_JITTER_S` of it: less than the 1/r = 0.33 s that one call over the bound
+would take, so a single extra call still fails the check. The in-flight count needs no allowance: the server answers a call strictly
 inside the slot its caller holds.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
-import uuid
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
-from mailpipe import flags, localfleet
 from mailpipe.celery import app
+from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.ingest import store_emails
-from mailpipe.localfleet import CeleryProcess
-from mailpipe.models import Classification, EmailLabel, PipelineRun
-from tests.integration.conftest import wait_until_closed
-from tests.support.bedrock_server import BedrockServer, ConverseRequest, Reply, error, throttling
+from mailpipe.harness import fleet as localfleet
+from mailpipe.harness.fleet import CeleryProcess
+from mailpipe.storage import flags
+from mailpipe.storage.models import Classification, EmailLabel, PipelineRun
+from tests.support.bedrock_server import (
+    BedrockServer,
+    TimedBedrockServer,
+    error,
+    invoices,
+    throttling,
+)
+from tests.support.faults import runs_key, set_fault
+from tests.support.waits import wait_for, wait_until_closed
 
 RATE_PER_S = 3.0
 BURST = 3
 MAX_IN_FLIGHT = 2
 # With 0.5 s calls the in-flight cap alone would allow 4 calls/s: both limits bind in turn.
 MODEL_DELAY_S = 0.5
-ARRIVAL_JITTER_S = 0.1
-
-
-@dataclass(frozen=True)
-class Call:
-    arrived: float  # time.monotonic() of this (the test) process
-    answered: float
-    status: int
-
-
-class TimedBedrockServer(BedrockServer):
-    """The local Bedrock server, also recording when each call arrived and was answered, and the
-    most calls it held at once. `BedrockServer` records the requests but not their times."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._timing = threading.Lock()
-        self._in_flight = 0
-        self.peak_in_flight = 0
-        self.calls: list[Call] = []
-
-    def answer(self, request: ConverseRequest) -> Reply:
-        with self._timing:
-            arrived = time.monotonic()
-            self._in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
-        try:
-            reply = super().answer(request)
-        finally:
-            with self._timing:
-                self._in_flight -= 1
-        with self._timing:
-            self.calls.append(Call(arrived, time.monotonic(), reply.status))
-        return reply
-
-    def arrivals(self) -> list[float]:
-        with self._timing:
-            return sorted(call.arrived for call in self.calls)
-
-    def statuses(self) -> list[int]:
-        """The answers' HTTP statuses, in the order the calls arrived."""
-        with self._timing:
-            return [call.status for call in sorted(self.calls, key=lambda call: call.arrived)]
+ARRIVAL_JITTER_S = 0.25
 
 
 def model_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
@@ -107,7 +71,8 @@ def model_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
 
 @pytest.fixture
 def model_fleet(
-    res, tmp_path: Path  # type: ignore[no-untyped-def]
+    res,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> Iterator[Callable[..., TimedBedrockServer]]:
     """`start(workers=, concurrency=, delay=)`: a model server answering after `delay` seconds
     and real workers using it, all stopped after the test. Model calls are switched on once the
@@ -120,12 +85,31 @@ def model_fleet(
     processes: list[CeleryProcess] = []
 
     def start(*, workers: int, concurrency: int, delay: float) -> TimedBedrockServer:
+        """One worker of the CPU stage, and `workers` of the model role with `concurrency`
+        threads each, as the Procfile starts them."""
         server = TimedBedrockServer(delay=delay).start()
         servers.append(server)
         env = model_env(server, tmp_path)
+        queue = res.settings.queue
         started = [
-            localfleet.worker(env, tmp_path, concurrency=concurrency, name=f"models-{i}").start()
-            for i in range(workers)
+            localfleet.worker(
+                env,
+                tmp_path,
+                concurrency=2,
+                name="cpu",
+                extra_args=("-Q", f"{queue},{queue}.control", "-I", "tests.support.faults"),
+            ).start(),
+            *(
+                localfleet.worker(
+                    env,
+                    tmp_path,
+                    concurrency=concurrency,
+                    name=f"models-{i}",
+                    pool="threads",
+                    extra_args=("-Q", f"{queue}.model"),
+                ).start()
+                for i in range(workers)
+            ),
         ]
         processes.extend(started)
         for worker in started:
@@ -143,15 +127,6 @@ def model_fleet(
             worker.stop()
         for server in servers:
             server.stop()
-
-
-def invoices(n: int) -> list[bytes]:
-    tag = uuid.uuid4().hex[:8]
-    return [
-        f"From: billing@example.org\r\nTo: a@example.org\r\nSubject: Invoice {i}\r\n"
-        f"Message-ID: <{tag}.{i}@example.org>\r\n\r\nAmount due: {i} EUR.\r\n".encode()
-        for i in range(n)
-    ]
 
 
 def deferrals(tmp_path: Path) -> int:
@@ -195,11 +170,12 @@ def worst_window_excess(arrivals: list[float]) -> tuple[float, str]:
 
 
 def test_fleet_limit_holds_at_the_provider_and_throttled_jobs_keep_their_attempts(
-    res, model_fleet, tmp_path: Path  # type: ignore[no-untyped-def]
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     n = 60
-    # Nine children want a call at once: three times the cap, and every child waits longer for a
-    # token than the pipeline's 5 s wait now and then, so jobs are deferred too.
+    # Nine model-stage threads want a call at once: three times the cap.
     server = model_fleet(workers=3, concurrency=3, delay=MODEL_DELAY_S)
     ids = store_emails(res, invoices(n))
     assert len(enqueue_emails(ids, res).sent) == n
@@ -219,14 +195,15 @@ def test_fleet_limit_holds_at_the_provider_and_throttled_jobs_keep_their_attempt
     excess, where = worst_window_excess(arrivals)
     assert excess <= ARRIVAL_JITTER_S, f"{where}: over B + r*t = {BURST} + {RATE_PER_S}*t"
     assert server.peak_in_flight == MAX_IN_FLIGHT  # reached, never passed
-    # The limits were what held the fleet back: it ran near the rate, not below it.
-    span = arrivals[-1] - arrivals[0]
-    assert (n - BURST) / span >= 0.75 * RATE_PER_S, f"{n} calls in {span:.1f} s"
-    assert deferrals(tmp_path) > 0, "no job was deferred: the scenario did not throttle"
+    # The limits held the fleet back, and each job waited its turn in its model-stage thread:
+    # none was deferred, so none went through the broker again.
+    assert deferrals(tmp_path) == 0
 
 
 def test_provider_throttling_defers_the_job_without_using_its_attempts(
-    res, model_fleet, tmp_path: Path  # type: ignore[no-untyped-def]
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     server = model_fleet(workers=1, concurrency=2, delay=0.05)
     # One request per classify call (no botocore retries): 6 throttled calls, more than the run
@@ -247,7 +224,8 @@ def test_provider_throttling_defers_the_job_without_using_its_attempts(
 
 
 def test_a_request_the_provider_rejects_fails_the_run_at_once(
-    res, model_fleet  # type: ignore[no-untyped-def]
+    res,
+    model_fleet,  # type: ignore[no-untyped-def]
 ) -> None:
     server = model_fleet(workers=1, concurrency=2, delay=0.05)
     server.enqueue(error("ValidationException", 400, "Input is too long for requested model."))
@@ -262,3 +240,102 @@ def test_a_request_the_provider_rejects_fails_the_run_at_once(
     assert "ValidationException" in run.error and "Input is too long" in run.error
     assert server.statuses() == [400]  # not retried by botocore, nor by the task
     assert classifications(res) == 0 and labelled_emails(res) == {}
+
+
+def test_the_cpu_stage_hands_off_and_only_the_model_role_calls_the_model(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    server = model_fleet(workers=1, concurrency=4, delay=0.05)
+    ids = store_emails(res, invoices(8))
+    enqueue_emails(ids, res)
+    assert set(wait_until_closed(res, ids, timeout=60).values()) == {"succeeded"}
+    assert len(server.arrivals()) == 8  # one call each
+    cpu, model = (tmp_path / "cpu.log").read_text(), (tmp_path / "models-0.log").read_text()
+    # Each stage ran on its own role: the CPU stage handed off, the model role classified.
+    assert cpu.count("'handed_off'") == 8 and "Task mailpipe.classify_email[" not in cpu
+    assert model.count("'succeeded'") == 8 and "Task mailpipe.process_email[" not in model
+    assert {run.attempts for run in runs(res)} == {1}
+    assert parses(res, ids) == [1] * 8
+
+
+def test_model_calls_switched_on_over_a_backlog_parse_no_email_twice(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    server = model_fleet(workers=1, concurrency=8, delay=0.05)
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, False)
+    ids = store_emails(res, invoices(30))
+    enqueue_emails(ids, res)
+    # With model calls off every run waits after its CPU stage, its documents and input kept.
+    wait_for(lambda: converted(res) == 30, 60, "the CPU stage of every email")
+    assert parses(res, ids) == [1] * 30 and server.arrivals() == []
+    # Switched on: the sweep it sends re-adds the model stage of each, not the whole job.
+    subprocess.run(
+        [sys.executable, "-m", "mailpipe.cli.main", "model-calls", "on"],
+        env=model_env(server, tmp_path),
+        check=True,
+        capture_output=True,
+    )
+    assert set(wait_until_closed(res, ids, timeout=90).values()) == {"succeeded"}
+    assert parses(res, ids) == [1] * 30  # no email parsed twice
+    assert len(server.arrivals()) == 30  # nor classified twice
+
+
+def test_a_crash_between_the_stages_is_recovered_by_the_sweeper_with_the_model_stage(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    server = model_fleet(workers=1, concurrency=4, delay=0.05)
+    [email_id] = store_emails(res, invoices(1))
+    # The CPU stage's child dies once its documents and the model's input are stored, before the
+    # hand-off is sent: the redelivery finds the stage done and stops; the sweep sends the rest.
+    set_fault(res.redis, email_id, "die-after-steps", times=1)
+    enqueue_emails([email_id], res)
+    wait_for(lambda: converted(res) == 1, 60, "the CPU stage")
+    subprocess.run(
+        [sys.executable, "-m", "mailpipe.cli.main", "sweep"],
+        env=model_env(server, tmp_path),
+        check=True,
+        capture_output=True,
+    )
+    assert wait_until_closed(res, [email_id], timeout=60) == {email_id: "succeeded"}
+    assert parses(res, [email_id]) == [1]
+    assert len(server.arrivals()) == 1
+
+
+def test_the_rate_limit_holds_with_32_threads_in_each_of_two_processes(
+    res,
+    model_fleet,  # type: ignore[no-untyped-def]
+) -> None:
+    server = model_fleet(workers=2, concurrency=32, delay=0.3)
+    n = 40
+    ids = store_emails(res, invoices(n))
+    enqueue_emails(ids, res)
+    assert set(wait_until_closed(res, ids, timeout=120).values()) == {"succeeded"}
+    arrivals = server.arrivals()
+    assert len(arrivals) == n
+    excess, where = worst_window_excess(arrivals)
+    assert excess <= ARRIVAL_JITTER_S, f"{where}: over B + r*t = {BURST} + {RATE_PER_S}*t"
+    # 64 threads wanted a call at once; the fleet's cap held.
+    assert server.peak_in_flight == MAX_IN_FLIGHT
+
+
+def converted(res) -> int:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        count = session.scalar(
+            select(func.count())
+            .select_from(PipelineRun)
+            .where(PipelineRun.converted_at.is_not(None))
+        )
+    return count or 0
+
+
+def parses(res, email_ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """How often each email's CPU stage reached its steps (the parse), as counted in the CPU
+    worker by tests.support.faults."""
+    return [int(res.redis.get(runs_key(i)) or 0) for i in email_ids]

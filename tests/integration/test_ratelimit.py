@@ -16,18 +16,20 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 
 import pytest
-from redis import Redis, RedisError
+from redis import Redis
 
-from mailpipe.ratelimit import FleetRateLimiter, RateLimited
+from mailpipe.coordination.ratelimit import FleetRateLimiter, RateLimited
 
-# DB 12 is this module's alone; other suites use other databases of the same Redis.
-REDIS_URL = "redis://127.0.0.1:6379/12"
-GRANTS = "test:ratelimit:grants"
-IN_FLIGHT = "test:ratelimit:in_flight"
+# The run's Redis and key prefix (tests/conftest.py): the limiter's keys and these are all under
+# it, so nothing here touches another run's keys, and the `res` fixture clears them per test.
+REDIS_URL = os.environ["MAILPIPE_BROKER_URL"]
+PREFIX = os.environ["MAILPIPE_REDIS_PREFIX"]
+GRANTS = PREFIX + "test:ratelimit:grants"
+IN_FLIGHT = PREFIX + "test:ratelimit:in_flight"
+VICTIM = PREFIX + "test:ratelimit:victim"
 PROCESSES = 8
 
 # Spawn, not fork: each process starts clean, as a worker on another host would, and nothing of
@@ -36,20 +38,9 @@ SPAWN = multiprocessing.get_context("spawn")
 
 
 @pytest.fixture
-def redis_db() -> Iterator[Redis]:
-    client = Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except RedisError as exc:
-        pytest.fail(
-            f"Redis is not reachable at {REDIS_URL} ({exc}). These tests need the real Redis: "
-            "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no",
-            pytrace=False,
-        )
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+def redis_db(res) -> Redis:  # type: ignore[no-untyped-def]
+    """The run's Redis, with none of the run's keys left from an earlier test."""
+    return res.redis
 
 
 def hammer(limits: dict[str, float], seconds: float, hold: float, start: Barrier) -> None:
@@ -154,9 +145,9 @@ def hold_forever(slot_ttl: float, granted: str) -> None:
 
 def test_slot_of_a_killed_holder_frees_itself_after_the_ttl(redis_db: Redis) -> None:
     slot_ttl = 2.0
-    victim = SPAWN.Process(target=hold_forever, args=(slot_ttl, "test:ratelimit:victim"))
+    victim = SPAWN.Process(target=hold_forever, args=(slot_ttl, VICTIM))
     victim.start()
-    reply = redis_db.blpop(["test:ratelimit:victim"], timeout=30)
+    reply = redis_db.blpop([VICTIM], timeout=30)
     assert reply is not None, "the victim never took its slot"
     victim_granted_at = float(reply[1])
     os.kill(victim.pid, signal.SIGKILL)
@@ -178,9 +169,8 @@ def test_rate_limited_says_when_a_token_is_due(redis_db: Redis) -> None:
     with limiter.slot():
         pass
 
-    with pytest.raises(RateLimited) as refused:
-        with limiter.slot():
-            pass
+    with pytest.raises(RateLimited) as refused, limiter.slot():
+        pass
 
     # The one token was just spent; the next is due 1 / 0.5 = 2 s after that, less time passed.
     assert 0 < refused.value.retry_after <= 2.0
@@ -190,10 +180,8 @@ def test_rate_limited_says_when_a_token_is_due(redis_db: Redis) -> None:
 def test_rate_limited_when_all_slots_are_held(redis_db: Redis) -> None:
     limiter = FleetRateLimiter(redis_db, rate_per_s=100.0, burst=10, max_in_flight=1, name="full")
 
-    with limiter.slot():
-        with pytest.raises(RateLimited) as refused:
-            with limiter.slot(wait=0.1):
-                pass
+    with limiter.slot(), pytest.raises(RateLimited) as refused, limiter.slot(wait=0.1):
+        pass
 
     assert refused.value.retry_after > 0
     assert "in flight" in str(refused.value)

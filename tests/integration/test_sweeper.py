@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from datetime import timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from mailpipe import flags, redis_keys, sweeper
+from mailpipe.classifiers import ClassificationResult
+from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import brokerstate, queues, redis_keys
 from mailpipe.enqueue import enqueue_email, enqueue_emails
-from mailpipe.ingest import store_emails
-from mailpipe.metrics import BacklogMetrics
-from mailpipe.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
-from mailpipe.pipeline import runs
-from mailpipe.queuestats import queue_stats
+from mailpipe.harness.services import delete_prefix
+from mailpipe.operations import sweeper
+from mailpipe.operations.metrics import BacklogMetrics
+from mailpipe.pipeline import job, runs
+from mailpipe.pipeline.classify import store_classification
+from mailpipe.pipeline.job import Kind
 from mailpipe.resources import Resources
+from mailpipe.settings import Settings
+from mailpipe.storage import flags
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 
 
 class RecordingSink:
@@ -25,21 +32,33 @@ class RecordingSink:
         self.sent.append(metrics)
 
 
-def emails(n: int) -> list[bytes]:
-    return [f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <{i}@x>\r\n\r\nbody {i}\r\n".encode() for i in range(n)]
+def emails(n: int, tag: str = "") -> list[bytes]:
+    return [
+        f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <{tag}{i}@x>\r\n\r\nbody {i}\r\n".encode()
+        for i in range(n)
+    ]
 
 
-def run_sweep(res: Resources, sink: RecordingSink | None = None) -> sweeper.SweepResult:
+def run_sweep(
+    res: Resources, sink: RecordingSink | None = None, grace: float = 0.0
+) -> sweeper.SweepResult:
     return sweeper.sweep(
         res,
-        enqueue=lambda ids: enqueue_emails(ids, res),
+        enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
         count_workers=lambda: 2,
         sink=sink or RecordingSink(),
+        in_flight_grace=grace,
     )
 
 
 def depth(res: Resources) -> int:
-    return queue_stats(res.redis, res.settings.queue).depth
+    return brokerstate.queue_stats(res.redis, res.settings.queue).depth
+
+
+def purge(res: Resources) -> None:
+    """What `celery purge` or a message dropped by hand does: the messages go, the markers stay."""
+    for name in brokerstate.priority_lists(res.settings.queue):
+        res.redis.delete(name)
 
 
 def set_model_calls(res: Resources, on: bool) -> None:
@@ -47,11 +66,36 @@ def set_model_calls(res: Resources, on: bool) -> None:
         flags.set_model_calls(session, on)
 
 
-def make_runs(res: Resources, ids: list[int], **values) -> None:  # type: ignore[no-untyped-def]
+def start_attempt(res: Resources, email_id: int) -> int:
+    """A delivery's claim: what a job whose worker then vanished with its message leaves."""
     with res.db.transaction() as session:
-        runs.ensure_runs(session, ids)
-        if values:
-            session.execute(update(PipelineRun).where(PipelineRun.email_id.in_(ids)).values(**values))
+        return runs.claim_attempt(session, email_id, res.settings.max_attempts).attempt
+
+
+def classify_then_die(res: Resources, email_id: int) -> None:
+    """A model stage that claimed, stored the model's answer and died before the labels."""
+    model_calls = flags_on(res)
+    set_model_calls(res, False)
+    assert job.process_email(res, email_id).kind is Kind.WAITING  # the CPU stage, done
+    set_model_calls(res, model_calls)
+    with res.db.transaction() as session:
+        attempt = runs.claim_attempt(
+            session, email_id, res.settings.max_attempts, stage=runs.Stage.CLASSIFY
+        ).attempt
+    with res.db.transaction() as session:
+        run = runs.current(session, email_id, attempt)
+        store_classification(session, run.id, email_id, ClassificationResult((), "m", "p"))
+        runs.mark_classified(run)
+
+
+def flags_on(res: Resources) -> bool:
+    with res.db.session() as session:
+        return flags.model_calls_enabled(session)
+
+
+def sweep_counts(res: Resources) -> dict[int, int]:
+    with res.db.session() as session:
+        return dict(session.execute(select(PipelineRun.email_id, PipelineRun.sweep_count)).all())
 
 
 def test_emails_without_run_are_readded_once(res) -> None:  # type: ignore[no-untyped-def]
@@ -63,50 +107,73 @@ def test_emails_without_run_are_readded_once(res) -> None:  # type: ignore[no-un
     assert sorted(result.readded_ids) == ids[1:]
     assert depth(res) == 5  # four re-added beside the one queued, none twice
     with res.db.session() as session:
-        counts = dict(session.execute(select(PipelineRun.email_id, PipelineRun.sweep_count)).all())
         report = session.scalars(select(SweepReport)).one()
-    assert counts == {i: 1 for i in ids[1:]}
+    assert sweep_counts(res) == {i: 1 for i in ids[1:]}
     assert (report.readded_no_run, report.queue_depth) == (4, 5)
     assert sink.sent[0].queue_depth == 5 and sink.sent[0].backlog_per_task == 2.5
     # Queued or running emails are never re-added: the next sweep sends nothing.
     again = run_sweep(res)
     assert (again.readded_no_run, again.readded_stalled, again.skipped_queued) == (0, 0, 5)
+    assert again.broker_jobs == 5
     assert depth(res) == 5
 
 
 def test_open_runs_follow_the_model_call_rules(res) -> None:  # type: ignore[no-untyped-def]
-    never, recent, old, waiting_off = store_emails(res, emails(4))
-    make_runs(res, [never, recent, old, waiting_off])
-    long_ago = utcnow() - timedelta(seconds=res.settings.stall_after + 60)
+    never, answered, waiting_off = store_emails(res, emails(3))
     with res.db.transaction() as session:
-        session.execute(update(PipelineRun).where(PipelineRun.email_id.in_([recent, old])).values(classified_at=utcnow()))
-        session.execute(update(PipelineRun).where(PipelineRun.email_id == old).values(updated_at=long_ago))
+        runs.ensure_runs(session, [never, waiting_off])
+    classify_then_die(res, answered)
+    quick = Resources(res.settings.model_copy(update={"stall_after": 2}))
 
     set_model_calls(res, False)
-    assert run_sweep(res).readded_ids == []  # with model calls off, waiting runs are left alone
+    assert run_sweep(quick).readded_ids == []  # waiting for model calls, or answered just now
 
     set_model_calls(res, True)
-    readded = run_sweep(res).readded_ids
-    # Never classified: at once. Classified: only once it has been open past the threshold.
-    assert sorted(readded) == sorted([never, old, waiting_off])
+    # Never classified: at once. Classified: only once its answer is older than the threshold.
+    assert sorted(run_sweep(quick).readded_ids) == sorted([never, waiting_off])
+    purge(res)
+    time.sleep(2.2)
+    assert sorted(run_sweep(quick).readded_ids) == sorted([never, answered, waiting_off])
+
+
+def test_a_run_past_its_cpu_stage_gets_only_its_model_stage_back(res) -> None:  # type: ignore[no-untyped-def]
+    """Model calls switched on over runs that waited for them: the sweep sends their model stage,
+    which reads what the CPU stage kept, and never the whole job again."""
+    [waiting, fresh] = store_emails(res, emails(2))
+    set_model_calls(res, False)
+    assert job.process_email(res, waiting).kind is Kind.WAITING  # converted, waiting
+    set_model_calls(res, True)
+    result = run_sweep(res)
+    assert sorted(result.readded_ids) == sorted([waiting, fresh])
+    model_queue = brokerstate.priority_lists(queues.model_queue(res.settings))[0]
+    sent = {
+        json.loads(raw)["headers"]["task"]: json.loads(raw)["headers"][brokerstate.EMAIL_ID_HEADER]
+        for raw in [
+            *res.redis.lrange(model_queue, 0, -1),
+            *res.redis.lrange(brokerstate.priority_lists(res.settings.queue)[0], 0, -1),
+        ]
+    }
+    assert sent == {"mailpipe.classify_email": waiting, "mailpipe.process_email": fresh}
+    # Both are in the broker now: the next sweep finds them there, in either queue.
+    again = run_sweep(res)
+    assert (again.readded_ids, again.skipped_queued) == ([], 2)
 
 
 def test_unfinished_jobs_are_readded_even_with_model_calls_off(res) -> None:  # type: ignore[no-untyped-def]
     [lost] = store_emails(res, emails(1))
-    make_runs(res, [lost], attempts=1, attempt_started_at=utcnow())
+    start_attempt(res, lost)
     set_model_calls(res, False)
     assert run_sweep(res).readded_ids == [lost]
 
 
-def test_a_run_swept_three_times_is_taken_off_the_queue(res) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_whose_job_is_lost_three_times_is_taken_off_the_queue(res) -> None:  # type: ignore[no-untyped-def]
     set_model_calls(res, True)
     [stuck] = store_emails(res, emails(1))
     for expected_count in (1, 2, 3):
         result = run_sweep(res)
         assert result.readded_ids == [stuck]
-        res.redis.delete(redis_keys.job_marker(stuck))  # its job is lost again
-        with res.db.session() as session:
-            assert session.scalar(select(PipelineRun.sweep_count)) == expected_count
+        purge(res)  # its job is lost again, its marker left behind
+        assert sweep_counts(res) == {stuck: expected_count}
     result = run_sweep(res)
     assert (result.readded_ids, result.marked_for_review) == ([], 1)
     with res.db.session() as session:
@@ -121,9 +188,9 @@ def test_broker_flush_loses_jobs_and_one_sweep_readds_each_once(res) -> None:  #
     assert len(enqueue_emails(ids, res).sent) == 50
     assert enqueue_emails(ids, res).sent == []  # a second enqueue while they wait sends nothing
     assert depth(res) == 50
-    from tests.conftest import clear_redis
-
-    clear_redis(res.redis)  # what a Redis restart without persistence does
+    delete_prefix(
+        os.environ["MAILPIPE_BROKER_URL"], os.environ["MAILPIPE_REDIS_PREFIX"]
+    )  # a Redis restart
     assert depth(res) == 0
     result = run_sweep(res)
     assert sorted(result.readded_ids) == ids
@@ -131,15 +198,72 @@ def test_broker_flush_loses_jobs_and_one_sweep_readds_each_once(res) -> None:  #
     assert run_sweep(res).readded_ids == []
 
 
-def test_a_marker_left_by_a_lost_message_expires(res) -> None:  # type: ignore[no-untyped-def]
-    short = Resources(res.settings.model_copy(update={"dedup_ttl": 2}))
+def test_a_purged_queue_is_readded_at_the_next_sweep_though_its_markers_live(res) -> None:  # type: ignore[no-untyped-def]
+    ids = store_emails(res, emails(20))
+    assert len(enqueue_emails(ids, res).sent) == 20
+    purge(res)
+    assert all(res.redis.exists(redis_keys.job_marker(i)) for i in ids)
+    # A sweep right after the jobs were sent leaves them: the broker read may have missed a
+    # message in flight, and the markers say they were just sent.
+    assert run_sweep(res, grace=60).readded_ids == []
+    assert sorted(run_sweep(res).readded_ids) == ids
+    assert depth(res) == 20
+    assert run_sweep(res).readded_ids == []  # once
+
+
+def test_waiting_jobs_whose_markers_are_gone_are_never_readded(res) -> None:  # type: ignore[no-untyped-def]
+    set_model_calls(res, True)
+    ids = store_emails(res, emails(30))
+    enqueue_emails(ids[:20], res)
+    # Ten have a run whose job was re-sent (a retry, a deferral) and waits in the queue.
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, ids[20:])
+    enqueue_emails(ids[20:], res)
+    for email_id in ids:  # expired, evicted under maxmemory, or deleted by hand
+        res.redis.delete(redis_keys.job_marker(email_id))
+    for _ in range(5):
+        result = run_sweep(res)
+        assert result.readded_ids == [] and result.marked_for_review == 0
+        assert result.skipped_queued == 30
+    assert depth(res) == 30
+    assert set(sweep_counts(res).values()) == {0}
+    # The sweeps put the markers back, so that an enqueue of a waiting email sends nothing.
+    assert enqueue_emails(ids, res).sent == []
+
+
+def test_a_backlog_that_waits_longer_than_every_ttl_is_never_readded(res) -> None:  # type: ignore[no-untyped-def]
+    # The shortest windows the settings accept: markers of 2 s, sweeps every second.
+    short = Resources(
+        Settings(**{**res.settings.model_dump(), "dedup_ttl": 2, "sweep_interval": 1})
+    )
+    set_model_calls(res, True)
+    ids = store_emails(res, emails(40))
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, ids[:10])  # some waited through a retry or a deferral
+    assert len(enqueue_emails(ids, short).sent) == 40
+    deadline = time.monotonic() + 8  # four times the marker's TTL
+    sweeps = 0
+    while time.monotonic() < deadline:
+        result = run_sweep(short)
+        assert result.readded_ids == [] and result.marked_for_review == 0
+        assert depth(res) == 40
+        sweeps += 1
+        time.sleep(1)
+    assert sweeps >= 6
+    assert set(sweep_counts(res).values()) == {0}
+    with res.db.session() as session:
+        statuses = set(session.scalars(select(PipelineRun.status)))
+        review = session.scalar(select(EmailMessage.id).where(EmailMessage.needs_review))
+    assert statuses <= {RunStatus.OPEN} and review is None
+
+
+def test_a_running_job_is_never_taken_for_lost(res) -> None:  # type: ignore[no-untyped-def]
+    set_model_calls(res, True)
     [email_id] = store_emails(res, emails(1))
-    assert enqueue_emails([email_id], short).sent == [email_id]
-    assert 0 < res.redis.ttl(redis_keys.job_marker(email_id)) <= 2
-    res.redis.delete(redis_keys.queue_list(res.settings.queue))  # the message is lost, not the marker
-    assert run_sweep(short).readded_ids == []  # still blocked by the marker
-    time.sleep(2.5)
-    assert run_sweep(short).readded_ids == [email_id]
+    start_attempt(res, email_id)
+    res.redis.set(redis_keys.lease(email_id), "elsewhere:1:running", px=60_000)
+    result = run_sweep(res)
+    assert (result.readded_ids, result.skipped_queued) == ([], 1)
 
 
 def test_two_sweeps_at_once_do_not_double_anything(res) -> None:  # type: ignore[no-untyped-def]
@@ -154,5 +278,24 @@ def test_two_sweeps_at_once_do_not_double_anything(res) -> None:  # type: ignore
     readded = [i for r in results for i in r.readded_ids]
     assert sorted(readded) == ids  # each email re-added once in all
     assert depth(res) == 30
-    with res.db.session() as session:
-        assert set(session.scalars(select(PipelineRun.sweep_count))) == {1}
+    assert set(sweep_counts(res).values()) == {1}
+
+
+def test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The first batch is read again after the broker: a run the sweeper saw open, whose job a
+    worker took and finished while the broker was being read, is closed by then."""
+    set_model_calls(res, True)
+    [email_id] = store_emails(res, emails(1, "reread"))
+    enqueue_emails([email_id], res)
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, [email_id])  # open, as an enqueued email's run is
+    read_broker = brokerstate.emails_in_broker
+
+    def read_while_the_job_ends(*args: object) -> set[int]:
+        purge(res)  # a worker took the message...
+        assert job.process_email(res, email_id).kind is Kind.SUCCEEDED  # ...and finished it
+        return read_broker(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(brokerstate, "emails_in_broker", read_while_the_job_ends)
+    result = run_sweep(res)
+    assert (result.readded_stalled, result.readded_no_run, depth(res)) == (0, 0, 0)

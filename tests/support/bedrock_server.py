@@ -107,8 +107,13 @@ def labels(scores: Mapping[str, float], *, tool_name: str | None = None) -> Resp
 
     def respond(request: ConverseRequest) -> Reply:
         tool_input = {"labels": [{"label": k, "confidence": v} for k, v in scores.items()]}
-        block = {"toolUse": {"toolUseId": _id(), "name": tool_name or request.tool_name,
-                             "input": tool_input}}
+        block = {
+            "toolUse": {
+                "toolUseId": _id(),
+                "name": tool_name or request.tool_name,
+                "input": tool_input,
+            }
+        }
         return _success(request, [block], stop_reason="tool_use")
 
     return respond
@@ -266,14 +271,24 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         match = _CONVERSE_PATH.match(self.path)
         if match is None:
-            self._send(Reply(404, {"message": f"no such operation: {self.path}"},
-                             {"x-amzn-ErrorType": "UnknownOperationException"}))
+            self._send(
+                Reply(
+                    404,
+                    {"message": f"no such operation: {self.path}"},
+                    {"x-amzn-ErrorType": "UnknownOperationException"},
+                )
+            )
             return
         try:
             payload = json.loads(body)
         except ValueError:
-            self._send(Reply(400, {"message": "request body is not JSON"},
-                             {"x-amzn-ErrorType": "SerializationException"}))
+            self._send(
+                Reply(
+                    400,
+                    {"message": "request body is not JSON"},
+                    {"x-amzn-ErrorType": "SerializationException"},
+                )
+            )
             return
         request = ConverseRequest(unquote(match["model_id"]), payload, dict(self.headers))
         self._send(self.server.bedrock.answer(request))  # type: ignore[attr-defined]
@@ -295,6 +310,57 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
+
+
+@dataclass(frozen=True)
+class Call:
+    arrived: float  # time.monotonic() of this (the test) process
+    answered: float
+    status: int
+
+
+class TimedBedrockServer(BedrockServer):
+    """The local Bedrock server, also recording when each call arrived and was answered, and the
+    most calls it held at once. `BedrockServer` records the requests but not their times."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._timing = threading.Lock()
+        self._in_flight = 0
+        self.peak_in_flight = 0
+        self.calls: list[Call] = []
+
+    def answer(self, request: ConverseRequest) -> Reply:
+        with self._timing:
+            arrived = time.monotonic()
+            self._in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        try:
+            reply = super().answer(request)
+        finally:
+            with self._timing:
+                self._in_flight -= 1
+        with self._timing:
+            self.calls.append(Call(arrived, time.monotonic(), reply.status))
+        return reply
+
+    def arrivals(self) -> list[float]:
+        with self._timing:
+            return sorted(call.arrived for call in self.calls)
+
+    def statuses(self) -> list[int]:
+        """The answers' HTTP statuses, in the order the calls arrived."""
+        with self._timing:
+            return [call.status for call in sorted(self.calls, key=lambda call: call.arrived)]
+
+
+def invoices(n: int) -> list[bytes]:
+    tag = uuid.uuid4().hex[:8]
+    return [
+        f"From: billing@example.org\r\nTo: a@example.org\r\nSubject: Invoice {i}\r\n"
+        f"Message-ID: <{tag}.{i}@example.org>\r\n\r\nAmount due: {i} EUR.\r\n".encode()
+        for i in range(n)
+    ]
 
 
 def main() -> None:

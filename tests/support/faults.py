@@ -6,11 +6,22 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
 
 - ``exit``: ``os._exit(1)``; ``sigkill``: SIGKILL to itself; ``segfault``: a NULL read through
   ctypes; ``memory``: allocation past an address-space limit set for the child;
-- ``slow:SECONDS``: sleeps, then runs the real steps (a slow but healthy job).
+- ``slow:SECONDS``: sleeps, then runs the real steps (a slow but healthy job);
+- ``hang``: sleeps for ever and ignores the soft time limit (a job stuck in C code), so only
+  the hard time limit ends it;
+- ``die-after-steps``: runs the real steps (their writes committed), then SIGKILLs its child:
+  a crash between the CPU stage and its hand-off;
+- ``transient``: raises a TransientError (a service that is down), ``transient:SECONDS`` one
+  that says when to come back (a Retry-After).
+
+A claim fault (``set_claim_fault``) makes the delivery wait inside its claim transaction, after
+the run's row is locked, for the given seconds: a window in which to restart the database.
 
 A fault can be limited to its first N deliveries (``times``). Every delivery that reaches the
 steps is counted under ``runs_key`` and its start time kept under ``starts_key``, so tests can
-tell how often and when the steps really ran.
+tell how often and when the steps really ran; every answer of the model taken for an email (each
+call of ``job._store_classification``, which every classification goes through) is counted under
+``classifications_key``.
 """
 
 from __future__ import annotations
@@ -21,10 +32,12 @@ import resource
 import signal
 import time
 
+from billiard.exceptions import SoftTimeLimitExceeded
 from redis import Redis
 
-from mailpipe import redis_keys
-from mailpipe.pipeline import job
+from mailpipe.coordination import redis_keys
+from mailpipe.errors import TransientError
+from mailpipe.pipeline import job, runs
 
 
 def fault_key(email_id: int, prefix: str | None = None) -> str:
@@ -36,9 +49,25 @@ def runs_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:runs:{email_id}", prefix)
 
 
+def classifications_key(email_id: int, prefix: str | None = None) -> str:
+    """How many times a delivery took the model's answer for the email (stored it in its
+    transaction, whether or not that transaction then committed)."""
+    return _key(f"test:classifications:{email_id}", prefix)
+
+
 def starts_key(email_id: int, prefix: str | None = None) -> str:
     """A list of the wall-clock times at which deliveries reached the steps."""
     return _key(f"test:starts:{email_id}", prefix)
+
+
+def claim_fault_key(email_id: int, prefix: str | None = None) -> str:
+    return _key(f"test:claimfault:{email_id}", prefix)
+
+
+def set_claim_fault(
+    redis: Redis, email_id: int, seconds: float, times: int = 1, prefix: str | None = None
+) -> None:
+    redis.hset(claim_fault_key(email_id, prefix), mapping={"seconds": seconds, "left": times})
 
 
 def set_fault(
@@ -80,6 +109,17 @@ def _crash(mode: str) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     if mode.startswith("slow:"):
         time.sleep(float(mode.split(":", 1)[1]))
+    if mode == "transient":
+        raise TransientError("the test's service is down")
+    if mode.startswith("transient:"):
+        retry_after = float(mode.split(":", 1)[1])
+        raise TransientError("the test's service is busy", retry_after=retry_after)
+    if mode == "hang":
+        while True:
+            try:
+                time.sleep(3600)
+            except SoftTimeLimitExceeded:
+                pass
 
 
 _real_run_steps = job._run_steps
@@ -89,9 +129,43 @@ def _run_steps_with_faults(res, email_id: int, *args: object) -> job.Outcome:  #
     res.redis.incr(runs_key(email_id))
     res.redis.rpush(starts_key(email_id), time.time())
     mode = _take_fault(res.redis, email_id)
+    if mode == "die-after-steps":
+        _real_run_steps(res, email_id, *args)
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode is not None:
         _crash(mode)
     return _real_run_steps(res, email_id, *args)
 
 
 job._run_steps = _run_steps_with_faults
+
+_real_store_classification = job._store_classification
+
+
+def _store_classification_counted(session, run, email_id: int, result) -> None:  # type: ignore[no-untyped-def]
+    _real_store_classification(session, run, email_id, result)
+    from mailpipe.resources import get_resources
+
+    get_resources().redis.incr(classifications_key(email_id))
+
+
+job._store_classification = _store_classification_counted
+
+_real_claim_attempt = runs.claim_attempt
+
+
+def _claim_attempt_with_faults(session, email_id: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+    result = _real_claim_attempt(session, email_id, *args, **kwargs)
+    from mailpipe.resources import get_resources
+
+    redis = get_resources().redis
+    key = claim_fault_key(email_id)
+    fault = redis.hgetall(key)
+    if fault and int(fault[b"left"]) > 0:
+        redis.hincrby(key, "left", -1)
+        session.flush()  # the run's row is written and locked, not yet committed
+        time.sleep(float(fault[b"seconds"]))
+    return result
+
+
+runs.claim_attempt = _claim_attempt_with_faults

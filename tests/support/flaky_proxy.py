@@ -22,7 +22,8 @@ class FlakyProxy:
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0) -> None:
         target = urlparse(upstream)
         self._failing_until = 0.0
-        self.failed_requests = 0
+        self._lock = threading.Lock()
+        self.failed_requests = 0  # answered 503 (each request has a thread of its own)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -32,7 +33,8 @@ class FlakyProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if time.monotonic() < proxy._failing_until:
-                    proxy.failed_requests += 1
+                    with proxy._lock:
+                        proxy.failed_requests += 1
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(_ERROR)))

@@ -22,6 +22,42 @@ def test_embedded_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.soft_shutdown_timeout < 120
 
 
+def test_production_windows_default_to_the_documented_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The values docs/operations.md and docs/sweeper.md state, and the reasons they rest on."""
+    for name in list(os.environ):
+        if name.startswith("MAILPIPE_"):
+            monkeypatch.delenv(name)
+    s = Settings()
+    assert (s.sweep_interval, s.stall_after, s.max_sweeps) == (300, 1800, 3)
+    assert (s.visibility_timeout, s.task_soft_time_limit, s.task_time_limit) == (900, 240, 300)
+    assert (s.retry_backoff_base, s.retry_backoff_max, s.max_retries) == (10, 300, 3)
+    assert (s.lease_ttl, s.dedup_ttl, s.max_deferral) == (30, 3600, 3600)
+    assert (s.worker_heartbeat_interval, s.worker_dead_after) == (10, 30)
+    assert (s.db_connect_timeout, s.db_statement_timeout) == (5, 30)
+    # The rule the windows keep: nothing the broker holds is redelivered while it may still run.
+    assert s.visibility_timeout > s.task_time_limit + s.retry_backoff_max
+    assert s.soft_shutdown_timeout < 120  # inside ECS's stopTimeout
+
+
+def test_beat_fires_the_sweep_every_sweep_interval_and_each_task_has_its_queue() -> None:
+    from mailpipe.app import config
+
+    assert config.beat_schedule["sweep"] == {"task": "mailpipe.sweep", "schedule": 300.0}
+    assert config.task_routes == {
+        "mailpipe.sweep": {"queue": "mailpipe.control"},
+        "mailpipe.classify_email": {"queue": "mailpipe.model"},
+    }
+
+
+def test_inconsistent_windows_are_refused_at_start_with_the_settings_named() -> None:
+    with pytest.raises(ValidationError, match="WORKER_DEAD_AFTER must be at least twice"):
+        Settings(worker_heartbeat_interval=10, worker_dead_after=15)
+    with pytest.raises(ValidationError, match="DEDUP_TTL must be at least twice"):
+        Settings(dedup_ttl=300, sweep_interval=300)
+
+
 def test_visibility_timeout_must_cover_time_limit_and_backoff() -> None:
     with pytest.raises(ValidationError, match="VISIBILITY_TIMEOUT must exceed"):
         Settings(visibility_timeout=500, task_time_limit=300, retry_backoff_max=300)

@@ -1,18 +1,31 @@
-"""The job's control flow, called directly: PostgreSQL and the S3 server, no broker, no worker."""
+"""The job's control flow, called directly: PostgreSQL, Redis and the S3 server, no worker."""
 
 from __future__ import annotations
 
-import pytest
+import threading
+import time
+
 from sqlalchemy import select, update
 
-from mailpipe import flags
-from mailpipe.ingest import store_emails
-from mailpipe.models import Classification, Document, EmailLabel, PipelineRun, utcnow
-from mailpipe.pipeline import job
+from mailpipe.classifiers import ClassificationResult, EmailForClassifier
+from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import redis_keys
+from mailpipe.pipeline import job, runs
+from mailpipe.pipeline.job import Kind
 from mailpipe.resources import Resources
+from mailpipe.storage import flags
+from mailpipe.storage.models import (
+    Classification,
+    Document,
+    EmailLabel,
+    EmailMessage,
+    ModelInput,
+    PipelineRun,
+    RunStatus,
+)
 
 INVOICE = (
-    b'From: billing@acme.example\r\nSubject: Invoice 12\r\nMessage-ID: <j12@acme>\r\n'
+    b"From: billing@acme.example\r\nSubject: Invoice 12\r\nMessage-ID: <j12@acme>\r\n"
     b'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
     b"--b\r\nContent-Type: text/plain\r\n\r\nAmount due: 12 EUR\r\n"
     b'--b\r\nContent-Type: text/plain; name="notes.txt"\r\nContent-Disposition: attachment; filename="../../notes.txt"\r\n\r\n'
@@ -25,9 +38,32 @@ def run_of(res: Resources, email_id: int) -> PipelineRun:
         return session.scalars(select(PipelineRun).where(PipelineRun.email_id == email_id)).one()
 
 
+def model_calls(res: Resources, on: bool) -> None:
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, on)
+
+
+def start_attempt(res: Resources, email_id: int) -> int:
+    """What a delivery does before its steps: the claim. A delivery whose child is then killed
+    leaves exactly this behind."""
+    with res.db.transaction() as session:
+        return runs.claim_attempt(session, email_id, res.settings.max_attempts).attempt
+
+
+def rows(res: Resources) -> dict[str, list[tuple]]:
+    with res.db.session() as session:
+        return {
+            model.__tablename__: sorted(
+                tuple(getattr(r, c.key) for c in model.__table__.columns)
+                for r in session.scalars(select(model))
+            )
+            for model in (PipelineRun, Document, EmailLabel, Classification)
+        }
+
+
 def test_model_calls_off_leaves_the_run_open_after_the_documents(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    assert job.process_email(res, email_id) is job.Outcome.WAITING
+    assert job.process_email(res, email_id).kind is Kind.WAITING
     run = run_of(res, email_id)
     assert (run.status.value, run.attempts, run.attempt_started_at) == ("open", 0, None)
     with res.db.session() as session:
@@ -35,50 +71,384 @@ def test_model_calls_off_leaves_the_run_open_after_the_documents(res) -> None:  
         assert session.scalars(select(Classification)).all() == []
     assert document.status.value == "converted" and document.filename == "notes.txt"
     assert "pay soon" in (document.text or "")
+    # The job is over: its marker went with the lease, so the email can be enqueued again.
+    assert not res.redis.exists(redis_keys.job_marker(email_id), redis_keys.lease(email_id))
 
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, True)
-    assert job.process_email(res, email_id) is job.Outcome.SUCCEEDED
+    # Sent again with model calls still off, it waits again, writing nothing.
+    before = rows(res)
+    assert job.process_email(res, email_id).kind is Kind.WAITING
+    # Once they are on, sending it again hands it to its model stage, which works from what
+    # the CPU stage kept: no second parse, no new row.
+    model_calls(res, True)
+    assert job.process_email(res, email_id).kind is Kind.HANDED_OFF
+    assert rows(res) == before
+    assert job.classify_email(res, email_id).kind is Kind.SUCCEEDED
     with res.db.session() as session:
         labels = set(session.scalars(select(EmailLabel.label)))
     assert labels == {"invoice"}
-    assert job.process_email(res, email_id) is job.Outcome.ALREADY_CLOSED
+    before = rows(res)
+    assert job.classify_email(res, email_id).kind is Kind.CLOSED
+    assert job.process_email(res, email_id).kind is Kind.CLOSED
+    assert rows(res) == before  # a delivery of a closed run changes no row
 
 
-def test_transient_errors_retry_then_fail_after_max_attempts(res) -> None:  # type: ignore[no-untyped-def]
+def test_transient_errors_retry_with_backoff_then_fail_after_max_attempts(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    unreachable = Resources(res.settings.model_copy(update={"s3_endpoint_url": "http://127.0.0.1:9"}))
-    for attempt in (1, 2, 3, 4):
-        if attempt < 4:
-            with pytest.raises(job.RetryLater) as retry:
-                job.process_email(unreachable, email_id)
-            assert retry.value.attempt == attempt
-            assert "S3 unavailable" in str(retry.value)
-        else:
-            assert job.process_email(unreachable, email_id) is job.Outcome.FAILED
+    unreachable = Resources(
+        res.settings.model_copy(update={"s3_endpoint_url": "http://127.0.0.1:9"})
+    )
+    for attempt in (1, 2, 3):
+        outcome = job.process_email(unreachable, email_id)
+        assert outcome.kind is Kind.RETRY
+        assert "S3 unavailable" in (outcome.error or "")
+        ceiling = min(
+            res.settings.retry_backoff_max, res.settings.retry_backoff_base * 2 ** (attempt - 1)
+        )
+        assert 0 <= outcome.delay <= ceiling
+        assert run_of(res, email_id).attempts == attempt
+        # A retry keeps the marker (stamped anew): the follow-up message is the job's.
+        assert res.redis.exists(redis_keys.job_marker(email_id))
+    outcome = job.process_email(unreachable, email_id)
+    assert outcome.kind is Kind.FAILED
     run = run_of(res, email_id)
     assert run.status.value == "failed" and run.attempts == 4
     assert run.error.startswith("gave up after 4 attempts: TransientError: S3 unavailable")
 
 
+def test_a_service_s_retry_after_takes_precedence_over_the_backoff(res) -> None:  # type: ignore[no-untyped-def]
+    settings = res.settings
+    assert job.retry_delay(settings, 1, retry_after=3.5) == 3.5
+    # ...but never past the longest backoff, which keeps every countdown inside the visibility
+    # timeout.
+    assert job.retry_delay(settings, 1, retry_after=10_000) == settings.retry_backoff_max
+    assert all(0 <= job.retry_delay(settings, 9) <= settings.retry_backoff_max for _ in range(100))
+
+
 def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, True)
-    # What a child killed mid-job leaves behind: an attempt counted and never finished.
-    assert job.process_email(res, email_id) is job.Outcome.SUCCEEDED
-    with res.db.transaction() as session:
-        session.execute(
-            update(PipelineRun).values(status="open", attempts=4, attempt_started_at=utcnow(), closed_at=None)
-        )
-    assert job.process_email(res, email_id) is job.Outcome.FAILED
+    model_calls(res, True)
+    for _ in range(4):
+        start_attempt(res, email_id)
+    # The fifth delivery finds the fourth attempt unfinished: every attempt is used.
+    outcome = job.process_email(res, email_id)
+    assert outcome.kind is Kind.FAILED
     run = run_of(res, email_id)
+    assert run.attempts == 4
     assert "gave up after 4 attempts" in run.error and "worker process died" in run.error
+
+
+def test_an_attempt_cut_off_by_the_hard_time_limit_waits_its_backoff_then_the_last_fails(
+    res,
+) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    for attempt in (1, 2, 3):
+        assert start_attempt(res, email_id) == attempt
+        outcome = job.process_email(res, email_id, cut_off=25)
+        assert outcome.kind is Kind.RETRY  # recorded, not run: back after the backoff
+        assert outcome.error == f"attempt {attempt} was cut off by the hard time limit (25 s)"
+        run = run_of(res, email_id)
+        assert (run.attempts, run.attempt_started_at, run.status.value) == (attempt, None, "open")
+    start_attempt(res, email_id)
+    outcome = job.process_email(res, email_id, cut_off=25)
+    assert outcome.kind is Kind.FAILED
+    run = run_of(res, email_id)
+    assert run.status.value == "failed" and run.attempts == 4
+    assert (
+        run.error == "gave up after 4 attempts: attempt 4 was cut off by the hard time limit (25 s)"
+    )
+
+
+def test_the_soft_time_limit_fails_the_run_at_once(res) -> None:  # type: ignore[no-untyped-def]
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    class SlowBlobs:
+        def get(self, key: str, max_bytes: int | None = None) -> bytes:
+            raise SoftTimeLimitExceeded()
+
+    [email_id] = store_emails(res, [INVOICE])
+    slow = Resources(res.settings)
+    slow.__dict__["blobs"] = SlowBlobs()
+    outcome = job.process_email(slow, email_id)
+    assert outcome.kind is Kind.FAILED
+    run = run_of(res, email_id)
+    assert (run.status.value, run.attempts) == ("failed", 1)
+    assert run.error.startswith("soft time limit (20 s) exceeded")
 
 
 def test_permanent_errors_fail_at_once(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [b"Subject: x\r\n\r\n" + b"a" * 2048])
     small = Resources(res.settings.model_copy(update={"max_email_bytes": 1024}))
-    assert job.process_email(small, email_id) is job.Outcome.FAILED
+    outcome = job.process_email(small, email_id)
+    assert outcome.kind is Kind.FAILED
     run = run_of(res, email_id)
     assert run.attempts == 1 and "over the limit of 1024" in run.error
+    assert not res.redis.exists(redis_keys.job_marker(email_id))
+
+
+def test_an_unknown_email_fails_with_its_id(res) -> None:  # type: ignore[no-untyped-def]
+    outcome = job.process_email(res, 999_999)
+    assert (outcome.kind, outcome.error) == (Kind.FAILED, "no email_message row with id 999999")
+
+
+def test_a_held_lease_defers_without_an_attempt_and_deferrals_are_bounded(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    res.redis.set(redis_keys.lease(email_id), "elsewhere:1:holder", px=60_000)
+    outcome = job.process_email(res, email_id)
+    assert outcome.kind is Kind.DEFER and "being processed by elsewhere:1:holder" in outcome.error
+    # Never a countdown past the longest backoff (so never past the visibility timeout).
+    assert 0.5 <= outcome.delay <= res.settings.retry_backoff_max
+    assert outcome.deferred_since is not None
+    assert res.redis.zscore(redis_keys.deferred(), email_id) is not None
+    with res.db.session() as session:
+        assert session.scalar(select(PipelineRun.attempts)) is None  # no run, no attempt
+
+    # A job deferred for longer than MAILPIPE_MAX_DEFERRAL in all fails with the reason.
+    [other] = store_emails(res, [INVOICE.replace(b"j12@", b"j13@")])
+    start_attempt(res, other)  # its run exists and is open
+    res.redis.set(redis_keys.lease(other), "elsewhere:1:holder", px=60_000)
+    since = time.time() - res.settings.max_deferral
+    outcome = job.process_email(res, other, deferred_since=since)
+    assert outcome.kind is Kind.FAILED and "past MAILPIPE_MAX_DEFERRAL" in outcome.error
+    run = run_of(res, other)
+    assert run.status.value == "failed" and "past MAILPIPE_MAX_DEFERRAL" in run.error
+
+
+class BlockingBlobs:
+    """The real blob store, except that the first `get` waits until the test lets it go."""
+
+    def __init__(self, real) -> None:  # type: ignore[no-untyped-def]
+        self.real = real
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        self.reached.set()
+        assert self.go.wait(30)
+        return self.real.get(key, max_bytes)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.real.put(key, data)
+
+
+def test_a_delivery_that_lost_its_lease_writes_nothing_and_leaves_the_holder_s_marker(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    stalled = Resources(res.settings)
+    blobs = BlockingBlobs(res.blobs)
+    stalled.__dict__["blobs"] = blobs
+    first: list[job.Outcome] = []
+    thread = threading.Thread(target=lambda: first.append(job.process_email(stalled, email_id)))
+    thread.start()
+    assert blobs.reached.wait(30)
+    # The first delivery stalls past its lease (its renewals stopped); a second takes over and
+    # finishes the job.
+    res.redis.delete(redis_keys.lease(email_id))
+    second = job.process_email(res, email_id)
+    assert second.kind is Kind.SUCCEEDED
+    assert run_of(res, email_id).attempts == 2
+    done = rows(res)
+    res.redis.set(redis_keys.job_marker(email_id), "123.000")  # a later enqueue's marker
+    blobs.go.set()
+    thread.join(30)
+    assert first[0].kind is Kind.CLOSED  # fenced: attempt 2 holds the run
+    assert rows(res) == done
+    assert res.redis.get(redis_keys.job_marker(email_id)) == b"123.000"
+
+
+class RemoteRules:
+    """The rules classifier posing as a paid remote one, counting its calls."""
+
+    remote = True
+
+    def __init__(self, real) -> None:  # type: ignore[no-untyped-def]
+        self.real = real
+        self.model_id = real.model_id
+        self.calls = 0
+
+    def classify(self, email: EmailForClassifier) -> ClassificationResult:
+        self.calls += 1
+        return self.real.classify(email)
+
+
+def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kept(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    remote = Resources(res.settings)
+    classifier = RemoteRules(res.classifier)
+    remote.__dict__["classifier"] = classifier
+    handed = job.process_email(remote, email_id)
+    assert handed.kind is Kind.HANDED_OFF and handed.follows_up
+    assert classifier.calls == 0  # the CPU stage never waits on a remote model
+    # The hand-off's message will be sent: the email's marker stays for it.
+    assert res.redis.exists(redis_keys.job_marker(email_id))
+    with res.db.session() as session:
+        kept = session.get_one(ModelInput, email_id).input
+        run = session.scalars(select(PipelineRun)).one()
+    assert "Amount due: 12 EUR" in kept["body_text"] and kept["documents"][0][2] == "pay soon"
+    assert (run.status.value, run.attempts) == ("open", 0) and run.converted_at is not None
+    # A model stage sent before its CPU stage ran does nothing.
+    [other] = store_emails(res, [INVOICE.replace(b"j12@", b"j14@")])
+    early = job.classify_email(remote, other)
+    assert (early.kind, early.error) == (
+        Kind.CLOSED,
+        "not converted yet: the CPU stage comes first",
+    )
+
+    assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
+    assert classifier.calls == 1
+    with res.db.session() as session:
+        assert set(session.scalars(select(EmailLabel.label))) == {"invoice"}
+
+
+def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    remote = Resources(res.settings)
+    classifier = RemoteRules(res.classifier)
+    remote.__dict__["classifier"] = classifier
+    assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
+
+    # The labels' transaction fails after the answer was stored (the child dies there).
+    real_sync = job.sync_model_labels
+
+    def crash(*args: object) -> None:
+        raise SystemExit("killed")
+
+    job.sync_model_labels = crash  # type: ignore[assignment]
+    try:
+        try:
+            job.classify_email(remote, email_id)
+        except SystemExit:
+            pass
+    finally:
+        job.sync_model_labels = real_sync  # type: ignore[assignment]
+    run = run_of(res, email_id)
+    assert run.status.value == "open" and run.classified_at is not None
+    with res.db.session() as session:
+        [stored] = session.scalars(select(Classification)).all()
+    assert stored.labels == [["invoice", 0.8]] and classifier.calls == 1
+
+    outcome = job.classify_email(remote, email_id)
+    assert outcome.kind is Kind.SUCCEEDED
+    assert classifier.calls == 1  # the labels came from the stored answer
+    with res.db.session() as session:
+        labels = session.execute(select(EmailLabel.label, EmailLabel.confidence)).all()
+    assert [tuple(label) for label in labels] == [("invoice", 0.8)]
+
+
+def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(res) -> None:  # type: ignore[no-untyped-def]
+    """The fence is the attempt, not only the run's status: the first delivery wakes while the
+    second, which claimed attempt 2, is still inside its steps and the run still open."""
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    first_res, second_res = Resources(res.settings), Resources(res.settings)
+    first_blobs, second_blobs = BlockingBlobs(res.blobs), BlockingBlobs(res.blobs)
+    first_res.__dict__["blobs"], second_res.__dict__["blobs"] = first_blobs, second_blobs
+    outcomes: dict[str, job.Outcome] = {}
+    first = threading.Thread(
+        target=lambda: outcomes.update(first=job.process_email(first_res, email_id))
+    )
+    first.start()
+    assert first_blobs.reached.wait(30)
+    res.redis.delete(redis_keys.lease(email_id))  # the first delivery's lease lapsed
+    second = threading.Thread(
+        target=lambda: outcomes.update(second=job.process_email(second_res, email_id))
+    )
+    second.start()
+    assert second_blobs.reached.wait(30)
+    assert run_of(res, email_id).attempts == 2
+    first_blobs.go.set()
+    first.join(30)
+    assert outcomes["first"].kind is Kind.CLOSED
+    assert outcomes["first"].error == f"email {email_id}: attempt 2 has claimed the run"
+    with res.db.session() as session:
+        assert session.scalars(select(Document)).all() == []  # nothing of the first's
+    second_blobs.go.set()
+    second.join(30)
+    assert outcomes["second"].kind is Kind.SUCCEEDED
+
+
+def test_a_death_after_a_transient_error_is_recorded_as_the_death(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    unreachable = Resources(
+        res.settings.model_copy(update={"s3_endpoint_url": "http://127.0.0.1:9"})
+    )
+    assert job.process_email(unreachable, email_id).kind is Kind.RETRY  # attempt 1: S3 down
+    start_attempt(res, email_id)  # attempt 2 claimed, then its child died
+    job.process_email(unreachable, email_id)  # attempt 3 finds attempt 2 unfinished
+    run = run_of(res, email_id)
+    assert run.attempts == 3
+    # Its error is its own again (S3), but the death came first and was recorded as such.
+    assert "S3 unavailable" in run.error
+    start_attempt(res, email_id)  # attempt 4 claimed, and died too
+    outcome = job.process_email(res, email_id)
+    assert outcome.kind is Kind.FAILED
+    assert run_of(res, email_id).error == (
+        "gave up after 4 attempts: attempt 4 ended without a result: its worker process died or "
+        "was killed, or stopped renewing its lease"
+    )
+
+
+def test_a_delivery_whose_run_was_failed_meanwhile_writes_nothing(res) -> None:  # type: ignore[no-untyped-def]
+    """The fence is also the run's status: here a deferred copy of the same job, past its bound,
+    fails the run while the first delivery is inside its steps at the same attempt."""
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    stalled = Resources(res.settings)
+    blobs = BlockingBlobs(res.blobs)
+    stalled.__dict__["blobs"] = blobs
+    outcomes: list[job.Outcome] = []
+    thread = threading.Thread(target=lambda: outcomes.append(job.process_email(stalled, email_id)))
+    thread.start()
+    assert blobs.reached.wait(30)
+    # A second delivery finds the lease held, and has been deferred past the bound.
+    since = time.time() - res.settings.max_deferral
+    assert job.process_email(res, email_id, deferred_since=since).kind is Kind.FAILED
+    before = rows(res)
+    blobs.go.set()
+    thread.join(30)
+    assert outcomes[0].kind is Kind.CLOSED
+    assert outcomes[0].error == f"email {email_id}: the run is failed already"
+    assert rows(res) == before
+
+
+def test_a_malformed_header_line_is_skipped_and_recorded_on_the_run(res) -> None:  # type: ignore[no-untyped-def]
+    raw = (
+        b"Received: from x by y\r\nThis line has no colon\r\nFrom: Ann <ann@example.org>\r\n"
+        b"Subject: kept\r\nMessage-ID: <garbled@example.org>\r\n\r\nbody\r\n"
+    )
+    [email_id] = store_emails(res, [raw])
+    model_calls(res, True)
+    assert job.process_email(res, email_id).kind is Kind.SUCCEEDED
+    run = run_of(res, email_id)
+    assert run.parse_defects is not None
+    assert run.parse_defects["skipped_header_lines"] == ["This line has no colon"]
+    assert run.parse_defects["count"] >= 1
+    with res.db.session() as session:
+        assert session.get_one(EmailMessage, email_id).subject == "kept"
+
+
+def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-untyped-def]
+    """An operator's retry of a failed run that holds an answer: the answer no longer counts."""
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    remote = Resources(res.settings)
+    classifier = RemoteRules(res.classifier)
+    remote.__dict__["classifier"] = classifier
+    assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
+    assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
+    assert classifier.calls == 1
+    with res.db.transaction() as session:  # failed after its answer, as an operator finds it
+        session.execute(
+            update(PipelineRun)
+            .where(PipelineRun.email_id == email_id)
+            .values(status=RunStatus.FAILED, error="labels refused")
+        )
+    with res.db.transaction() as session:
+        assert runs.reopen(session, email_id)
+    run = run_of(res, email_id)
+    assert (run.status.value, run.classified_at, run.converted_at) == ("open", None, None)
+    assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
+    assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
+    assert classifier.calls == 2

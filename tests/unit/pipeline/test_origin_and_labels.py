@@ -3,11 +3,11 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from mailpipe.classifiers import LabelScore
-from mailpipe.ingest import store_emails
-from mailpipe.models import EmailLabel, EmailMessage, EmailOrigin
+from mailpipe.cli.ingest import store_emails
+from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.pipeline.origin import fingerprint, record_origin
-from mailpipe.pipeline.parse import ParseLimits, parse_email
+from mailpipe.storage.models import EmailLabel, EmailMessage, EmailOrigin
 
 LIMITS = ParseLimits(1 << 20, 25, 100, 10_000)
 
@@ -35,8 +35,8 @@ def test_record_origin_is_idempotent_and_links_the_copy(res) -> None:  # type: i
     first_id, copy_id = store_emails(res, [email("m1@x", "b", "mx1"), email("m1@x", "b", "mx2")])
     for _ in range(2):  # running the step twice changes nothing
         with res.db.transaction() as session:
-            first = record_origin(session, session.get_one(EmailMessage, first_id), parse_email(email("m1@x", "b", "mx1"), LIMITS))
-            copy = record_origin(session, session.get_one(EmailMessage, copy_id), parse_email(email("m1@x", "b", "mx2"), LIMITS))
+            first = record_origin(session, first_id, parse_email(email("m1@x", "b", "mx1"), LIMITS))
+            copy = record_origin(session, copy_id, parse_email(email("m1@x", "b", "mx2"), LIMITS))
         assert first.duplicate_of is None
         assert copy.duplicate_of == first_id
         assert copy.origin_id == first.origin_id

@@ -1,0 +1,107 @@
+"""Celery configuration for every mailpipe process: lowercase Celery keys, values from the one
+settings object (`mailpipe.settings`), each with the reason it is set. `celeryconfig.py` at the
+top of the repository re-exports it. Figures behind the choices: docs/benchmarks.md and
+docs/operations.md.
+
+Only Celery's keys are public names here: Celery reads every public name of this module as a
+setting (`celery report` lists them), so helpers are imported under private names.
+"""
+
+from kombu import Queue as _Queue
+
+from mailpipe.coordination.queues import TaskName as _TaskName
+from mailpipe.coordination.queues import control_queue as _control_queue
+from mailpipe.coordination.queues import email_queue as _email_queue
+from mailpipe.coordination.queues import model_queue as _model_queue
+from mailpipe.settings import get_settings as _get_settings
+
+_settings = _get_settings()
+
+broker_url = _settings.broker_url
+# Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
+# longest retry backoff (checked at start-up), so Redis never redelivers a job that is still
+# running or waiting out its countdown. It is the last line of defence: a dead worker's messages
+# come back through the worker heartbeat long before (mailpipe.coordination.heartbeat).
+# kombu scans for expired unacked messages every interval x throttle seconds (100 s by default).
+# MAILPIPE_REDIS_PREFIX goes before every kombu key, so environments can share one Redis.
+broker_transport_options = {
+    "visibility_timeout": _settings.visibility_timeout,
+    "unacked_restore_interval": 10,
+    "unacked_restore_throttle": 1,
+    "global_keyprefix": _settings.redis_prefix,
+}
+# A restarted Redis or a deploy that starts workers before Redis must not crash them.
+broker_connection_retry_on_startup = True
+
+# JSON only: a pickle payload would let whoever can write to Redis run code in the workers.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+event_serializer = "json"
+# Outcomes live in the database; a result backend would be a second, unread copy.
+task_ignore_result = True
+
+# Ack after the job, not before: a worker that dies mid-job leaves the message to be redelivered.
+task_acks_late = True
+# ...and a child killed mid-job (OOM, segfault) requeues its message instead of dropping it.
+task_reject_on_worker_lost = True
+# How long the pool waits for a dead child's result before it requeues the job (Celery: 10 s).
+# A job is idempotent and leased, so a short wait costs nothing when the result was in flight
+# and saves seconds on every crash.
+worker_lost_wait = 2.0
+# Two messages reserved per child: when a child finishes, the next job is already in the main
+# process and goes to it at once, instead of after a BRPOP round trip. A reserved job waits for a
+# child of its worker (the first that frees up) even if another worker is idle, at most as long
+# as the shorter running job. For jobs of minutes, set MAILPIPE_WORKER_PREFETCH_MULTIPLIER=1.
+worker_prefetch_multiplier = _settings.worker_prefetch_multiplier
+
+# The soft limit raises inside the job so it can record the error; the hard limit kills the child.
+task_soft_time_limit = _settings.task_soft_time_limit
+task_time_limit = _settings.task_time_limit
+# Recycling children bounds what a leak in a parser library can grow to; a child past the memory
+# cap is replaced after its current job. billiard compares the child's *peak* RSS (getrusage)
+# with the cap, so a single job's transient peak recycles the child too.
+worker_max_tasks_per_child = _settings.worker_max_tasks_per_child
+worker_max_memory_per_child = _settings.worker_max_memory_per_child_kb
+# Jobs at a time per worker process (ECS task); fleet capacity is tasks x this.
+worker_concurrency = _settings.worker_concurrency
+# On SIGTERM (with REMAP_SIGTERM=SIGQUIT) running jobs get this long to finish before they are
+# requeued; 90 s leaves 30 s of ECS's 120 s stopTimeout for the requeue and exit.
+worker_soft_shutdown_timeout = _settings.soft_shutdown_timeout
+
+# Task events feed Flower's live view of workers and failed jobs.
+worker_send_task_events = True
+task_send_sent_event = True
+# STARTED state makes running jobs visible in Flower, not just queued and finished ones.
+task_track_started = True
+# Celery's consumer, except that the main process publishes task events in batches every 0.2 s
+# instead of nearly one round trip per event (mailpipe.app.consumer: the one extension of Celery's
+# internals kept, because it pays on mailpipe's own workload; docs/benchmarks.md).
+worker_consumer = "mailpipe.app.consumer:Consumer"
+
+# The task shells, and the signal handlers of worker and beat processes: only the processes that
+# run Celery's loops import them, never a process that merely publishes (upstream code, the CLI).
+include = ["mailpipe.app.tasks"]
+imports = ["mailpipe.app.signals"]
+
+task_default_queue = _email_queue(_settings)
+# A worker started without -Q consumes every list (local use, the demo); deployed, the worker role
+# takes the email and control queues and the model role the model queue (Procfile, deploy/ecs).
+# Housekeeping never waits behind the email backlog, and the CPU stage never waits on the model.
+task_queues = (
+    _Queue(_email_queue(_settings)),
+    _Queue(_control_queue(_settings)),
+    _Queue(_model_queue(_settings)),
+)
+task_routes = {
+    _TaskName.SWEEP.value: {"queue": _control_queue(_settings)},
+    _TaskName.CLASSIFY_EMAIL.value: {"queue": _model_queue(_settings)},
+}
+
+# The sweeper turns the database back into work; beat fires it. Only the beat holding the Redis
+# lock fires, so a second beat process is a standby, not a second schedule
+# (mailpipe.app.scheduler).
+beat_scheduler = "mailpipe.app.scheduler:LockedScheduler"
+beat_schedule = {
+    "sweep": {"task": _TaskName.SWEEP.value, "schedule": _settings.sweep_interval},
+}

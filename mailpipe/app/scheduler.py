@@ -1,0 +1,105 @@
+"""A beat scheduler that fires only while it holds the fleet's beat lock in Redis.
+
+Two `celery beat` processes may run (a deploy overlap, a standby): the one holding the lock fires
+the schedule, the other checks the lock every third of its timeout and takes over when the holder
+stops renewing it, so within `MAILPIPE_BEAT_LOCK_TIMEOUT` (default 60 s) plus one check of a
+holder being killed. The lock is redis-py's `Lock`, a key with a TTL, so a Redis flush only means the next
+beat to ask holds it. celery-redbeat was the alternative; it keeps the schedule itself in Redis,
+which this Redis (no persistence, flushed in chaos tests) would lose.
+
+Each tick whose lock check reached Redis, holding the lock or standing by, touches
+`MAILPIPE_BEAT_HEALTH_FILE`: the ECS health check tests that file's age (deploy/README.md). A tick
+comes at least every third of the lock timeout (20 s by default).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from celery.beat import PersistentScheduler
+from redis import Redis, RedisError
+from redis.exceptions import LockError, LockNotOwnedError
+
+from mailpipe.coordination import redis_keys
+from mailpipe.coordination.queues import control_queue, email_queue
+from mailpipe.enqueue import declare_queue
+from mailpipe.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+class LockedScheduler(PersistentScheduler):
+    """`PersistentScheduler` that fires only while it holds the beat lock."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings = self._settings = get_settings()
+        self._redis = Redis.from_url(
+            settings.broker_url, socket_timeout=5, socket_connect_timeout=5
+        )
+        self._lock_timeout = settings.beat_lock_timeout
+        # Not thread-local: beat may close the scheduler from another thread than the ticks'.
+        self._lock = self._redis.lock(
+            redis_keys.beat_lock(), timeout=self._lock_timeout, blocking=False, thread_local=False
+        )
+        self._active = False
+        self._health_file: Path = settings.beat_health_file
+        self._health_file_failed = False
+        super().__init__(*args, **kwargs)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        check_every = self._lock_timeout / 3
+        if not self._hold_lock():
+            return check_every
+        self._declare_queues()
+        return min(super().tick(*args, **kwargs), check_every)
+
+    def close(self) -> None:
+        try:
+            if self._active:
+                # Beat closes its scheduler twice at exit (on stop, and again as it syncs).
+                self._active = False
+                self._lock.release()
+        except (RedisError, LockError):
+            log.warning("beat: could not release the lock; it expires by itself", exc_info=True)
+        super().close()
+
+    def _declare_queues(self) -> None:
+        # A flushed Redis forgets kombu's queue bindings, and a sweep sent to an unbound queue is
+        # dropped silently: the recovery would be lost with what it recovers from.
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for name in (email_queue(self._settings), control_queue(self._settings)):
+                    declare_queue(self.app, producer, name)
+        except Exception:
+            log.warning("beat: could not declare the queues", exc_info=True)
+
+    def _hold_lock(self) -> bool:
+        try:
+            # Renew while held (the TTL starts again), take when free.
+            held = self._lock.reacquire() if self._active else self._lock.acquire()
+        except LockNotOwnedError:
+            held = False  # it lapsed and another beat took it
+        except RedisError:
+            # Redis down: the broker is down too, nothing could be sent anyway.
+            log.warning("beat: Redis unreachable; not firing", exc_info=True)
+            return self._set_active(False)
+        self._touch_health_file()
+        return self._set_active(held)
+
+    def _set_active(self, held: bool) -> bool:
+        if held != self._active:
+            log.warning("beat: %s the scheduler lock", "holding" if held else "lost")
+            self._active = held
+        return held
+
+    def _touch_health_file(self) -> None:
+        try:
+            self._health_file.touch()
+        except OSError as exc:
+            if not self._health_file_failed:
+                log.warning("beat: cannot touch the health file %s: %s", self._health_file, exc)
+            self._health_file_failed = True
+        else:
+            self._health_file_failed = False

@@ -1,0 +1,239 @@
+"""Every Celery signal handler of mailpipe, each explained in a line.
+
+Loaded by the processes that run Celery's loops (the configuration's `imports`), never by one
+that merely publishes jobs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+import uuid
+from typing import Any
+
+from billiard.util import get_logger as _multiprocessing_logger
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    task_received,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
+from redis import Redis, RedisError
+
+from mailpipe import resources
+from mailpipe.app import logs
+from mailpipe.app.tasks import sweep
+from mailpipe.celery import app
+from mailpipe.coordination import heartbeat, redis_keys
+from mailpipe.operations import metrics
+from mailpipe.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+# The worker main process's threads, between worker_ready and worker_shutdown.
+_metrics_reporter: metrics.MetricsReporter | None = None
+_heartbeat: heartbeat.WorkerHeartbeat | None = None
+
+# Eviction policies under which Redis may drop the broker's own keys (queues, unacked messages)
+# when it runs out of memory: jobs would vanish without a trace.
+_EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+
+@after_setup_logger.connect
+def _json_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    """MAILPIPE_LOG_FORMAT=json: Celery's handlers write JSON lines (mailpipe.app.logs), in the
+    worker (its children inherit them) and in beat."""
+    if get_settings().log_format == "json":
+        logs.use_json(logger)
+        logs.use_json(_multiprocessing_logger())
+
+
+@after_setup_task_logger.connect
+def _json_task_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    """The same for Celery's task logger, which has handlers of its own."""
+    if get_settings().log_format == "json":
+        logs.use_json(logger)
+
+
+@worker_init.connect
+def _json_notices(**_: Any) -> None:
+    """MAILPIPE_LOG_FORMAT=json: the worker's shutdown notices, which Celery writes itself, are
+    JSON lines too."""
+    if get_settings().log_format == "json":
+        logs.use_json_for_celery_notices()
+
+
+@worker_init.connect
+def _build_the_classifier(**_: Any) -> None:
+    """Build the classifier once at start, so that a missing rules file, a rule naming a label
+    outside MAILPIPE_LABELS or a bad regex stops the worker with the reason, instead of failing
+    every job once model calls are on (each child builds its own again, lazily)."""
+    from mailpipe.classifiers import make_classifier
+
+    settings = get_settings()
+    try:
+        make_classifier(settings)
+    except Exception as exc:
+        raise SystemExit(f"mailpipe worker: {_classifier_problem(settings, exc)}") from None
+
+
+@worker_init.connect
+def _warn_of_windows_that_defeat_a_mechanism(**_: Any) -> None:
+    for warning in get_settings().window_warnings():
+        log.warning("settings: %s", warning)
+
+
+@worker_init.connect
+def _refuse_an_evicting_redis(**_: Any) -> None:
+    """A Redis that may evict the broker's keys loses jobs silently: refuse to start on one."""
+    policy = _maxmemory_policy(get_settings().broker_url)
+    if policy in _EVICTING_POLICIES:
+        raise SystemExit(
+            f"Redis maxmemory-policy is {policy}: it may evict queued jobs. Set it to noeviction "
+            "(or a volatile-* policy, which evicts only keys with a TTL) before starting workers."
+        )
+
+
+@worker_init.connect
+def _freeze_heap_before_fork(**_: Any) -> None:
+    """Objects the main process built so far stay shared with the children: the cyclic GC would
+    otherwise touch them in every child and copy their pages (docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+
+
+@worker_process_init.connect
+def _fresh_resources_in_child(**_: Any) -> None:
+    """Connections do not survive fork: each worker child builds its own."""
+    resources.reset()
+
+
+@worker_process_shutdown.connect
+def _close_resources_in_child(**_: Any) -> None:
+    """Close the child's pools cleanly when it is recycled (max tasks per child)."""
+    resources.get_resources().close()
+
+
+@task_received.connect
+def _hold_delivery(request: Any = None, **_: Any) -> None:
+    """The heartbeat reports every message this worker holds, so that none is taken from it."""
+    if _heartbeat is not None and request is not None:
+        _heartbeat.received(request.message.delivery_tag)
+
+
+@worker_ready.connect
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    """Liveness and held messages every few seconds, from a thread of the main process; a dead
+    worker's messages go back to the queue within about MAILPIPE_WORKER_DEAD_AFTER."""
+    global _heartbeat
+    settings = get_settings()
+    if _heartbeat is not None:
+        return
+    nodename = getattr(sender, "hostname", None) or "worker"
+    worker_id = f"{nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    # A broker connection of the thread's own, never one from the app's pool: children forked
+    # later close the pool's connections, and would block on one this thread is using.
+    connection = app.connection_for_write()
+
+    def restore(tag: str) -> None:
+        connection.default_channel.qos.restore_by_tag(tag)
+
+    _heartbeat = heartbeat.WorkerHeartbeat(
+        _redis(settings.broker_url),
+        worker_id,
+        interval=settings.worker_heartbeat_interval,
+        dead_after=settings.worker_dead_after,
+        restore=restore,
+        # The ECS health check tests this file's age: fresh while heartbeats reach Redis, which
+        # is also what keeps this worker's messages its own (deploy/README.md, Health checks).
+        health_file=settings.worker_health_file,
+    )
+    _heartbeat.start()
+
+
+@worker_ready.connect
+def _sweep_once_per_fleet_start(**_: Any) -> None:
+    """Runs that waited (for model calls, or through an outage) are picked up at once, not at
+    the next scheduled sweep; the first worker of a fleet start sends it, the others see its key."""
+    settings = get_settings()
+    try:
+        first = _redis(settings.broker_url).set(
+            redis_keys.startup_sweep(),
+            os.getpid(),
+            nx=True,
+            ex=max(1, int(settings.sweep_interval)),
+        )
+    except RedisError:
+        log.warning("could not send the start-up sweep; the schedule covers it", exc_info=True)
+        return
+    if first:
+        sweep.apply_async()
+
+
+@worker_ready.connect
+def _start_metrics_reporter(**_: Any) -> None:
+    """Backlog metrics from the main process, on a daemon thread so that a slow CloudWatch never
+    stalls job intake (mailpipe.operations.metrics.MetricsReporter)."""
+    global _metrics_reporter
+    settings = get_settings()
+    if not settings.worker_metrics or _metrics_reporter is not None:
+        return
+    res = resources.Resources(settings)
+    _metrics_reporter = metrics.MetricsReporter(
+        res,
+        count_workers=lambda: heartbeat.live_workers(res.redis, settings.worker_dead_after),
+        sink=metrics.make_sink(settings),
+        interval=settings.metrics_interval,
+    )
+    _metrics_reporter.start()
+
+
+@worker_shutdown.connect
+def _stop_threads(**_: Any) -> None:
+    """Sent once the pool has stopped: no report after it, one in flight gets a second, then is
+    left to die with the process (the threads are daemons); the heartbeat leaves the registry."""
+    global _metrics_reporter, _heartbeat
+    if _metrics_reporter is not None:
+        _metrics_reporter.stop(timeout=1.0)
+        _metrics_reporter = None
+    if _heartbeat is not None:
+        _heartbeat.stop(timeout=1.0)
+        _heartbeat = None
+
+
+def _classifier_problem(settings: Settings, exc: Exception) -> str:
+    """What is wrong with the classifier's configuration, naming the setting to fix."""
+    if settings.model_backend == "rules":
+        source = (
+            f"MAILPIPE_RULES_FILE ({settings.rules_file})"
+            if settings.rules_file is not None
+            else "the bundled rules"
+        )
+        if isinstance(exc, OSError):
+            return f"{source} cannot be read: {exc.strerror or exc}"
+        if isinstance(exc, re.error):
+            return f"{source} has a bad regex {exc.pattern!r}: {exc.msg}"
+        if isinstance(exc, KeyError):
+            return f"{source} has a rule without {exc}"
+        return f"{source} is not valid: {exc}"
+    return f"the {settings.model_backend} classifier cannot be built: {type(exc).__name__}: {exc}"
+
+
+def _redis(url: str) -> Redis:
+    return Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+
+def _maxmemory_policy(url: str) -> str | None:
+    """The server's eviction policy; None when Redis cannot be asked (down at start: kombu's own
+    retries handle that) or hides CONFIG, as managed services do (INFO still tells)."""
+    try:
+        return str(_redis(url).info("memory").get("maxmemory_policy"))
+    except RedisError:
+        log.warning("could not read Redis's maxmemory-policy", exc_info=True)
+        return None

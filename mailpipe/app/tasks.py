@@ -1,0 +1,152 @@
+"""Celery tasks: thin shells around the pipeline.
+
+The pipeline (`mailpipe.pipeline`) never imports Celery: it takes the lease, claims the attempt,
+runs the steps and returns what happened. What it means to run as a task, mapping that outcome to
+Celery's actions, lives in `EmailJobTask` below.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Task
+from celery.worker.request import Request
+
+from mailpipe.celery import app
+from mailpipe.coordination.brokerstate import job_headers
+from mailpipe.coordination.heartbeat import live_workers
+from mailpipe.coordination.queues import TaskName
+from mailpipe.enqueue import enqueue_emails, send_job
+from mailpipe.errors import RunFailed, TransientError
+from mailpipe.operations import sweeper
+from mailpipe.operations.metrics import make_sink
+from mailpipe.pipeline import job
+from mailpipe.pipeline.job import Kind, Outcome
+from mailpipe.resources import Resources, get_resources
+
+log = logging.getLogger(__name__)
+
+
+class EmailRequest(Request):
+    """Celery's request, except that a delivery killed by the hard time limit is sent again at
+    once, marked as cut off. Celery acknowledges the killed delivery, and its child was killed
+    before it could record anything; the new delivery records the attempt as cut off and waits
+    its backoff, or fails the run when that was the last attempt. Without it the job would be
+    lost until the sweeper found it."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            email_id = self.args[0]
+            try:
+                send_job(email_id, TaskName(self.task.name), kwargs={"cut_off": timeout})
+            except Exception:
+                log.exception("could not send email %s again after its hard time limit", email_id)
+        super().on_timeout(soft, timeout)
+
+
+class EmailJobTask(Task):
+    """Base of tasks that run one email's job. It adds:
+
+    - one mapping from the job's `Outcome` to Celery: a retry (`self.retry`, so Flower shows
+      it), a deferral (a fresh message with `deferred_since`), a failure (`RunFailed`, so Flower
+      lists the job as failed), or the outcome's name as the task's result;
+    - `EmailRequest`: a delivery cut off by the hard time limit comes back, counted.
+
+    Acked late and rejected (requeued) when its child dies: the attempt count in the database,
+    not Celery's retry count, bounds how often a job runs.
+    """
+
+    acks_late = True
+    reject_on_worker_lost = True
+    Request = EmailRequest
+
+    def follow(self, email_id: int, outcome: Outcome) -> str:
+        if outcome.kind is Kind.RETRY:
+            raise self.retry(
+                args=(email_id,),
+                kwargs={},
+                countdown=outcome.delay,
+                exc=TransientError(outcome.error or "retry"),
+                max_retries=None,
+                headers=job_headers(email_id),
+            )
+        if outcome.kind is Kind.DEFER:
+            send_job(
+                email_id,
+                TaskName(self.name),
+                kwargs={"deferred_since": outcome.deferred_since},
+                countdown=outcome.delay,
+            )
+        elif outcome.kind is Kind.HANDED_OFF:
+            send_job(email_id, TaskName.CLASSIFY_EMAIL)
+        elif outcome.kind is Kind.FAILED:
+            raise RunFailed(f"email {email_id}: {outcome.error}")
+        return outcome.kind.value
+
+
+# `throws`: an expected failure, logged in a line rather than with a traceback.
+@app.task(
+    bind=True,
+    base=EmailJobTask,
+    name=TaskName.PROCESS_EMAIL.value,
+    throws=(RunFailed,),
+    max_retries=None,
+)
+def process_email(
+    self: EmailJobTask,
+    email_id: int,
+    deferred_since: float | None = None,
+    cut_off: float | None = None,
+) -> str:
+    """Process one stored email (docs/architecture.md, "The life of one email").
+
+    Idempotent: every step upserts, and every write is fenced by the attempt, so a second run,
+    or two at once after a lost lease, leaves the same rows. Retries: transient errors up to
+    MAILPIPE_MAX_RETRIES times with backoff and jitter, counted in the database; permanent errors
+    fail the run at once.
+    """
+    outcome = job.process_email(
+        get_resources(), email_id, cut_off=cut_off, deferred_since=deferred_since
+    )
+    return self.follow(email_id, outcome)
+
+
+@app.task(
+    bind=True,
+    base=EmailJobTask,
+    name=TaskName.CLASSIFY_EMAIL.value,
+    throws=(RunFailed,),
+    max_retries=None,
+)
+def classify_email(self: EmailJobTask, email_id: int, deferred_since: float | None = None) -> str:
+    """The model stage of an email's job: the model call, the stored answer and the labels; sent
+    by the CPU stage once the documents are stored, and by the sweeper. Consumed by the model
+    role, on threads: it only waits on the model and writes a few rows.
+
+    Idempotent: it never calls the model again once the answer is stored, and every write is
+    fenced by the attempt. Retries as `process_email`; a model-call slot is waited for in the
+    thread, then the job is deferred (not an attempt).
+    """
+    outcome = job.classify_email(get_resources(), email_id, deferred_since=deferred_since)
+    return self.follow(email_id, outcome)
+
+
+@app.task(name=TaskName.SWEEP.value, acks_late=False, ignore_result=True)
+def sweep() -> dict[str, object]:
+    """Re-add lost and stalled jobs (mailpipe.operations.sweeper).
+
+    Idempotent: a Redis lock lets one sweep run at a time and every re-add is deduplicated.
+    No retries: the next scheduled sweep is the retry. Acked early: a sweep lost with its worker
+    is simply the next one.
+    """
+    return run_sweep(get_resources()).summary()
+
+
+def run_sweep(res: Resources) -> sweeper.SweepResult:
+    """One sweep with the real enqueue, live-worker count and metrics sink."""
+    return sweeper.sweep(
+        res,
+        enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
+        count_workers=lambda: live_workers(res.redis, res.settings.worker_dead_after),
+        sink=make_sink(res.settings),
+    )

@@ -1,0 +1,1 @@
+"""The `mailpipe` command line (`main`), ingest of mail files, and the demo."""

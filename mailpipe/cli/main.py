@@ -1,0 +1,425 @@
+"""The `mailpipe` command line (docs/architecture.md; README: Command line).
+
+What an operator can act on (bad input, an unknown id, a service down, a database not migrated)
+ends in one line on stderr and an exit code of its kind (listed in `mailpipe --help`), so that
+scripts can tell them apart; only a bug prints a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from sqlalchemy import select
+
+from mailpipe.resources import Resources, get_resources
+
+console = Console(stderr=False)
+
+
+# The failures: one line on stderr ("Error: ..."), then the exit code of the kind (0 is done, 1 a
+# bug, printed with its traceback).
+class BadInput(click.ClickException):
+    exit_code = 2  # click's own code for a usage error
+
+
+class NotFound(click.ClickException):
+    exit_code = 3
+
+
+class Unavailable(click.ClickException):
+    exit_code = 4
+
+
+class NoSchema(click.ClickException):
+    exit_code = 5
+
+
+class Commands(click.Group):
+    """The group whose parsing and commands end in one line for whatever an operator can fix."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        with _one_line_failures():
+            return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_failures():
+            return super().invoke(ctx)
+
+
+@contextmanager
+def _one_line_failures() -> Iterator[None]:
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise  # `mailpipe` alone: the help text, as click shows it
+    except Exception as exc:
+        failure = _as_failure(exc)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _as_failure(exc: Exception) -> click.ClickException | None:
+    """The one-line failure that `exc` stands for; None to let it through (click's, or a bug)."""
+    # Imported here: the error path alone needs it (Alembic's import is not free).
+    from mailpipe.storage.migrate import SchemaMissing
+
+    if isinstance(exc, click.UsageError):
+        # Click would print the usage and a hint around the error; one line says as much.
+        hint = f" Try '{exc.ctx.command_path} --help'." if exc.ctx else ""
+        return BadInput(exc.format_message() + hint)
+    if isinstance(exc, ValidationError):
+        return BadInput(_settings_problems(exc))
+    if isinstance(exc, SchemaMissing):
+        return NoSchema(str(exc))
+    unavailable = _unavailable(exc)
+    return None if unavailable is None else Unavailable(unavailable)
+
+
+def _settings_problems(exc: ValidationError) -> str:
+    """A pydantic ValidationError of the settings, as one line naming the variables."""
+    problems = []
+    for error in exc.errors():
+        # A validator of several variables names them in its message, after pydantic's prefix.
+        message = error["msg"].removeprefix("Value error, ")
+        loc = error["loc"]
+        problems.append(f"MAILPIPE_{str(loc[0]).upper()}: {message}" if loc else message)
+    return "invalid settings: " + "; ".join(problems)
+
+
+def _unavailable(exc: Exception) -> str | None:
+    """What service `exc` says is down or busy, and where; None if it is not such an error."""
+    from kombu.exceptions import OperationalError as BrokerError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from sqlalchemy.exc import OperationalError as DatabaseError
+
+    from mailpipe.errors import TransientError
+    from mailpipe.settings import get_settings
+    from mailpipe.storage.migrate import shown_url
+
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | BrokerError):
+        return f"Redis unavailable at {shown_url(get_settings().broker_url)}: {_first_line(exc)}"
+    if isinstance(exc, DatabaseError):
+        # The driver's own message, without SQLAlchemy's statement and link.
+        reason = _first_line(exc.orig)
+        return f"database unavailable at {shown_url(get_settings().database_url)}: {reason}"
+    if isinstance(exc, TransientError):  # the blob store's, as mailpipe.storage.s3 words them
+        return _first_line(exc)
+    return None
+
+
+def _first_line(error: BaseException | None) -> str:
+    # Drivers add hint lines (psycopg: "Is the server running ...?") that would break the one.
+    return str(error).strip().partition("\n")[0]
+
+
+def _migrated() -> Resources:
+    """This process's resources, once the database is known to be there and migrated: a
+    command finds out before it connects, so that no command but `db upgrade` creates one."""
+    from mailpipe.storage.migrate import check_schema
+
+    res = get_resources()
+    check_schema(res.db)
+    return res
+
+
+@click.group(cls=Commands)
+@click.version_option(
+    package_name="mailpipe", prog_name="mailpipe", help="Show the installed version and exit."
+)
+def main() -> None:
+    """mailpipe: process stored emails with a Celery worker fleet.
+
+    \b
+    Exit codes:
+      0  done
+      1  an unexpected error (a bug), printed with its traceback
+      2  bad input: a bad command, option, argument or MAILPIPE_ setting
+      3  not found: an unknown email id, or one without a failed run to retry
+      4  a service is unavailable: Redis, the database or the blob store
+      5  no database, or one not migrated: run `mailpipe db upgrade`
+    """
+
+
+@main.group()
+def db() -> None:
+    """The database schema."""
+
+
+@db.command("upgrade")
+@click.option(
+    "--revision",
+    default="head",
+    show_default=True,
+    help="The Alembic revision to upgrade to.",
+)
+def db_upgrade(revision: str) -> None:
+    """Create or upgrade the schema (Alembic); the release role runs this before a rollout."""
+    from mailpipe.storage.migrate import shown_url, upgrade
+
+    database_url = get_resources().settings.database_url
+    upgrade(database_url, revision)
+    click.echo(f"database at {revision}: {shown_url(database_url)}")
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--no-enqueue", is_flag=True, help="Store only; the sweeper enqueues later.")
+@click.option(
+    "--follow-symlinks",
+    is_flag=True,
+    help="Read files that symlinks in a folder point to outside it (refused by default).",
+)
+@click.option(
+    "--allow-rejects",
+    is_flag=True,
+    help="Exit 0 even if some files or messages were rejected (exit 2 by default).",
+)
+def ingest(
+    paths: tuple[Path, ...], no_enqueue: bool, follow_symlinks: bool, allow_rejects: bool
+) -> None:
+    """Store .eml files, folders, mbox files and Maildir folders, then enqueue one job each.
+
+    Whatever is rejected (not an email, over a limit, unreadable, a symlink out of a folder) is
+    listed after the summary; then the exit code is 2 (bad input) unless --allow-rejects.
+    """
+    from mailpipe.cli.ingest import ingest as run_ingest
+
+    res = _migrated()
+    with Progress(
+        TextColumn("ingest"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not sys.stderr.isatty(),
+    ) as progress:
+        task = progress.add_task("ingest", total=None)
+        report = run_ingest(
+            res,
+            paths,
+            enqueue=not no_enqueue,
+            on_progress=lambda n: progress.advance(task, n),
+            follow_symlinks=follow_symlinks,
+        )
+    # Plain lines, never wrapped: scripts read this summary.
+    click.echo(
+        f"stored {report.stored}, enqueued {report.enqueued}, already queued "
+        f"{report.already_queued}, rejected {len(report.rejected)}"
+    )
+    for rejected in report.rejected:
+        click.echo(f"  rejected {rejected.source}: {rejected.reason}")
+    if report.rejected and not allow_rejects:
+        raise BadInput(
+            f"{len(report.rejected)} rejected (listed above); the rest was stored. "
+            "--allow-rejects exits 0 for them."
+        )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (the status contract).")
+def status(as_json: bool) -> None:
+    """Emails, runs by status, review count, queue depth and the last sweep."""
+    from mailpipe.operations.status import fleet_status
+
+    data = fleet_status(_migrated())
+    if as_json:
+        click.echo(json.dumps(data))
+        return
+    table = Table(title="mailpipe status", show_header=False)
+    table.add_row("emails", str(data["emails"]))
+    table.add_row("no run yet", str(data["no_run"]))
+    for name, count in data["runs"].items():
+        table.add_row(f"runs {name}", str(count))
+    table.add_row("needs review", str(data["needs_review"]))
+    table.add_row("queue depth", str(data["queue"]["depth"]))
+    age = data["queue"]["oldest_age_s"]
+    table.add_row("oldest job age", "-" if age is None else f"{age:.1f} s")
+    table.add_row("model calls", "on" if data["model_calls"] else "off")
+    sweep = data["last_sweep"]
+    if sweep:
+        table.add_row(
+            "last sweep",
+            f"{sweep['finished_at']}: re-added {sweep['readded_no_run']} without run, "
+            f"{sweep['readded_stalled']} stalled; {sweep['marked_for_review']} marked for review",
+        )
+    console.print(table)
+
+
+@main.command()
+@click.option(
+    "--retry",
+    "retry_ids",
+    multiple=True,
+    type=int,
+    metavar="EMAIL_ID",
+    help="Reopen and re-enqueue this email's failed run; repeat for more.",
+)
+@click.option("--retry-all", is_flag=True, help="Reopen and re-enqueue every failed run.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="List at most this many, the latest first.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="List as JSON: objects of email_id, attempts, failed_at, error.",
+)
+def failed(retry_ids: tuple[int, ...], retry_all: bool, limit: int, as_json: bool) -> None:
+    """List failed runs, or reopen and re-enqueue them."""
+    from mailpipe.operations.status import failed_runs
+
+    res = _migrated()
+    if retry_ids or retry_all:
+        _retry(res, None if retry_all else retry_ids)
+        return
+    with res.db.session() as session:
+        rows = failed_runs(session, limit)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    table = Table("email", "attempts", "failed at", "error", title="failed runs")
+    for row in rows:
+        table.add_row(
+            str(row["email_id"]), str(row["attempts"]), _to_second(row["failed_at"]), row["error"]
+        )
+    console.print(table)
+
+
+def _to_second(iso: str | None) -> str:
+    """A time of the JSON rows as tables show it: to the second, the width the errors need."""
+    return "" if iso is None else iso[: len("YYYY-MM-DDTHH:MM:SS")].replace("T", " ")
+
+
+def _retry(res: Resources, email_ids: Sequence[int] | None) -> None:
+    """Reopen the failed runs of `email_ids` (None: every failed run) and enqueue their jobs.
+    The ids without a failed run are named on stderr, and make the exit code NotFound's."""
+    from mailpipe.enqueue import enqueue_emails
+    from mailpipe.pipeline import runs
+    from mailpipe.storage.models import PipelineRun, RunStatus
+
+    # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
+    res.redis.ping()
+    query = select(PipelineRun.email_id, PipelineRun.status).order_by(PipelineRun.email_id)
+    if email_ids is None:
+        query = query.where(PipelineRun.status == RunStatus.FAILED)
+    else:
+        query = query.where(PipelineRun.email_id.in_(email_ids))
+    with res.db.transaction() as session:
+        # Locked, so that the statuses read are those reopen finds.
+        statuses = dict(session.execute(query.with_for_update()).all())
+        reopened = [
+            email_id
+            for email_id, status in statuses.items()
+            if status is RunStatus.FAILED and runs.reopen(session, email_id)
+        ]
+    result = enqueue_emails(reopened, res)
+    click.echo(f"reopened {len(reopened)}, enqueued {len(result.sent)}")
+    unknown = [i for i in dict.fromkeys(email_ids or ()) if statuses.get(i) is not RunStatus.FAILED]
+    for email_id in unknown:
+        status = statuses.get(email_id)
+        reason = "it has no run" if status is None else f"its run is {status.value}"
+        click.echo(f"email {email_id}: not retried, {reason}", err=True)
+    if unknown:
+        sys.exit(NotFound.exit_code)
+
+
+@main.command()
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="List at most this many, the oldest first.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="List as JSON: objects of email_id, subject, reason."
+)
+def review(limit: int, as_json: bool) -> None:
+    """List the emails marked for review, with the reason; `failed --retry` clears the mark."""
+    from mailpipe.operations.status import review_list
+
+    with _migrated().db.session() as session:
+        rows = review_list(session, limit)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    table = Table("email", "subject", "reason", title="emails to review")
+    for row in rows:
+        table.add_row(str(row["email_id"]), row["subject"] or "", row["reason"] or "")
+    console.print(table)
+
+
+@main.command("model-calls")
+@click.argument("state", type=click.Choice(["on", "off"]), required=False)
+def model_calls(state: str | None) -> None:
+    """Show or switch model calls; workers read the switch per job, no restart needed."""
+    from mailpipe.storage import flags
+
+    res = _migrated()
+    if state is None:
+        with res.db.session() as session:
+            console.print("on" if flags.model_calls_enabled(session) else "off")
+        return
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, state == "on")
+    console.print(f"model calls {state}")
+    if state == "on":
+        from mailpipe.app.tasks import sweep
+
+        # Waiting runs should not wait for the next scheduled sweep.
+        sweep.apply_async()
+        console.print("sweep enqueued")
+
+
+@main.command()
+def sweep() -> None:
+    """Run one sweep now, in this process, and print what it did (JSON)."""
+    from mailpipe.app.tasks import run_sweep
+
+    result = run_sweep(_migrated())
+    if not result.ran:
+        console.print("another sweep is running; nothing done")
+        return
+    click.echo(json.dumps(result.summary()))
+
+
+@main.command()
+@click.argument("email_id", type=int)
+def show(email_id: int) -> None:
+    """An email's run, documents, labels, classification and history, as JSON."""
+    from mailpipe.operations.status import email_detail
+
+    with _migrated().db.session() as session:
+        detail = email_detail(session, email_id)
+    if detail is None:
+        raise NotFound(f"no email with id {email_id}")
+    click.echo(json.dumps(detail, indent=2))
+
+
+@main.command()
+@click.option("--keep", is_flag=True, help="Keep the demo's folder instead of deleting it.")
+def demo(keep: bool) -> None:
+    """Run the bundled sample emails through a real prefork worker and summarise."""
+    from mailpipe.cli.demo import run_demo
+
+    sys.exit(run_demo(console, keep=keep))
+
+
+if __name__ == "__main__":
+    main(prog_name="mailpipe")

@@ -1,0 +1,173 @@
+"""Worker heartbeats: which workers are alive, and which delivered messages no live worker holds.
+
+kombu's Redis transport only gives a delivered message back when it has been unacknowledged for
+the whole visibility timeout (15 minutes by default), because nothing tells it that the worker
+holding the message is gone. The heartbeat does, in the manner of Sidekiq's super_fetch: each
+worker's main process writes, every `MAILPIPE_WORKER_HEARTBEAT_INTERVAL` seconds, its heartbeat
+and the delivery tags of every message it holds (running, reserved for a busy child, or waiting
+for its countdown). Any worker then looks, under a short lock, for delivered messages older
+than `MAILPIPE_WORKER_DEAD_AFTER` that no live worker holds, and puts them back at the front of
+their queue. A live worker reports each message within one interval of receiving it, so one
+that is held stays held; a worker killed whole (SIGKILL, OOM, a lost host) loses its messages
+to another within about `dead_after` plus one interval. The visibility timeout stays as the
+last line of defence.
+
+Plain Python on Redis: the worker's signal handlers start the thread and hand it the received
+tags and the way to restore a message (kombu's own `restore_by_tag`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from redis import Redis, RedisError
+from redis.exceptions import LockError
+
+from mailpipe.coordination import brokerstate, redis_keys
+
+log = logging.getLogger(__name__)
+
+
+class WorkerHeartbeat:
+    """The heartbeat thread of one worker process."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        worker_id: str,
+        *,
+        interval: float,
+        dead_after: float,
+        restore: Callable[[str], None],
+        health_file: Path | None = None,
+    ) -> None:
+        self.redis = redis
+        self.worker_id = worker_id
+        self.interval = interval
+        self.dead_after = dead_after
+        self._restore = restore
+        self._health_file = health_file
+        self._health_file_failed = False
+        self._held: set[str] = set()
+        self._held_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mailpipe-heartbeat", daemon=True)
+
+    def received(self, delivery_tag: str) -> None:
+        """A message was delivered to this worker (called from its event loop)."""
+        with self._held_lock:
+            self._held.add(delivery_tag)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop beating and leave the registry: this worker's messages are acknowledged or were
+        put back by kombu as it closed, so nothing of it is left to recover."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        try:
+            self.redis.zrem(redis_keys.workers(), self.worker_id)
+            self.redis.delete(redis_keys.worker_held(self.worker_id))
+        except RedisError:
+            log.warning("heartbeat: could not leave the registry; the entry lapses", exc_info=True)
+
+    def beat(self) -> None:
+        """Write the heartbeat and the messages still held (those acknowledged are dropped)."""
+        with self._held_lock:
+            tags = sorted(self._held)
+        if tags:
+            gone = {
+                t
+                for t, held in zip(tags, brokerstate.still_unacked(self.redis, tags), strict=True)
+                if not held
+            }
+            if gone:
+                with self._held_lock:
+                    self._held -= gone
+                tags = [t for t in tags if t not in gone]
+        key = redis_keys.worker_held(self.worker_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zadd(redis_keys.workers(), {self.worker_id: time.time()})
+        pipe.delete(key)
+        if tags:
+            pipe.sadd(key, *tags)
+        pipe.expire(key, math.ceil(self.dead_after * 2))
+        pipe.execute()
+        if self._health_file is not None:
+            self._touch_health_file(self._health_file)
+
+    def _touch_health_file(self, path: Path) -> None:
+        """Touched only once the heartbeat reached Redis: the file's age is the health check's
+        (deploy/README.md). A file that cannot be touched fails the check, not the heartbeat."""
+        try:
+            path.touch()
+        except OSError as exc:
+            if not self._health_file_failed:
+                log.warning("heartbeat: cannot touch the health file %s: %s", path, exc)
+            self._health_file_failed = True
+        else:
+            self._health_file_failed = False
+
+    def recover(self) -> list[str]:
+        """If no other worker is at it, put back the messages of dead workers."""
+        lock = self.redis.lock(redis_keys.reaper_lock(), timeout=self.interval, blocking=False)
+        if not lock.acquire():
+            return []
+        try:
+            return recover_orphans(self.redis, self.dead_after, self._restore)
+        finally:
+            try:
+                lock.release()
+            except LockError:
+                log.warning("heartbeat: the recovery outlived its lock", exc_info=True)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.beat()
+                restored = self.recover()
+                if restored:
+                    log.warning(
+                        "put back %d message(s) that no live worker holds: %s",
+                        len(restored),
+                        ", ".join(restored[:10]),
+                    )
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+            self._stopping.wait(self.interval)
+
+
+def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], None]) -> list[str]:
+    """Put back every message delivered over `dead_after` seconds ago that no live worker holds;
+    forget the workers that stopped beating. Returns the delivery tags put back."""
+    cutoff = time.time() - dead_after
+    workers = redis_keys.workers()
+    dead = redis.zrangebyscore(workers, "-inf", f"({cutoff}")
+    if dead:
+        redis.zrem(workers, *dead)
+    live = [_text(w) for w in redis.zrangebyscore(workers, cutoff, "+inf")]
+    held = (
+        {_text(t) for t in redis.sunion([redis_keys.worker_held(w) for w in live])}
+        if live
+        else set()
+    )
+    orphans = [tag for tag in brokerstate.delivered_before(redis, cutoff) if tag not in held]
+    for tag in orphans:
+        restore(tag)
+    return orphans
+
+
+def live_workers(redis: Redis, dead_after: float) -> int:
+    """Worker processes (ECS tasks) whose heartbeat is fresh."""
+    return int(redis.zcount(redis_keys.workers(), time.time() - dead_after, "+inf"))
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

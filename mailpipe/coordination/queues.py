@@ -1,0 +1,38 @@
+"""Queue and task names, used alike by code, the Procfile and the deploy files."""
+
+from __future__ import annotations
+
+import enum
+
+from mailpipe.settings import Settings
+
+
+class TaskName(enum.StrEnum):
+    PROCESS_EMAIL = "mailpipe.process_email"  # the CPU stage: parse, origin, documents
+    CLASSIFY_EMAIL = "mailpipe.classify_email"  # the model stage: the model call and labels
+    SWEEP = "mailpipe.sweep"
+
+
+def email_queue(settings: Settings) -> str:
+    """One job per email; its depth and age are the fleet's backlog (MAILPIPE_QUEUE)."""
+    return settings.queue
+
+
+def control_queue(settings: Settings) -> str:
+    """Sweeps and other housekeeping, on their own list so they never wait behind a backlog."""
+    return f"{settings.queue}.control"
+
+
+def model_queue(settings: Settings) -> str:
+    """The classification stage: waits on the model, consumed by the model role (threads)."""
+    return f"{settings.queue}.model"
+
+
+def job_queues(settings: Settings) -> list[str]:
+    """The queues that carry email jobs, of either stage: what the sweeper reads to tell a
+    waiting job from a lost one."""
+    return [email_queue(settings), model_queue(settings)]
+
+
+def queue_of(task: TaskName, settings: Settings) -> str:
+    return model_queue(settings) if task is TaskName.CLASSIFY_EMAIL else email_queue(settings)

@@ -1,0 +1,68 @@
+"""Every Redis key mailpipe owns, in one place, all under the ``mailpipe:`` prefix and behind
+``MAILPIPE_REDIS_PREFIX`` (which kombu also puts before its queue lists: mailpipe.app.config)."""
+
+from __future__ import annotations
+
+from mailpipe.settings import get_settings
+
+
+def key(name: str) -> str:
+    return f"{get_settings().redis_prefix}mailpipe:{name}"
+
+
+def job_marker(email_id: int) -> str:
+    """Present while the email's job is queued or running: the enqueue dedup marker. Its value is
+    the unix time it was last set."""
+    return key(f"job:{email_id}")
+
+
+def lease(email_id: int) -> str:
+    """Held by the one delivery that is running the email's job."""
+    return key(f"lease:{email_id}")
+
+
+def deferred() -> str:
+    """Sorted set: emails whose job waits for a deferred delivery, scored by when it is due."""
+    return key("deferred")
+
+
+def deferrals_counter() -> str:
+    """Deferrals since the last metrics report (the `Deferrals` metric)."""
+    return key("metrics:deferrals")
+
+
+def workers() -> str:
+    """Sorted set: live worker processes, scored by their last heartbeat (unix time)."""
+    return key("workers")
+
+
+def worker_held(worker_id: str) -> str:
+    """Set: delivery tags of the messages a worker holds (running, reserved or counting down)."""
+    return key(f"worker:{worker_id}:held")
+
+
+def reaper_lock() -> str:
+    return key("workers:reaper")
+
+
+def startup_sweep() -> str:
+    """Set by the first worker of a fleet start to send the start-up sweep, for one interval."""
+    return key("sweep:startup")
+
+
+def sweep_lock() -> str:
+    return key("sweep:lock")
+
+
+def beat_lock() -> str:
+    return key("beat:lock")
+
+
+def failed_runs_cursor() -> str:
+    """Where the fleet's count of failed runs reported to CloudWatch has got to."""
+    return key("metrics:failed-runs-cursor")
+
+
+def queue_list(queue: str) -> str:
+    """The Redis list kombu keeps a queue's messages in."""
+    return f"{get_settings().redis_prefix}{queue}"

@@ -1,0 +1,322 @@
+"""The sweeper: turns the database, the source of truth, back into work (docs/sweeper.md).
+
+Whether a job is lost is decided by what the broker holds, read once per sweep
+(`mailpipe.coordination.brokerstate.emails_in_broker`): an email whose job is queued, delivered to a worker,
+or held for its countdown is never re-added, never counted as stalled and never failed, however
+long it has waited and whatever became of its dedup marker. Rules, applied in keyset batches over
+small partial indexes:
+
+- an email with no pipeline run whose job is not in the broker is re-added (its run is created,
+  swept once);
+- an open run whose job was started or re-added and never finished is re-added, model calls on
+  or off (a lost job stays lost otherwise);
+- with model calls on, an open run is re-added at once when the email was never classified, and
+  `MAILPIPE_STALL_AFTER` seconds (default 1800) after its classification was stored when it was;
+- with model calls off, runs waiting for them are left alone;
+- each re-add increments the run's sweep_count; a run already swept `MAILPIPE_MAX_SWEEPS` times
+  (default 3) whose job is lost again is failed and its email marked for review.
+
+A job sent after the broker was read is missing from that read; its marker, stamped when it was
+sent, tells the sweep to leave it (`IN_FLIGHT_GRACE_S`). A running job is also known by its
+lease. Two sweeps at once (a manual one and a scheduled one) cannot double anything: a Redis lock
+lets one run, and every enqueue goes through the dedup marker anyway. This module never imports
+Celery; the task shell passes in how to enqueue and how to count live workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+
+from redis.exceptions import LockError
+from redis.lock import Lock
+from sqlalchemy import Select, and_, not_, or_, select, update
+from sqlalchemy.orm import Session
+
+from mailpipe.coordination import brokerstate, markers, redis_keys
+from mailpipe.coordination.queues import TaskName, job_queues
+from mailpipe.operations.metrics import MetricsSink, collect
+from mailpipe.pipeline import runs
+from mailpipe.resources import Resources
+from mailpipe.storage import flags
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
+
+log = logging.getLogger(__name__)
+
+# Sends the jobs of the emails given, of the stage given (deduplicated); returns the ids it sent.
+Enqueue = Callable[[Sequence[int], TaskName], Sequence[int]]
+
+# The sweep lock lapses this long after its last renewal (one per batch): a sweep whose process
+# was killed blocks the next ones for a minute at most.
+SWEEP_LOCK_TTL_S = 60
+# A job is published within milliseconds of its marker being stamped (enqueue, retry, deferral):
+# a marker this young keeps a job that the broker read missed from being taken for lost. A job
+# truly lost that young is re-added by the next sweep.
+IN_FLIGHT_GRACE_S = 10.0
+
+
+@dataclass
+class SweepResult:
+    ran: bool = True
+    model_calls: bool = False
+    readded_no_run: int = 0
+    readded_stalled: int = 0
+    skipped_queued: int = 0
+    marked_for_review: int = 0
+    queue_depth: int = 0
+    backlog_per_task: float = 0.0
+    broker_jobs: int | None = None  # emails with a job in the broker, when it was read
+    readded_ids: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, object]:
+        data = asdict(self)
+        data.pop("readded_ids")
+        return data
+
+
+class BrokerView:
+    """Which emails have a job in the broker, read at most once per sweep, when first needed."""
+
+    def __init__(self, res: Resources, in_flight_grace: float) -> None:
+        self._res = res
+        self._grace = in_flight_grace
+        self.read_at: float | None = None
+        self._present: set[int] = set()
+
+    @property
+    def taken(self) -> bool:
+        return self.read_at is not None
+
+    def take(self) -> None:
+        self.read_at = time.time()
+        self._present = brokerstate.emails_in_broker(
+            self._res.redis, job_queues(self._res.settings)
+        )
+
+    def __len__(self) -> int:
+        return len(self._present)
+
+    def lost(self, email_ids: list[int], result: SweepResult) -> list[int]:
+        """The emails among `email_ids` whose job is neither in the broker nor just sent, nor
+        running; markers of those found waiting are kept fresh, those of lost jobs dropped."""
+        assert self.read_at is not None
+        present = [i for i in email_ids if i in self._present]
+        markers.refresh(self._res.redis, present, self._res.settings.dedup_ttl)
+        absent = [i for i in email_ids if i not in self._present]
+        if not absent:
+            result.skipped_queued += len(present)
+            return []
+        stamps = markers.read(self._res.redis, absent)
+        pipe = self._res.redis.pipeline(transaction=False)
+        for email_id in absent:
+            pipe.exists(redis_keys.lease(email_id))
+        leased = pipe.execute()
+        lost: list[int] = []
+        stale: dict[int, bytes] = {}
+        recent = self.read_at - self._grace
+        for email_id, stamp, running in zip(absent, stamps, leased, strict=True):
+            if running or (stamp is not None and markers.set_at(stamp) > recent):
+                present.append(email_id)
+                continue
+            lost.append(email_id)
+            if stamp is not None:
+                stale[email_id] = stamp
+        if stale:
+            markers.drop_stale(self._res.redis, stale)
+        result.skipped_queued += len(present)
+        return lost
+
+
+def sweep(
+    res: Resources,
+    enqueue: Enqueue,
+    count_workers: Callable[[], int],
+    sink: MetricsSink,
+    in_flight_grace: float = IN_FLIGHT_GRACE_S,
+) -> SweepResult:
+    """One sweep; `in_flight_grace`: how young a marker keeps a job the broker read missed."""
+    lock = res.redis.lock(redis_keys.sweep_lock(), timeout=SWEEP_LOCK_TTL_S, blocking=False)
+    if not lock.acquire():
+        log.info("sweep skipped: another sweep is running")
+        return SweepResult(ran=False)
+    try:
+        result = _sweep(res, enqueue, lock, BrokerView(res, in_flight_grace))
+    finally:
+        try:
+            lock.release()
+        except LockError:
+            log.warning("the sweep outlived its lock; another sweep may have run beside it")
+
+    metrics = collect(res, count_workers)
+    result.queue_depth = metrics.queue_depth
+    result.backlog_per_task = metrics.backlog_per_task
+    sink.send(metrics)
+    with res.db.transaction() as session:
+        session.add(
+            SweepReport(
+                finished_at=utcnow(),
+                readded_no_run=result.readded_no_run,
+                readded_stalled=result.readded_stalled,
+                skipped_queued=result.skipped_queued,
+                marked_for_review=result.marked_for_review,
+                queue_depth=result.queue_depth,
+                backlog_per_task=result.backlog_per_task,
+            )
+        )
+    log.info("sweep: %s", result.summary())
+    return result
+
+
+def _sweep(res: Resources, enqueue: Enqueue, lock: Lock, view: BrokerView) -> SweepResult:
+    with res.db.session() as session:
+        model_calls = flags.model_calls_enabled(session)
+    result = SweepResult(model_calls=model_calls)
+    # Open runs first: the runs this sweep creates for emails without one are not looked at twice.
+    _sweep_open_runs(res, enqueue, result, model_calls, lock, view)
+    _sweep_emails_without_run(res, enqueue, result, lock, view)
+    if view.taken:
+        result.broker_jobs = len(view)
+    return result
+
+
+def emails_without_run(after_id: int, limit: int) -> Select:
+    """A keyset batch of emails that have no run, from the partial index over them."""
+    return (
+        select(EmailMessage.id)
+        .where(not_(EmailMessage.has_run), EmailMessage.id > after_id)
+        .order_by(EmailMessage.id)
+        .limit(limit)
+    )
+
+
+def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: datetime) -> Select:
+    """A keyset batch of open runs that may be stalled, from the partial index on open runs."""
+    answered_lately = and_(
+        PipelineRun.classified_at.is_not(None), PipelineRun.classified_at >= stall_cutoff
+    )
+    if model_calls:
+        stalled = not_(answered_lately)
+    else:
+        unfinished = or_(PipelineRun.attempts > 0, PipelineRun.sweep_count > 0)
+        stalled = and_(unfinished, not_(answered_lately))
+    return (
+        select(
+            PipelineRun.id,
+            PipelineRun.email_id,
+            PipelineRun.sweep_count,
+            PipelineRun.converted_at.is_not(None).label("converted"),
+        )
+        .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > after_id, stalled))
+        .order_by(PipelineRun.id)
+        .limit(limit)
+    )
+
+
+def _batches(res: Resources, view: BrokerView, lock: Lock, read):
+    """Keyset batches from `read(session, after_id)`; the broker is read before the first batch
+    is used, and that batch read again after it, so that no job that ended while the broker was
+    read is taken for lost."""
+    last_id = 0
+    while True:
+        lock.extend(SWEEP_LOCK_TTL_S, replace_ttl=True)
+        with res.db.session() as session:
+            rows = read(session, last_id)
+        if rows and not view.taken:
+            view.take()
+            with res.db.session() as session:
+                rows = read(session, last_id)
+        if not rows:
+            return
+        last_id = rows[-1][0]
+        yield rows
+
+
+def _sweep_emails_without_run(
+    res: Resources, enqueue: Enqueue, result: SweepResult, lock: Lock, view: BrokerView
+) -> None:
+    batch_size = res.settings.sweep_batch_size
+
+    def read(session: Session, after_id: int) -> list[tuple[int, ...]]:
+        return [(int(i),) for i in session.scalars(emails_without_run(after_id, batch_size))]
+
+    for rows in _batches(res, view, lock, read):
+        lost = view.lost([row[0] for row in rows], result)
+        sent = list(enqueue(lost, TaskName.PROCESS_EMAIL)) if lost else []
+        if sent:
+            with res.db.transaction() as session:
+                runs.ensure_runs(session, sent)
+                _count_sweep(session, sent)
+        result.readded_no_run += len(sent)
+        result.readded_ids.extend(sent)
+
+
+def _sweep_open_runs(
+    res: Resources,
+    enqueue: Enqueue,
+    result: SweepResult,
+    model_calls: bool,
+    lock: Lock,
+    view: BrokerView,
+) -> None:
+    settings = res.settings
+    cutoff = utcnow() - timedelta(seconds=settings.stall_after)
+
+    def read(session: Session, after_id: int) -> list[tuple[int, ...]]:
+        statement = open_runs(after_id, settings.sweep_batch_size, model_calls, cutoff)
+        return [
+            (row.id, row.email_id, row.sweep_count, int(row.converted))
+            for row in session.execute(statement)
+        ]
+
+    for rows in _batches(res, view, lock, read):
+        sweeps = {email_id: count for _, email_id, count, _ in rows}
+        converted = {email_id for _, email_id, _, done in rows if done}
+        lost = view.lost(list(sweeps), result)
+        exhausted = [i for i in lost if sweeps[i] >= settings.max_sweeps]
+        retry = [i for i in lost if sweeps[i] < settings.max_sweeps]
+        if exhausted:
+            with res.db.transaction() as session:
+                _mark_for_review(session, exhausted, settings.max_sweeps)
+            result.marked_for_review += len(exhausted)
+        # A run past its CPU stage needs only its model stage: no parse, no conversion again.
+        sent = (
+            [
+                *enqueue([i for i in retry if i not in converted], TaskName.PROCESS_EMAIL),
+                *enqueue([i for i in retry if i in converted], TaskName.CLASSIFY_EMAIL),
+            ]
+            if retry
+            else []
+        )
+        if sent:
+            with res.db.transaction() as session:
+                _count_sweep(session, sent)
+        result.readded_stalled += len(sent)
+        result.readded_ids.extend(sent)
+
+
+def _count_sweep(session: Session, email_ids: list[int]) -> None:
+    session.execute(
+        update(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
+        .values(sweep_count=PipelineRun.sweep_count + 1, last_swept_at=utcnow())
+    )
+
+
+def _mark_for_review(session: Session, email_ids: list[int], max_sweeps: int) -> None:
+    reason = f"stalled: its job was lost {max_sweeps + 1} times (re-added {max_sweeps} times by the sweeper)"
+    now = utcnow()
+    failed = session.scalars(
+        update(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
+        .values(status=RunStatus.FAILED, error=reason, closed_at=now, attempt_started_at=None)
+        .returning(PipelineRun.email_id)
+    ).all()
+    if failed:
+        session.execute(
+            update(EmailMessage)
+            .where(EmailMessage.id.in_(failed))
+            .values(needs_review=True, review_reason=reason)
+        )

@@ -1,0 +1,2 @@
+"""What is stored: the database (engines, models, migrations), blob storage and the durable
+runtime flags."""

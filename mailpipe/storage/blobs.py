@@ -1,0 +1,94 @@
+"""Blob storage behind one interface: a local folder, or S3 through boto3 (`mailpipe.storage.s3`).
+
+Keys are built by mailpipe from ids and hashes (`raw_email_key`, `document_text_key`) and checked
+against `KEY_PATTERN`; no name found in an email ever becomes a key or a path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+from mailpipe.errors import BlobMissing, InputRejected
+
+KEY_PATTERN = re.compile(r"^[a-z0-9][a-z0-9/_.-]{0,254}$")
+
+
+def raw_email_key(sha256: str) -> str:
+    """Content-addressed: storing the same raw bytes twice writes one object."""
+    return f"raw/{sha256[:2]}/{sha256}.eml"
+
+
+def document_text_key(email_id: int, part_index: int) -> str:
+    return f"text/{email_id}/{part_index}.txt"
+
+
+def check_key(key: str) -> str:
+    if not KEY_PATTERN.match(key) or ".." in key:
+        raise ValueError(f"invalid blob key {key!r}")
+    return key
+
+
+class BlobStore(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The blob's bytes. Raises BlobMissing, TransientError, or InputRejected over max_bytes."""
+        ...
+
+
+class LocalBlobStore:
+    """A folder on local disk: the embedded default and the demo's store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"file://{root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a reader never sees half a blob.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        path = self._path(key)
+        try:
+            size = path.stat().st_size
+            if max_bytes is not None and size > max_bytes:
+                raise InputRejected(f"blob is {size} bytes, over the limit of {max_bytes}")
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise BlobMissing(f"blob {key} not found in {self.url}") from None
+
+
+# Retry mode "standard" retries throttling and 5xx inside boto3 before our own backoff sees them.
+def open_blobstore(url: str, endpoint_url: str | None = None) -> BlobStore:
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        # file://var/blobs is relative (netloc "var"); file:///srv/blobs is absolute.
+        return LocalBlobStore(Path(parsed.netloc + parsed.path))
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"blob URL {url!r} names no bucket")
+        # Imported here: boto3 costs a fraction of a second to import, which a process that only
+        # enqueues, or uses a local folder, need not pay.
+        from mailpipe.storage.s3 import S3BlobStore
+
+        return S3BlobStore(parsed.netloc, parsed.path, endpoint_url)
+    raise ValueError(f"blob URL {url!r}: use file://FOLDER or s3://BUCKET/PREFIX")

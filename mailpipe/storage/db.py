@@ -1,0 +1,213 @@
+"""Engines and sessions, one engine per process.
+
+Engines hold sockets and threads that do not survive fork, so each process builds its own the first
+time it asks (`worker_process_init` resets the inherited one in worker children).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.exc import DBAPIError, DisconnectionError
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+# How long a SQLite writer waits for another one before "database is locked" (milliseconds).
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# A pooled connection idle for longer than this is pinged before use (seconds). Busy processes
+# never pay the round trip; a job that meets a connection the server closed under load retries
+# its transaction instead (`once_more_if_disconnected`).
+PING_AFTER_IDLE_S = 10.0
+
+T = TypeVar("T")
+
+
+def normalise_url(url: str) -> str:
+    """Pick the psycopg 3 driver for plain PostgreSQL URLs; leave every other URL alone."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a PostgreSQL connection may take to open, a statement to run, and a silent peer
+    to be believed alive (seconds). A server that restarts or a network that drops packets then
+    fails the job's statement in seconds, as a transient error that is retried, instead of hanging
+    the job until its hard time limit kills it."""
+
+    connect_timeout: int = 5
+    statement_timeout: int = 30
+    keepalives_idle: int = 30
+    pool_size: int = 2  # connections kept per process, and as many again in a burst
+
+    def connect_args(self) -> dict[str, Any]:
+        return {
+            "connect_timeout": self.connect_timeout,
+            "options": f"-c statement_timeout={self.statement_timeout * 1000}",
+            "keepalives": 1,
+            "keepalives_idle": self.keepalives_idle,
+            "keepalives_interval": max(1, self.keepalives_idle // 3),
+            "keepalives_count": 3,
+            # Data sent and never acknowledged (a peer gone mid-query) fails the socket too.
+            "tcp_user_timeout": (self.keepalives_idle + self.statement_timeout) * 1000,
+        }
+
+
+def make_engine(url: str, limits: ConnectionLimits | None = None) -> Engine:
+    url = normalise_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        limits = limits or ConnectionLimits()
+        engine = create_engine(
+            url,
+            pool_size=limits.pool_size,
+            max_overflow=limits.pool_size,
+            connect_args=limits.connect_args(),
+        )
+        event.listen(engine, "checkin", _on_checkin)
+        event.listen(engine, "checkout", partial(_ping_if_idle, engine.dialect))
+        return engine
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
+    return engine
+
+
+def _on_checkin(_dbapi_connection, record) -> None:
+    record.info["idle_since"] = time.monotonic()
+
+
+def _ping_if_idle(dialect: Dialect, dbapi_connection, record, _proxy) -> None:
+    idle_since = record.info.get("idle_since")
+    if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_S:
+        return
+    try:
+        dialect.do_ping(dbapi_connection)
+    except Exception as exc:
+        # The pool drops this connection and checks out another (SQLAlchemy retries the checkout).
+        raise DisconnectionError(f"pooled connection is dead: {exc}") from exc
+
+
+def once_more_if_disconnected(work: Callable[[], T]) -> T:
+    """Run `work`, and once more if it failed on a connection the server had closed (a database
+    restart under load): the pool then drops every connection as old as that one, so the second
+    run opens a fresh connection. `work` must be a whole transaction."""
+    try:
+        return work()
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        log.info("database connection was closed by the server; running the transaction again")
+        return work()
+
+
+def _sqlite_on_connect(dbapi_connection, _record) -> None:
+    # Take transaction control from the sqlite3 module so that `begin` below decides how.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    # WAL lets readers run beside the one writer; the busy timeout makes several worker
+    # children queue for the write lock instead of failing at once.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def _sqlite_on_begin(connection) -> None:
+    # IMMEDIATE takes the write lock up front: a deferred transaction that later writes can fail
+    # with SQLITE_BUSY without waiting when another process committed in between.
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class Database:
+    """The process's engine and session factory, rebuilt after a fork."""
+
+    def __init__(self, url: str, limits: ConnectionLimits | None = None) -> None:
+        self.url = url
+        self.limits = limits
+        self._pid: int | None = None
+        self._engine: Engine | None = None
+        self._sessions: sessionmaker[Session] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None or self._pid != os.getpid():
+            if self._engine is not None:
+                # Inherited from the parent: drop its pooled connections without closing the
+                # parent's sockets.
+                self._engine.dispose(close=False)
+            self._engine = make_engine(self.url, self.limits)
+            self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+            self._pid = os.getpid()
+        return self._engine
+
+    def session(self) -> Session:
+        self.engine  # noqa: B018 - builds the factory for this process
+        assert self._sessions is not None
+        return self._sessions()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A session whose work commits on success and rolls back on any error."""
+        with self.session() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+
+def insert_ignore(
+    session: Session,
+    model: type,
+    rows: list[dict],
+    conflict: list[str],
+    returning: Any = None,
+) -> list[Any]:
+    """INSERT ... ON CONFLICT DO NOTHING on PostgreSQL and SQLite alike; with `returning`, the
+    values of that column for the rows actually inserted."""
+    if not rows:
+        return []
+    statement = _dialect_insert(session)(model).values(rows)
+    statement = statement.on_conflict_do_nothing(index_elements=conflict)
+    if returning is None:
+        session.execute(statement)
+        return []
+    return list(session.scalars(statement.returning(returning)))
+
+
+def upsert(session: Session, model: type, rows: list[dict], conflict: list[str]) -> None:
+    """INSERT ... ON CONFLICT DO UPDATE of every non-key column given."""
+    if not rows:
+        return
+    statement = _dialect_insert(session)(model).values(rows)
+    update = {name: statement.excluded[name] for name in rows[0] if name not in conflict}
+    session.execute(statement.on_conflict_do_update(index_elements=conflict, set_=update))
+
+
+def _dialect_insert(session: Session) -> Any:
+    """The dialect's INSERT, which has ON CONFLICT (PostgreSQL's and SQLite's alike)."""
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+
+        return postgresql_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    return sqlite_insert

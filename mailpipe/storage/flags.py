@@ -1,0 +1,45 @@
+"""Durable runtime switches, kept in the database so that a broker flush cannot flip them."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from mailpipe.storage.db import upsert
+from mailpipe.storage.models import RuntimeFlag, utcnow
+
+MODEL_CALLS = "model_calls"
+
+
+def model_calls_enabled(session: Session) -> bool:
+    """Read at job time, so `mailpipe model-calls on` needs no restart. Off until switched on."""
+    enabled = session.scalar(select(RuntimeFlag.enabled).where(RuntimeFlag.name == MODEL_CALLS))
+    return bool(enabled)
+
+
+def set_model_calls(session: Session, enabled: bool) -> None:
+    upsert(
+        session,
+        RuntimeFlag,
+        [{"name": MODEL_CALLS, "enabled": enabled, "updated_at": utcnow()}],
+        ["name"],
+    )
+
+
+class CachedModelCalls:
+    """The model-calls flag as a job process sees it: read at most every `max_age` seconds
+    (MAILPIPE_MODEL_CALLS_CACHE_SECONDS), so that most jobs send one statement fewer."""
+
+    def __init__(self, max_age: float) -> None:
+        self.max_age = max_age
+        self._value = False
+        self._read_at: float | None = None
+
+    def __call__(self, session: Session) -> bool:
+        now = time.monotonic()
+        if self._read_at is None or now - self._read_at >= self.max_age:
+            self._value = model_calls_enabled(session)
+            self._read_at = now
+        return self._value

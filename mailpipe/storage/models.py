@@ -1,0 +1,252 @@
+"""The data model (docs/architecture.md), as SQLAlchemy 2.0 typed models.
+
+The database is the source of truth: the broker keeps nothing that cannot be rebuilt from these
+rows, which is what lets the sweeper turn lost jobs back into work.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints make Alembic migrations deterministic on every dialect.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    """Now in UTC, without tzinfo: every time in the database is UTC, on SQLite and PostgreSQL."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class RunStatus(enum.StrEnum):
+    OPEN = "open"
+    SUCCEEDED = "succeeded"
+    DUPLICATE = "duplicate"
+    FAILED = "failed"
+
+
+class DocumentStatus(enum.StrEnum):
+    CONVERTED = "converted"
+    UNSUPPORTED = "unsupported"
+    TOO_LARGE = "too_large"
+    FAILED = "failed"
+
+
+def _enum(cls: type[enum.Enum], name: str) -> Enum:
+    # Stored as the lowercase values operators read in SQL, checked by a constraint everywhere.
+    return Enum(
+        cls, name=name, values_callable=lambda e: [m.value for m in e], create_constraint=True
+    )
+
+
+class EmailMessage(Base):
+    __tablename__ = "email_message"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    blob_key: Mapped[str] = mapped_column(String(255))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    received_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    needs_review: Mapped[bool] = mapped_column(default=False, server_default=text("false"))
+    review_reason: Mapped[str | None] = mapped_column(Text)
+    origin_id: Mapped[int | None] = mapped_column(ForeignKey("email_origin.id"))
+    duplicate_of: Mapped[int | None] = mapped_column(ForeignKey("email_message.id"))
+    subject: Mapped[str | None] = mapped_column(Text)
+    sender: Mapped[str | None] = mapped_column(Text)
+    # False until a job or the sweeper creates the email's run; the partial index over the false
+    # rows lets the sweeper find emails with no run without reading every email.
+    has_run: Mapped[bool] = mapped_column(default=False, server_default=text("false"))
+
+    __table_args__ = (
+        Index("ix_email_message_duplicate_of", "duplicate_of"),
+        Index(
+            "ix_email_message_no_run",
+            "id",
+            postgresql_where=text("NOT has_run"),
+            sqlite_where=text("NOT has_run"),
+        ),
+        Index(
+            "ix_email_message_needs_review",
+            "id",
+            postgresql_where=text("needs_review"),
+            sqlite_where=text("needs_review"),
+        ),
+    )
+
+
+class EmailOrigin(Base):
+    """One row per distinct email; copies point at it through `email_message.origin_id`."""
+
+    __tablename__ = "email_origin"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), unique=True)
+    message_id: Mapped[str | None] = mapped_column(Text)
+    first_email_id: Mapped[int] = mapped_column(
+        ForeignKey("email_message.id", use_alter=True, name="fk_email_origin_first_email")
+    )
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class PipelineRun(Base):
+    __tablename__ = "pipeline_run"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"), unique=True)
+    status: Mapped[RunStatus] = mapped_column(
+        _enum(RunStatus, "run_status"), default=RunStatus.OPEN
+    )
+    attempts: Mapped[int] = mapped_column(default=0)
+    # Set when an attempt starts, cleared when it ends in any way the job itself controls; still
+    # set at the next attempt means the last one died with its process.
+    attempt_started_at: Mapped[datetime | None]
+    sweep_count: Mapped[int] = mapped_column(default=0)
+    last_swept_at: Mapped[datetime | None]
+    # When the CPU stage had stored the documents and the model's input: from then on the run
+    # needs only its classification stage (the model role), never the parse again.
+    converted_at: Mapped[datetime | None]
+    # When the model's answer was stored, before the labels were synced from it.
+    classified_at: Mapped[datetime | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    # What the parser had to get past in this email: {"count": n, "skipped_header_lines": [...]},
+    # or None when it read cleanly.
+    parse_defects: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    closed_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        # The sweeper's candidates: open runs only, in id order (keyset batches).
+        Index(
+            "ix_pipeline_run_open",
+            "id",
+            postgresql_where=text("status = 'open'"),
+            sqlite_where=text("status = 'open'"),
+        ),
+        # The failed list (newest first) and the FailedRuns metric (failed since a time).
+        Index(
+            "ix_pipeline_run_failed",
+            "closed_at",
+            postgresql_where=text("status = 'failed'"),
+            sqlite_where=text("status = 'failed'"),
+        ),
+    )
+
+
+class Document(Base):
+    __tablename__ = "document"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"))
+    part_index: Mapped[int]
+    filename: Mapped[str] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(255))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[DocumentStatus] = mapped_column(_enum(DocumentStatus, "document_status"))
+    text: Mapped[str | None] = mapped_column(Text)
+    text_blob_key: Mapped[str | None] = mapped_column(String(255))
+    page_count: Mapped[int | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    __table_args__ = (UniqueConstraint("email_id", "part_index"),)
+
+
+class EmailLabel(Base):
+    __tablename__ = "email_label"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"))
+    label: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(32))  # "model" labels are synced; others are kept
+    confidence: Mapped[float | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (UniqueConstraint("email_id", "label"),)
+
+
+class Classification(Base):
+    """The model's answer for one run; a re-run replaces it rather than adding another."""
+
+    __tablename__ = "classification"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("pipeline_run.id"), unique=True)
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"))
+    model_id: Mapped[str] = mapped_column(String(255))
+    prompt_version: Mapped[str] = mapped_column(String(64))
+    output: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The labels as [label, confidence] pairs: what a later attempt syncs without calling again.
+    labels: Mapped[list[list[Any]] | None] = mapped_column(JSON)
+    input_tokens: Mapped[int | None]
+    output_tokens: Mapped[int | None]
+    latency_ms: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ModelInput(Base):
+    """What the classifier reads of an email, kept by the CPU stage for the classification stage,
+    which thereby never parses the email or converts its documents again."""
+
+    __tablename__ = "model_input"
+
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"), primary_key=True)
+    input: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RuntimeFlag(Base):
+    """Durable runtime switches (model calls on/off) that workers read at job time."""
+
+    __tablename__ = "runtime_flag"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    enabled: Mapped[bool]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class SweepReport(Base):
+    """What each sweep found, for `mailpipe status` and the operator's history."""
+
+    __tablename__ = "sweep_report"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+    readded_no_run: Mapped[int] = mapped_column(default=0)
+    readded_stalled: Mapped[int] = mapped_column(default=0)
+    skipped_queued: Mapped[int] = mapped_column(default=0)
+    marked_for_review: Mapped[int] = mapped_column(default=0)
+    queue_depth: Mapped[int | None]
+    backlog_per_task: Mapped[float | None]

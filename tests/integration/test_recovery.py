@@ -1,0 +1,326 @@
+"""Recovery on real prefork workers: backlogs older than every TTL, the hard time limit, a lease
+taken over, the database restarted during a claim, a quota at zero, and a worker killed whole.
+
+Time is compressed with short settings that the settings themselves accept, so that each case
+runs in seconds; every wait is for a condition, with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+from mailpipe.cli.ingest import store_emails
+from mailpipe.harness import fleet as localfleet
+from mailpipe.harness.services import PrivatePostgres
+from mailpipe.resources import Resources
+from mailpipe.settings import Settings
+from mailpipe.storage import flags
+from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
+from tests.support.bedrock_server import BedrockServer, throttling
+from tests.support.faults import set_claim_fault
+from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.slow
+
+
+def email(tag: str) -> bytes:
+    return f"From: a@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\nAmount due\r\n".encode()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def runs_of(res, email_ids: list[int]) -> dict[int, PipelineRun]:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        rows = session.scalars(select(PipelineRun).where(PipelineRun.email_id.in_(email_ids))).all()
+    return {run.email_id: run for run in rows}
+
+
+def deliveries(worker: localfleet.CeleryProcess) -> int:
+    """Messages of process_email the worker received, from its log."""
+    return len(
+        re.findall(r"Task mailpipe\.process_email\[[^\]]+\] received", worker.log_path.read_text())
+    )
+
+
+def test_a_backlog_older_than_every_ttl_is_processed_once(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # Markers lapse after 2 s and leases after 3 s; sweeps fire every second while the backlog
+    # waits and while it drains, and some markers are deleted by hand on top.
+    f = fleet(
+        MAILPIPE_DEDUP_TTL="2",
+        MAILPIPE_SWEEP_INTERVAL="1",
+        MAILPIPE_LEASE_TTL="3",
+        MAILPIPE_WORKER_PREFETCH_MULTIPLIER="1",
+    )
+    ids = store_emails(res, [email(f"backlog-{n}") for n in range(60)])
+    for email_id in ids:
+        f.set_fault(email_id, "slow:0.1", times=1)
+    f.enqueue(ids)
+    f.beat()
+    sweeper = f.worker("sweeper", "--queues", f"{res.settings.queue}.control")
+    time.sleep(6)  # three times the markers' TTL, with sweeps firing
+    for email_id in ids[:20]:
+        res.redis.delete(f"{f.prefix}mailpipe:job:{email_id}")
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], f.queue_depth())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert f.queue_depth() == 60
+        worker = f.worker("drainer", "--concurrency", "1")
+        statuses = wait_until_closed(res, ids, timeout=120)
+    finally:
+        stop.set()
+        watcher.join()
+    assert set(statuses.values()) == {"succeeded"}
+    assert peak[0] <= 60
+    assert deliveries(worker) == 60  # not one extra delivery
+    assert all(f.runs(i) == 1 for i in ids)
+    runs = runs_of(res, ids)
+    assert {run.sweep_count for run in runs.values()} == {0}
+    assert {run.attempts for run in runs.values()} == {1}
+    with res.db.session() as session:
+        assert (
+            session.scalar(
+                select(func.count()).select_from(EmailMessage).where(EmailMessage.needs_review)
+            )
+            == 0
+        )
+    assert sweeper.alive()
+
+
+def test_a_job_that_ignores_the_soft_limit_is_cut_off_and_fails_after_its_attempts(
+    res, fleet
+) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(
+        MAILPIPE_TASK_SOFT_TIME_LIMIT="1",
+        MAILPIPE_TASK_TIME_LIMIT="2",
+        MAILPIPE_RETRY_BACKOFF_BASE="0.5",
+        MAILPIPE_RETRY_BACKOFF_MAX="2",
+        MAILPIPE_VISIBILITY_TIMEOUT="10",
+        MAILPIPE_LEASE_TTL="3",
+    )
+    worker = f.worker("limits")
+    stuck, good = store_emails(res, [email("stuck"), email("after-stuck")])
+    f.set_fault(stuck, "hang")
+    f.enqueue([stuck, good])
+    statuses = wait_until_closed(res, [stuck, good], timeout=120)
+    assert statuses == {stuck: "failed", good: "succeeded"}
+    run = runs_of(res, [stuck])[stuck]
+    assert run.attempts == 4
+    assert (
+        run.error == "gave up after 4 attempts: attempt 4 was cut off by the hard time limit (2 s)"
+    )
+    starts = f.starts(stuck)
+    assert len(starts) == 4  # never a fifth time
+    # Each came back after its backoff (at most 2 s) once the 2 s limit cut it off, not after a
+    # TTL or the visibility timeout; the allowance covers the kill and the re-send.
+    gaps = [later - earlier - 2 for earlier, later in itertools.pairwise(starts)]
+    assert all(gap < 2 + 3 for gap in gaps), gaps
+    assert worker.alive()
+
+
+def test_a_lease_taken_over_mid_job_leaves_the_run_to_its_new_holder(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(MAILPIPE_LEASE_TTL="3")
+    f.worker("first")
+    f.worker("second")
+    [email_id] = store_emails(res, [email("taken-over")])
+    f.set_fault(email_id, "slow:6", times=1)
+    f.enqueue([email_id])
+    wait_for(lambda: f.runs(email_id) == 1, 30, "the first delivery to start")
+    # Its lease lapses (say its renewals could not reach Redis) and a second delivery starts.
+    res.redis.delete(f"{f.prefix}mailpipe:lease:{email_id}")
+    f.send(email_id)
+    wait_until_closed(res, [email_id], timeout=60)
+    assert f.runs(email_id) == 2
+    time.sleep(6)  # the first delivery wakes and finds its attempt superseded
+    run = runs_of(res, [email_id])[email_id]
+    assert (run.status.value, run.attempts) == ("succeeded", 2)
+    with res.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(Classification)) == 1
+    logs = "".join(w.log_path.read_text() for w in f.workers)
+    # Fenced, whether it woke before or after the new holder closed the run.
+    assert re.search(
+        r"email \d+: (attempt 2 has claimed the run|the run is succeeded already); "
+        r"this delivery stops without writing",
+        logs,
+    )
+    assert logs.count("lease lost while the job was running") == 1
+
+
+def test_postgresql_restarted_during_a_claim_is_a_retry_not_a_lost_job(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    pg = PrivatePostgres()
+    try:
+        pg.start()
+        from mailpipe.storage.migrate import upgrade
+
+        upgrade(pg.url)
+        private = Resources(Settings(**{**res.settings.model_dump(), "database_url": pg.url}))
+        with private.db.transaction() as session:
+            flags.set_model_calls(session, True)
+        [email_id] = store_emails(private, [email("claim-during-restart")])
+        f = fleet(
+            MAILPIPE_DATABASE_URL=pg.url,
+            MAILPIPE_RETRY_BACKOFF_BASE="0.5",
+            MAILPIPE_RETRY_BACKOFF_MAX="2",
+        )
+        set_claim_fault(res.redis, email_id, 3.0, prefix=f.prefix)
+        f.enqueue([email_id])
+        f.worker("claimer")
+        fault = f"{f.prefix}mailpipe:test:claimfault:{email_id}"
+        wait_for(lambda: res.redis.hget(fault, "left") == b"0", 30, "the claim to start")
+        pg.stop()  # the claim's connection is cut mid-transaction
+        time.sleep(1)
+        pg.start()
+        # This process's own pooled connections died with the server too: read on fresh ones.
+        private.close()
+        private = Resources(private.settings)
+        wait_until_closed(private, [email_id], timeout=60)
+        run = runs_of(private, [email_id])[email_id]
+        # The failed claim was rolled back, not counted, and the job was retried, not acked.
+        assert (run.status.value, run.attempts, run.sweep_count) == ("succeeded", 1, 0)
+        private.close()
+    finally:
+        pg.destroy()
+
+
+def test_a_model_quota_at_zero_defers_without_attempts_then_fails_with_the_reason(
+    res, fleet
+) -> None:  # type: ignore[no-untyped-def]
+    with BedrockServer() as server:
+        server.default = throttling()
+        f = fleet(
+            MAILPIPE_MODEL_BACKEND="bedrock",
+            MAILPIPE_BEDROCK_REGION="us-east-1",
+            AWS_ENDPOINT_URL_BEDROCK_RUNTIME=server.url,
+            MAILPIPE_MAX_DEFERRAL="8",
+            MAILPIPE_RETRY_BACKOFF_BASE="0.5",
+            MAILPIPE_RETRY_BACKOFF_MAX="2",
+        )
+        f.worker("throttled")
+        [email_id] = store_emails(res, [email("quota-zero")])
+        f.enqueue([email_id])
+        wait_for(lambda: f.res.redis.zcard(f"{f.prefix}mailpipe:deferred") == 1, 30, "a deferral")
+        statuses = wait_until_closed(res, [email_id], timeout=60)
+        assert statuses == {email_id: "failed"}
+        run = runs_of(res, [email_id])[email_id]
+        assert run.attempts == 0  # a throttled call uses no attempt
+        assert "past MAILPIPE_MAX_DEFERRAL (8 s)" in run.error and "throttled" in run.error
+        assert len(server.requests) >= 3
+        # Each deferral was counted for the metrics.
+        assert int(res.redis.get(f"{f.prefix}mailpipe:metrics:deferrals") or 0) >= 3
+
+
+def test_a_killed_worker_s_jobs_run_elsewhere_within_the_dead_after(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # The visibility timeout (40 s) would bring them back far later than the heartbeat does.
+    f = fleet(
+        MAILPIPE_WORKER_HEARTBEAT_INTERVAL="1",
+        MAILPIPE_WORKER_DEAD_AFTER="3",
+        MAILPIPE_TASK_SOFT_TIME_LIMIT="25",
+        MAILPIPE_TASK_TIME_LIMIT="30",
+    )
+    doomed = f.worker("doomed")  # two children, two reserved messages each at prefetch 2
+    ids = store_emails(res, [email(f"doomed-{n}") for n in range(4)])
+    for email_id in ids:
+        f.set_fault(email_id, "slow:20", times=1)
+    f.enqueue(ids)
+    wait_for(
+        lambda: sum(f.runs(i) for i in ids) == 2 and f.unacked() == 4,
+        30,
+        "two jobs running and two reserved on the doomed worker",
+    )
+    rescuer = f.worker("rescuer")
+    doomed.kill()  # SIGKILL to the main process and its children
+    killed_at = time.time()
+    wait_for(
+        lambda: all(f.runs(i) >= 1 for i in ids) and sum(f.runs(i) for i in ids) == 6,
+        40,
+        "every job to start again on the rescuer",
+    )
+    last_start = max(f.starts(i)[-1] for i in ids)
+    assert last_start - killed_at < 3 + 1 + 5  # dead_after + an interval + the lease and a margin
+    statuses = wait_until_closed(res, ids, timeout=60)
+    assert set(statuses.values()) == {"succeeded"}
+    assert {run.attempts for run in runs_of(res, ids).values()} <= {1, 2}
+    assert rescuer.alive()
+
+
+def test_a_live_worker_s_held_jobs_are_never_taken_from_it(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(
+        MAILPIPE_WORKER_HEARTBEAT_INTERVAL="1",
+        MAILPIPE_WORKER_DEAD_AFTER="2",
+        MAILPIPE_TASK_SOFT_TIME_LIMIT="25",
+        MAILPIPE_TASK_TIME_LIMIT="30",
+    )
+    f.worker("busy", "--concurrency", "1")  # one running, one reserved behind it
+    ids = store_emails(res, [email(f"held-{n}") for n in range(2)])
+    for email_id in ids:
+        f.set_fault(email_id, "slow:6", times=1)
+    f.enqueue(ids)
+    wait_for(lambda: f.unacked() == 2, 30, "the busy worker to hold both jobs")
+    f.worker("idle")  # would take any message the busy one lost
+    statuses = wait_until_closed(res, ids, timeout=60)
+    assert set(statuses.values()) == {"succeeded"}
+    # Each job ran once, on the worker that held it for 6 and 12 s, three times dead_after.
+    assert [f.runs(i) for i in ids] == [1, 1]
+    assert {run.attempts for run in runs_of(res, ids).values()} == {1}
+
+
+def test_a_worker_refuses_a_redis_that_may_evict_the_broker_s_keys(res, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "64mb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _answers(port), 10, "the private Redis")
+        env = {**os.environ, "MAILPIPE_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
+        worker = localfleet.worker(env, tmp_path, name="evicting").start()
+        assert worker.process.wait(60) != 0
+        assert (
+            "Redis maxmemory-policy is allkeys-lru: it may evict queued jobs" in worker.log_tail()
+        )
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _answers(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(port=port).ping())
+    except redis.RedisError:
+        return False

@@ -1,0 +1,118 @@
+"""Retries, time limits and refused messages on real prefork workers.
+
+Transient errors come from `tests.support.faults` (a service down, or busy with a Retry-After),
+raised inside the job's steps after the attempt was counted, where a real outage would hit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from kombu import Connection, Exchange, Producer
+
+from mailpipe.cli.ingest import store_emails
+from mailpipe.storage.models import PipelineRun
+from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.slow
+
+# Short windows the settings accept: the backoff doubles from 0.5 s, capped at 2 s.
+BACKOFF = {"MAILPIPE_RETRY_BACKOFF_BASE": "0.5", "MAILPIPE_RETRY_BACKOFF_MAX": "2"}
+# The delay between two starts allows this much beyond the countdown for the re-send, the
+# delivery and a child's turn on a loaded machine; no countdown is ever shortened.
+ALLOWANCE_S = 5.0
+
+
+def email(tag: str) -> bytes:
+    return f"From: a@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\nAmount due\r\n".encode()
+
+
+def run_of(res, email_id: int) -> PipelineRun:  # type: ignore[no-untyped-def]
+    from sqlalchemy import select
+
+    with res.db.session() as session:
+        return session.scalars(select(PipelineRun).where(PipelineRun.email_id == email_id)).one()
+
+
+def test_transient_errors_back_off_and_the_run_fails_when_attempts_are_used_up(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(**BACKOFF)
+    worker = f.worker("retrying")
+    [down, fine] = store_emails(res, [email("down"), email("fine")])
+    f.set_fault(down, "transient")
+    f.enqueue([down, fine])
+    statuses = wait_until_closed(res, [down, fine], timeout=90)
+    assert statuses == {down: "failed", fine: "succeeded"}
+    run = run_of(res, down)
+    assert run.attempts == 4
+    assert run.error == "gave up after 4 attempts: TransientError: the test's service is down"
+    starts = f.starts(down)
+    assert len(starts) == 4  # the first try and three retries, never a fifth
+    # Each retry waited at most its backoff: full jitter below 0.5, 1 and 2 s.
+    ceilings = [0.5, 1.0, 2.0]
+    for (earlier, later), ceiling in zip(itertools.pairwise(starts), ceilings, strict=True):
+        assert later - earlier < ceiling + ALLOWANCE_S, (starts, ceiling)
+    assert worker.alive()
+
+
+def test_a_services_retry_after_is_waited_out_rather_than_the_backoff(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(**BACKOFF)
+    f.worker("busy-service")
+    [busy] = store_emails(res, [email("busy")])
+    # Twice "come back in 1.5 s", then the service answers: longer than any first backoff (0.5 s
+    # at most), and shorter than the cap, so only the service's word explains the wait.
+    f.set_fault(busy, "transient:1.5", times=2)
+    f.enqueue([busy])
+    assert wait_until_closed(res, [busy], timeout=60) == {busy: "succeeded"}
+    starts = f.starts(busy)
+    assert len(starts) == 3
+    assert all(later - earlier >= 1.5 for earlier, later in itertools.pairwise(starts)), starts
+    run = run_of(res, busy)
+    assert (run.attempts, run.error) == (3, None)
+
+
+def test_the_soft_time_limit_fails_the_run_at_once_in_a_real_worker(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(
+        MAILPIPE_TASK_SOFT_TIME_LIMIT="1",
+        MAILPIPE_TASK_TIME_LIMIT="4",
+        MAILPIPE_VISIBILITY_TIMEOUT="10",
+        **BACKOFF,
+    )
+    worker = f.worker("soft-limit")
+    [slow] = store_emails(res, [email("slow-soft")])
+    f.set_fault(slow, "slow:30")
+    f.enqueue([slow])
+    assert wait_until_closed(res, [slow], timeout=60) == {slow: "failed"}
+    run = run_of(res, slow)
+    assert run.attempts == 1 and f.runs(slow) == 1  # not retried
+    assert run.error.startswith("soft time limit (1 s) exceeded")
+    assert worker.alive()
+
+
+def test_a_pickle_message_is_refused_and_runs_nothing(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet()
+    worker = f.worker("json-only")
+    [target] = store_emails(res, [email("pickled")])
+    queue = res.settings.queue
+    with Connection(
+        res.settings.broker_url, transport_options={"global_keyprefix": f.prefix}
+    ) as connection:
+        producer = Producer(connection.default_channel, exchange=Exchange(queue, type="direct"))
+        # What anyone who can write to Redis could send: a task message serialised with pickle.
+        producer.publish(
+            {"args": [target], "kwargs": {}},
+            routing_key=queue,
+            serializer="pickle",
+            headers={"task": "mailpipe.process_email", "id": "pickled-1", "lang": "py"},
+        )
+    wait_for(lambda: "pickle" in worker.log_path.read_text(), 30, "the worker to refuse it")
+    time.sleep(1)  # what the worker would have done with it, it would have done by now
+    log = worker.log_path.read_text()
+    assert "Refusing to deserialize untrusted content of type pickle" in log
+    with res.db.session() as session:
+        from sqlalchemy import func, select
+
+        assert session.scalar(select(func.count()).select_from(PipelineRun)) == 0
+    assert f.queue_depth() == 0 and f.unacked() == 0  # not left to come back either
+    assert worker.alive()

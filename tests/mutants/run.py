@@ -1,0 +1,301 @@
+"""A mutation check: deliberate faults in the code that keeps every email processed once, and
+whether the tests catch each of them.
+
+    .venv/bin/python -m tests.mutants.run [--only NAME ...] [--json FILE]
+
+Each mutant below is a one-line change a real bug could make in `pipeline/runs.py`,
+`coordination/leases.py`, `coordination/markers.py`, `enqueue.py` or `operations/sweeper.py`.
+For each, the checkout (the package and the tests) is copied into a temporary folder, the change
+is made there, and the tests that cover those modules run against the copy (real PostgreSQL,
+Redis and worker processes, as always). A mutant is killed when a test fails; one that survives
+is a fault the tests would let through. The results are in docs/mutants.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The tests that cover the modules under mutation.
+TESTS = [
+    "tests/unit/pipeline/test_job.py",
+    "tests/unit/coordination",
+    "tests/integration/test_sweeper.py",
+    "tests/integration/test_idempotency.py",
+    "tests/integration/test_recovery.py",
+    "tests/integration/test_crashes.py",
+]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    why: str  # the bug it stands for
+
+
+MUTANTS = [
+    Mutant(
+        "claim-runs-closed",
+        "mailpipe/pipeline/runs.py",
+        "    if run.status is not RunStatus.OPEN:\n        return ClaimResult(Claim.CLOSED",
+        "    if False:\n        return ClaimResult(Claim.CLOSED",
+        "a closed run is run again",
+    ),
+    Mutant(
+        "claim-counts-nothing",
+        "mailpipe/pipeline/runs.py",
+        "    run.attempts += 1\n",
+        "    run.attempts += 0\n",
+        "an attempt is not counted, so a crashing job runs for ever",
+    ),
+    Mutant(
+        "claim-one-attempt-more",
+        "mailpipe/pipeline/runs.py",
+        "    if run.attempts >= max_attempts:\n        _close(\n            run,",
+        "    if run.attempts > max_attempts:\n        _close(\n            run,",
+        "a fifth attempt",
+    ),
+    Mutant(
+        "claim-forgets-the-dead-attempt",
+        "mailpipe/pipeline/runs.py",
+        '            run.error = _clip(\n                f"attempt {run.attempts} ended without a result',
+        '            run.error = run.error or _clip(\n                f"attempt {run.attempts} ended without a result',
+        "the death of an attempt is not recorded when an earlier error is",
+    ),
+    Mutant(
+        "cut-off-never-fails",
+        "mailpipe/pipeline/runs.py",
+        "            if run.attempts < max_attempts:\n                return ClaimResult(Claim.BACK_OFF",
+        "            if True:\n                return ClaimResult(Claim.BACK_OFF",
+        "a job cut off by the hard time limit retries for ever",
+    ),
+    Mutant(
+        "fence-ignores-attempt",
+        "mailpipe/pipeline/runs.py",
+        "    if run.attempts != attempt:\n",
+        "    if False:\n",
+        "a delivery whose attempt was superseded still writes",
+    ),
+    Mutant(
+        "fence-ignores-status",
+        "mailpipe/pipeline/runs.py",
+        "    run = _locked_run(session, email_id)\n    if run.status is not RunStatus.OPEN:\n        raise Superseded",
+        "    run = _locked_run(session, email_id)\n    if False:\n        raise Superseded",
+        "a late delivery writes to a closed run",
+    ),
+    Mutant(
+        "give-back-keeps-attempt",
+        "mailpipe/pipeline/runs.py",
+        "    run.attempts = max(0, run.attempts - 1)\n",
+        "    run.attempts = run.attempts\n",
+        "a throttled delivery uses an attempt",
+    ),
+    Mutant(
+        "waiting-keeps-sweeps",
+        "mailpipe/pipeline/runs.py",
+        "    run.attempts = 0\n    run.sweep_count = 0\n    run.attempt_started_at = None\n    run.error = None",
+        "    run.attempts = 0\n    run.attempt_started_at = None\n    run.error = None",
+        "a run left waiting for model calls keeps its sweep count",
+    ),
+    Mutant(
+        "transient-one-attempt-more",
+        "mailpipe/pipeline/runs.py",
+        "    run.attempt_started_at = None\n    if run.attempts >= max_attempts:",
+        "    run.attempt_started_at = None\n    if run.attempts > max_attempts:",
+        "a fifth attempt after transient errors",
+    ),
+    Mutant(
+        "reopen-keeps-answer",
+        "mailpipe/pipeline/runs.py",
+        "    run.classified_at = None\n",
+        "",
+        "a reopened run never asks the model again",
+    ),
+    Mutant(
+        "release-drops-others-marker",
+        "mailpipe/coordination/leases.py",
+        "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end",
+        "if redis.call('get', KEYS[1]) ~= ARGV[1] then redis.call('del', KEYS[2]) return 0 end",
+        "a delivery that lost its lease deletes the holder's marker",
+    ),
+    Mutant(
+        "release-ignores-follow-up",
+        "mailpipe/coordination/leases.py",
+        "if ARGV[2] == '1' then",
+        "if false then",
+        "a retry's marker is deleted, so the email can be sent twice",
+    ),
+    Mutant(
+        "no-takeover-of-dead",
+        "mailpipe/coordination/leases.py",
+        "holder and _holder_is_dead(holder) and self._take_over(holder)",
+        "holder and False and self._take_over(holder)",
+        "a dead child's lease is waited out",
+    ),
+    Mutant(
+        "renewal-never-lost",
+        "mailpipe/coordination/leases.py",
+        "            self.lost = True\n",
+        "            self.lost = False\n",
+        "a lease taken by another goes unnoticed",
+    ),
+    Mutant(
+        "renew-too-late",
+        "mailpipe/coordination/leases.py",
+        "                    lease.renew_at = now + lease.ttl_ms / 3000",
+        "                    lease.renew_at = now + lease.ttl_ms / 900",
+        "renewals come after the lease lapsed",
+    ),
+    Mutant(
+        "marker-not-exclusive",
+        "mailpipe/coordination/markers.py",
+        "now, nx=True, ex=ttl)",
+        "now, nx=False, ex=ttl)",
+        "enqueue sends a second job for an email already queued",
+    ),
+    Mutant(
+        "marker-kept-after-failed-send",
+        "mailpipe/enqueue.py",
+        "        markers.release(res.redis, sent)\n",
+        "",
+        "a job that was never sent stays marked as queued",
+    ),
+    Mutant(
+        "refresh-does-nothing",
+        "mailpipe/coordination/markers.py",
+        "        redis.eval(_REFRESH, len(keys), *keys, stamp(), ttl)",
+        "        pass",
+        "waiting jobs lose their markers",
+    ),
+    Mutant(
+        "sweeper-blind-to-broker",
+        "mailpipe/operations/sweeper.py",
+        "        present = [i for i in email_ids if i in self._present]",
+        "        present: list[int] = []",
+        "waiting jobs are taken for lost",
+    ),
+    Mutant(
+        "sweeper-ignores-fresh-markers",
+        "mailpipe/operations/sweeper.py",
+        "            if running or (stamp is not None and markers.set_at(stamp) > recent):",
+        "            if running:",
+        "a job sent during the broker read is taken for lost",
+    ),
+    Mutant(
+        "sweeper-ignores-leases",
+        "mailpipe/operations/sweeper.py",
+        "            if running or (stamp",
+        "            if False or (stamp",
+        "a running job is taken for lost",
+    ),
+    Mutant(
+        "sweeper-one-sweep-more",
+        "mailpipe/operations/sweeper.py",
+        "sweeps[i] >= settings.max_sweeps]",
+        "sweeps[i] > settings.max_sweeps]",
+        "a stalled run is re-added a fourth time",
+    ),
+    Mutant(
+        "sweeper-counts-nothing",
+        "mailpipe/operations/sweeper.py",
+        "sweep_count=PipelineRun.sweep_count + 1",
+        "sweep_count=PipelineRun.sweep_count",
+        "a stalled run is re-added for ever",
+    ),
+    Mutant(
+        "sweeper-model-rule-inverted",
+        "mailpipe/operations/sweeper.py",
+        "        stalled = not_(answered_lately)",
+        "        stalled = answered_lately",
+        "open runs are re-added only when they should wait",
+    ),
+    Mutant(
+        "sweeper-no-reread",
+        "mailpipe/operations/sweeper.py",
+        "            view.take()\n            with res.db.session() as session:\n                rows = read(session, last_id)",
+        "            view.take()",
+        "a job that ended during the broker read is taken for lost",
+    ),
+]
+
+
+def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix="mailpipe-mutant-") as tmp:
+        copy = Path(tmp)
+        for name in ("mailpipe", "tests"):
+            shutil.copytree(REPO / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
+        target = copy / mutant.path
+        source = target.read_text()
+        if source.count(mutant.old) != 1:
+            return {"name": mutant.name, "result": "not applied: the code moved"}
+        target.write_text(source.replace(mutant.old, mutant.new))
+        started = time.monotonic()
+        env = {**_env(), "PYTHONPATH": str(copy)}
+        # Its own session, so that the workers its tests start go with it on a timeout.
+        run = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *TESTS],
+            cwd=copy,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, _ = run.communicate(timeout=timeout)
+            result = "survived" if run.returncode == 0 else "killed"
+            tail = stdout.strip().splitlines()[-1:] if stdout else []
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+            result, tail = "killed", ["timed out"]
+        return {
+            "name": mutant.name,
+            "file": mutant.path,
+            "why": mutant.why,
+            "result": result,
+            "seconds": round(time.monotonic() - started, 1),
+            "tests": " ".join(tail),
+        }
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=[], help="names of the mutants to run")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    results = []
+    for mutant in chosen:
+        outcome = run_mutant(mutant, args.timeout)
+        results.append(outcome)
+        print(f"{outcome['result']:>9}  {mutant.name:<34} {outcome.get('seconds', '')}", flush=True)
+    killed = sum(r["result"] == "killed" for r in results)
+    print(f"\n{killed} killed, {len(results) - killed} survived, of {len(results)}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Workers of a test's own, on their own Redis key prefix, with `tests.support.faults` loaded.
+
+A test that kills, stops or starves workers starts its own here, so that it never takes the
+session's shared worker with it, and talks to them from the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+from mailpipe.harness import fleet as localfleet
+from mailpipe.storage import flags
+from tests.support.faults import runs_key, set_fault, starts_key
+
+
+class Fleet:
+    """Workers on their own key prefix, and what the test process needs to talk to them."""
+
+    def __init__(self, res, tmp_path: Path, **settings: str) -> None:  # type: ignore[no-untyped-def]
+        self.res = res
+        self.tmp_path = tmp_path
+        self.prefix = f"crash{uuid.uuid4().hex[:8]}:"
+        self.env = dict(os.environ)
+        self.env["MAILPIPE_REDIS_PREFIX"] = self.prefix
+        self.env.update(settings)
+        self.workers: list[localfleet.CeleryProcess] = []
+        with res.db.transaction() as session:
+            flags.set_model_calls(session, True)
+
+    def worker(self, name: str, *args: str, **env: str) -> localfleet.CeleryProcess:
+        process = localfleet.worker(
+            {**self.env, **env},
+            self.tmp_path,
+            name=name,
+            extra_args=("-I", "tests.support.faults", *args),
+        ).start()
+        process.wait_ready()
+        self.workers.append(process)
+        return process
+
+    def beat(self, name: str = "beat") -> localfleet.CeleryProcess:
+        process = localfleet.beat(self.env, self.tmp_path, name=name).start()
+        process.wait_ready()
+        self.workers.append(process)
+        return process
+
+    def queue_depth(self) -> int:
+        """Jobs waiting in the fleet's email queue."""
+        queue = self.prefix + self.env.get("MAILPIPE_QUEUE", self.res.settings.queue)
+        names = [queue if step == 0 else f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS]
+        return sum(self.res.redis.llen(name) for name in names)
+
+    def unacked(self) -> int:
+        """Messages delivered to the fleet's workers and not yet acknowledged."""
+        return int(self.res.redis.hlen(f"{self.prefix}unacked"))
+
+    def set_fault(self, email_id: int, mode: str, times: int | None = None) -> None:
+        set_fault(self.res.redis, email_id, mode, times, prefix=self.prefix)
+
+    def runs(self, email_id: int) -> int:
+        """Deliveries of the email's job that reached its steps."""
+        return int(self.res.redis.get(runs_key(email_id, self.prefix)) or 0)
+
+    def starts(self, email_id: int) -> list[float]:
+        """When each of those deliveries reached the steps (unix time)."""
+        return [float(t) for t in self.res.redis.lrange(starts_key(email_id, self.prefix), 0, -1)]
+
+    def enqueue(self, email_ids: list[int]) -> None:
+        """The deduplicated enqueue, run in the fleet's key space."""
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from mailpipe.enqueue import enqueue_emails; "
+                "enqueue_emails([int(a) for a in sys.argv[1:]])",
+                *map(str, email_ids),
+            ],
+            env=self.env,
+            check=True,
+        )
+
+    def send(self, email_id: int, **options: float) -> None:
+        """One process_email message with its own options. It sets the dedup marker as an
+        enqueue would, so that the sweep a worker runs at start does not add a second copy."""
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import json, sys; from mailpipe.coordination import redis_keys; "
+                "from mailpipe.resources import get_resources; "
+                "from mailpipe.app.tasks import process_email; email_id = int(sys.argv[1]); "
+                "import time; get_resources().redis.set(redis_keys.job_marker(email_id), str(time.time()), ex=600); "
+                "process_email.apply_async((email_id,), **json.loads(sys.argv[2]))",
+                str(email_id),
+                json.dumps(options),
+            ],
+            env=self.env,
+            check=True,
+        )
+
+    def stop(self) -> None:
+        for process in self.workers:
+            process.stop()
+
+
+def enqueue_in(env: dict[str, str], email_ids: list[int]) -> None:
+    """Enqueue through the one deduplicated path, as upstream code would, on `env`'s broker."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mailpipe.enqueue import enqueue_emails; "
+            "enqueue_emails(int(i) for i in sys.argv[1:])",
+            *map(str, email_ids),
+        ],
+        env=env,
+        check=True,
+    )

@@ -1,0 +1,77 @@
+"""What the broker holds, read from kombu's keys, against the real Redis and kombu.
+
+These tests fail loudly if an upgrade of kombu moves what `mailpipe.coordination.brokerstate` and the
+heartbeat rely on: the names of the unacked keys, the message layout with its headers, and
+`QoS.restore_by_tag`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import kombu
+from kombu.transport.redis import Channel, QoS
+
+from mailpipe.celery import app
+from mailpipe.coordination import brokerstate
+from mailpipe.enqueue import send_job
+
+
+def deliver_one(res):  # type: ignore[no-untyped-def]
+    """Take one message from the email queue as a worker does, without acknowledging it."""
+    connection = app.connection_for_write()
+    channel = connection.default_channel
+    queue = app.amqp.queues[res.settings.queue](channel)
+    message = queue.get(no_ack=False)
+    assert message is not None
+    return connection, channel, message
+
+
+def test_the_kombu_layout_this_module_reads_is_still_there() -> None:
+    assert (Channel.unacked_key, Channel.unacked_index_key) == ("unacked", "unacked_index")
+    assert list(inspect.signature(QoS.restore_by_tag).parameters) == [
+        "self",
+        "tag",
+        "client",
+        "leftmost",
+    ]
+    assert kombu.VERSION[:2] >= (5, 7)
+
+
+def test_emails_with_a_job_are_found_queued_delivered_or_counting_down(res) -> None:  # type: ignore[no-untyped-def]
+    for email_id in (11, 12, 13):
+        send_job(email_id)
+    send_job(14, countdown=300)  # a retry or a deferral, waiting in the queue
+    connection, _, delivered = deliver_one(res)  # 11: delivered, not acknowledged
+    try:
+        assert res.redis.hlen(brokerstate.unacked_key()) == 1
+        assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == {11, 12, 13, 14}
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
+        delivered.ack()
+        assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == {12, 13, 14}
+    finally:
+        connection.release()
+
+
+def test_a_long_backlog_is_read_in_chunks_without_losing_one(res) -> None:  # type: ignore[no-untyped-def]
+    ids = list(range(1, 2 * brokerstate.SCAN_CHUNK + 17))
+    with app.producer_or_acquire() as producer:
+        for email_id in ids:
+            send_job(email_id, producer=producer)
+    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == set(ids)
+
+
+def test_restore_by_tag_puts_a_delivered_message_back_at_the_front(res) -> None:  # type: ignore[no-untyped-def]
+    for email_id in (21, 22):
+        send_job(email_id)
+    connection, channel, delivered = deliver_one(res)
+    try:
+        before = time.time()
+        assert brokerstate.delivered_before(res.redis, before) == [delivered.delivery_tag]
+        channel.qos.restore_by_tag(delivered.delivery_tag)
+        assert res.redis.hlen(brokerstate.unacked_key()) == 0
+        again = app.amqp.queues[res.settings.queue](channel).get(no_ack=True)
+        assert again.headers[brokerstate.EMAIL_ID_HEADER] == 21  # first again, not behind 22
+    finally:
+        connection.release()

@@ -1,0 +1,41 @@
+"""Enqueue against the real Redis broker: a job is marked as queued only once it was sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from mailpipe import enqueue
+from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import brokerstate, redis_keys
+
+
+def emails(n: int) -> list[bytes]:
+    return [
+        f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <enq{i}@x>\r\n\r\nbody\r\n".encode()
+        for i in range(n)
+    ]
+
+
+def test_a_batch_the_broker_drops_midway_leaves_no_marker_and_can_be_sent_again(
+    res, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    ids = store_emails(res, emails(3))
+    send = enqueue.send_job
+    sent: list[int] = []
+
+    def broker_drops_on_the_third(email_id: int, *args: object, **kwargs: object) -> None:
+        if len(sent) == 2:
+            raise ConnectionError("Connection closed by server.")
+        sent.append(email_id)
+        send(email_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(enqueue, "send_job", broker_drops_on_the_third)
+    with pytest.raises(ConnectionError):
+        enqueue.enqueue_emails(ids, res)
+    # None stays marked as queued, or the sweeper would take a job never sent for waiting.
+    assert not any(res.redis.exists(redis_keys.job_marker(i)) for i in ids)
+
+    monkeypatch.setattr(enqueue, "send_job", send)
+    again = enqueue.enqueue_emails(ids, res)
+    assert (sorted(again.sent), again.already_queued) == (sorted(ids), [])
+    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) >= set(ids)

@@ -1,0 +1,51 @@
+"""Every PDF and DOCX of the shared corpus, through `convert_attachment` as the pipeline would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.document_samples import attachment, corpus_files
+
+# Files that cannot be converted, and the reason each must be recorded with. Every other file of
+# the corpus must convert. The password one does not open with the empty password (checked with
+# pypdf: decrypt("") is NOT_DECRYPTED), so it must fail as encrypted rather than convert.
+EXPECTED_FAILURES = {
+    "libreoffice-writer-password.pdf": "encrypted",
+    "unreadablemetadata.pdf": "PdfReadError: Invalid object in /Pages",
+}
+# Files whose text is known, to show the text is really extracted, not just that nothing raised.
+EXPECTED_TEXT = {
+    "pdflatex-4-pages.pdf": "here is some text without a meaning",
+    "GeoTopo-komprimiert.pdf": "Topologie",
+    "par-known-paragraphs.docx": "paragraph",
+    "tbl-2x2-table.docx": "\t",
+}
+
+CORPUS = corpus_files("pdf-sample-files/**/*.pdf", "python-docx/**/*.docx")
+
+
+def test_the_corpus_is_there() -> None:
+    assert len(CORPUS) >= 70
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda path: path.name)
+def test_corpus_file_converts_or_fails_with_a_reason(path: Path, convert, limits) -> None:
+    payload = path.read_bytes()
+    # Declared as octet-stream, as careless mail clients do: the format comes from the bytes.
+    document = convert(attachment(payload, "application/octet-stream", path.name), limits)
+
+    assert document.size == len(payload)
+    assert document.safe_filename == path.name
+    if path.name in EXPECTED_FAILURES:
+        assert (document.status, document.error) == ("failed", EXPECTED_FAILURES[path.name])
+        assert document.text is None
+        return
+    assert document.status == "converted", document.error
+    assert document.error is None
+    assert isinstance(document.text, str)
+    if path.suffix == ".pdf":
+        assert document.page_count and document.page_count >= 1
+    if path.name in EXPECTED_TEXT:
+        assert EXPECTED_TEXT[path.name] in document.text

@@ -1,0 +1,130 @@
+"""What a job sends to PostgreSQL, statement by statement: a regression in the job's database
+work (a statement more, a transaction more, a second read of the email row) fails here."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import event
+
+from mailpipe.cli.ingest import store_emails
+from mailpipe.pipeline import job
+from mailpipe.pipeline.job import Kind
+from mailpipe.resources import Resources
+from mailpipe.storage import flags
+
+PLAIN = (
+    b"From: billing@acme.example\r\nTo: team@mailpipe.example\r\nSubject: Invoice {n}\r\n"
+    b"Message-ID: <s{n}@acme>\r\nDate: Mon, 30 Nov 2026 10:00:00 +0000\r\n\r\n"
+    b"Amount due: {n} EUR, invoice attached to nothing.\r\n"
+)
+WITH_DOCUMENT = (
+    b"From: billing@acme.example\r\nSubject: Notes {n}\r\nMessage-ID: <d{n}@acme>\r\n"
+    b'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
+    b"--b\r\nContent-Type: text/plain\r\n\r\nSee the notes\r\n"
+    b'--b\r\nContent-Type: text/plain; name="notes.txt"\r\n'
+    b'Content-Disposition: attachment; filename="notes.txt"\r\n\r\npay soon {n}\r\n--b--\r\n'
+)
+_VERB_TABLE = re.compile(r"^\s*(SELECT|INSERT INTO|UPDATE|DELETE FROM)\s.*?\b(\w+)\b", re.S)
+
+
+def email(template: bytes, n: int) -> bytes:
+    return template.replace(b"{n}", str(n).encode())
+
+
+@contextmanager
+def statements(res: Resources) -> Iterator[Counter[str]]:
+    """Each statement by verb and first table, and the transactions, of this engine."""
+    counted: Counter[str] = Counter()
+
+    def on_statement(_conn, _cursor, statement, *_) -> None:  # type: ignore[no-untyped-def]
+        if statement.startswith("SELECT"):
+            table = re.search(r"\bFROM (\w+)", statement)
+            counted[f"SELECT {table.group(1) if table else '?'}"] += 1
+        else:
+            found = _VERB_TABLE.match(statement)
+            counted[" ".join(found.groups()) if found else statement.split()[0]] += 1
+
+    def on_begin(_conn) -> None:  # type: ignore[no-untyped-def]
+        counted["transactions"] += 1
+
+    engine = res.db.engine
+    event.listen(engine, "before_cursor_execute", on_statement)
+    event.listen(engine, "begin", on_begin)
+    try:
+        yield counted
+    finally:
+        event.remove(engine, "before_cursor_execute", on_statement)
+        event.remove(engine, "begin", on_begin)
+
+
+def cached(res: Resources) -> Resources:
+    """Resources as a worker child has them: the model-calls flag read at most every 5 s."""
+    return Resources(res.settings.model_copy(update={"model_calls_cache_seconds": 5}))
+
+
+def test_a_plain_email_takes_two_transactions_and_reads_its_row_once(res) -> None:  # type: ignore[no-untyped-def]
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    worker = cached(res)
+    first, second = store_emails(res, [email(PLAIN, 1), email(PLAIN, 2)])
+    assert job.process_email(worker, first).kind is Kind.SUCCEEDED  # the flag is read here
+    with statements(worker) as counted:
+        assert job.process_email(worker, second).kind is Kind.SUCCEEDED
+    assert dict(counted) == {
+        "transactions": 2,
+        # The claim: the email row, once; the run, created if missing, locked and counted.
+        "SELECT email_message": 1,
+        "INSERT INTO pipeline_run": 1,
+        "UPDATE email_message": 2,  # has_run on the run's creation; the origin's link
+        "SELECT pipeline_run": 2,  # locked at the claim, and again as the fence of the writes
+        "UPDATE pipeline_run": 2,  # attempt counted; closed
+        # The steps, in one transaction: origin, classification, labels.
+        "INSERT INTO email_origin": 1,
+        "INSERT INTO classification": 1,
+        "SELECT email_label": 1,
+        "INSERT INTO email_label": 1,
+    }
+
+
+def test_an_email_with_a_document_records_its_origin_before_converting(res) -> None:  # type: ignore[no-untyped-def]
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    worker = cached(res)
+    first, second, copy = store_emails(
+        res,
+        [
+            email(WITH_DOCUMENT, 1),
+            email(WITH_DOCUMENT, 2),
+            b"Received: x\r\n" + email(WITH_DOCUMENT, 2),
+        ],
+    )
+    assert job.process_email(worker, first).kind is Kind.SUCCEEDED
+    with statements(worker) as counted:
+        assert job.process_email(worker, second).kind is Kind.SUCCEEDED
+    assert counted["transactions"] == 3  # claim; origin; documents, labels and close
+    assert counted["INSERT INTO document"] == 1
+    # A copy stops after its origin: no document converted or stored.
+    with statements(worker) as counted:
+        assert job.process_email(worker, copy).kind is Kind.DUPLICATE
+    assert counted["transactions"] == 2
+    assert counted["SELECT email_origin"] == 1  # the first email's origin, found
+    assert "INSERT INTO document" not in counted
+
+
+def test_the_model_calls_flag_is_read_once_per_cache_window(res) -> None:  # type: ignore[no-untyped-def]
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, False)
+    worker = cached(res)
+    ids = store_emails(res, [email(PLAIN, n) for n in range(3)])
+    with statements(worker) as counted:
+        assert [job.process_email(worker, i).kind for i in ids] == [Kind.WAITING] * 3
+    assert counted["SELECT runtime_flag"] == 1
+    # Switched on, a worker that read it off keeps that for the window; a fresh one sees it.
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    [later] = store_emails(res, [email(PLAIN, 9)])
+    assert job.process_email(cached(res), later).kind is Kind.SUCCEEDED

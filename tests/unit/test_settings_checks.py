@@ -1,0 +1,102 @@
+"""The cross-checks of mailpipe/settings.py: windows that contradict each other are refused at
+start with the settings named; windows that only defeat a mechanism are warnings a worker logs.
+(The checks that were there before, visibility against the hard limit and backoff, dead_after
+against the heartbeat, dedup against the sweep, soft below hard: tests/unit/test_settings.py.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from mailpipe.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The production defaults, not the test suite's short windows."""
+    for name in list(os.environ):
+        if name.startswith("MAILPIPE_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_defaults_pass_every_check_and_warn_of_nothing() -> None:
+    settings = Settings()
+    assert settings.window_warnings() == []
+    assert settings.log_format == "text"
+    assert settings.worker_health_file == Path("/tmp/mailpipe-worker.health")
+    assert settings.beat_health_file == Path("/tmp/mailpipe-beat.health")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"retry_backoff_base": 30, "retry_backoff_max": 20},
+            r"MAILPIPE_RETRY_BACKOFF_BASE \(30 s\) must not exceed MAILPIPE_RETRY_BACKOFF_MAX "
+            r"\(20 s\)",
+        ),
+        (
+            {"lease_ttl": 3600, "max_deferral": 3600},
+            r"MAILPIPE_LEASE_TTL \(3600 s\) must be below MAILPIPE_MAX_DEFERRAL \(3600 s\)",
+        ),
+        ({"labels": ()}, "MAILPIPE_LABELS must name at least one label"),
+        ({"labels": ("spam", " ")}, "MAILPIPE_LABELS must name at least one label, none of"),
+        ({"labels": ("spam", "ham", "spam")}, "MAILPIPE_LABELS names spam more than once"),
+    ],
+)
+def test_contradicting_settings_are_refused_with_their_names(values: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings(**values)
+
+
+def test_a_contradiction_in_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAILPIPE_LEASE_TTL", "7200")
+    with pytest.raises(ValidationError, match="MAILPIPE_LEASE_TTL"):
+        Settings()
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        (
+            {
+                "worker_dead_after": 60,
+                "visibility_timeout": 60,
+                "task_time_limit": 20,
+                "task_soft_time_limit": 10,
+                "retry_backoff_max": 30,
+                "lease_ttl": 10,
+            },
+            ["MAILPIPE_WORKER_DEAD_AFTER (60 s) is not below MAILPIPE_VISIBILITY_TIMEOUT (60 s)"],
+        ),
+        (
+            {"lease_ttl": 300},
+            ["MAILPIPE_LEASE_TTL (300 s) is not below MAILPIPE_TASK_TIME_LIMIT (300 s)"],
+        ),
+        (
+            {"lease_ttl": 900, "max_deferral": 7200},
+            [
+                "MAILPIPE_LEASE_TTL (900 s) is not below MAILPIPE_TASK_TIME_LIMIT (300 s)",
+                "MAILPIPE_LEASE_TTL (900 s) is not below MAILPIPE_VISIBILITY_TIMEOUT (900 s)",
+            ],
+        ),
+    ],
+)
+def test_windows_that_defeat_a_mechanism_are_warned_of(values: dict, named: list[str]) -> None:
+    warnings = Settings(**values).window_warnings()
+    assert [w.split(":")[0] for w in warnings] == named
+
+
+def test_log_format_and_health_files_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MAILPIPE_LOG_FORMAT", "json")
+    monkeypatch.setenv("MAILPIPE_WORKER_HEALTH_FILE", "/run/w")
+    settings = Settings()
+    assert settings.log_format == "json" and settings.worker_health_file == Path("/run/w")
+    monkeypatch.setenv("MAILPIPE_LOG_FORMAT", "yaml")
+    with pytest.raises(ValidationError, match="log_format"):
+        Settings()
