@@ -126,7 +126,6 @@ def resources_on(url: str):  # type: ignore[no-untyped-def]
 def measure(size: int, candidates: int, repeat: int) -> dict[str, object]:
     from mailpipe.enqueue import enqueue_emails
     from mailpipe.operations import sweeper
-    from mailpipe.operations.metrics import LogMetricsSink
 
     res = resources_on(prepare(size, candidates))
     times = []
@@ -134,9 +133,7 @@ def measure(size: int, candidates: int, repeat: int) -> dict[str, object]:
         for _ in range(repeat):
             restore_candidates(res, size, candidates)
             started = time.perf_counter()
-            result = sweeper.sweep(
-                res, lambda ids: enqueue_emails(ids, res).sent, lambda: 1, LogMetricsSink()
-            )
+            result = sweeper.sweep(res, lambda ids, task: enqueue_emails(ids, res, task).sent)
             times.append(time.perf_counter() - started)
             assert result.readded_no_run + result.readded_stalled == candidates, result.summary()
         restore_candidates(res, size, candidates)  # explain the queries as a sweep first sees them
@@ -210,7 +207,6 @@ def measure_backlog(size: int, repeat: int) -> dict[str, object]:
     from mailpipe.coordination import brokerstate
     from mailpipe.enqueue import enqueue_emails
     from mailpipe.operations import sweeper
-    from mailpipe.operations.metrics import LogMetricsSink
 
     res = resources_on(prepare_backlog(size))
     try:
@@ -231,9 +227,7 @@ def measure_backlog(size: int, repeat: int) -> dict[str, object]:
             rows["broker read"].append(time.perf_counter() - started)
             assert len(found) == size
             started = time.perf_counter()
-            result = sweeper.sweep(
-                res, lambda ids: enqueue_emails(ids, res).sent, lambda: 1, LogMetricsSink()
-            )
+            result = sweeper.sweep(res, lambda ids, task: enqueue_emails(ids, res, task).sent)
             rows["sweep"].append(time.perf_counter() - started)
             assert (result.readded_no_run, result.readded_stalled, result.skipped_queued) == (
                 0,

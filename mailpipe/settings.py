@@ -125,9 +125,7 @@ class Settings(BaseSettings):
 
     # Metrics.
     metrics_namespace: str | None = None  # unset: metrics go to the log
-    metrics_interval: float = Field(60.0, gt=0)  # seconds between a worker's reports
-    # Off leaves the backlog figures to the sweeper (every MAILPIPE_SWEEP_INTERVAL).
-    worker_metrics: bool = True
+    metrics_interval: float = Field(60.0, gt=0)  # seconds between the fleet's reports (beat)
     # A CloudWatch-compatible endpoint (tests); boto3's AWS_ENDPOINT_URL_CLOUDWATCH works too.
     cloudwatch_endpoint_url: str | None = None
 

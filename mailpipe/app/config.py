@@ -95,6 +95,7 @@ task_queues = (
 )
 task_routes = {
     _TaskName.SWEEP.value: {"queue": _control_queue(_settings)},
+    _TaskName.REPORT_METRICS.value: {"queue": _control_queue(_settings)},
     _TaskName.CLASSIFY_EMAIL.value: {"queue": _model_queue(_settings)},
 }
 
@@ -104,4 +105,10 @@ task_routes = {
 beat_scheduler = "mailpipe.app.scheduler:LockedScheduler"
 beat_schedule = {
     "sweep": {"task": _TaskName.SWEEP.value, "schedule": _settings.sweep_interval},
+    # The fleet's metrics, once per interval whatever the fleet's size (mailpipe.operations.metrics).
+    "report-metrics": {
+        "task": _TaskName.REPORT_METRICS.value,
+        "schedule": _settings.metrics_interval,
+        "options": {"expires": _settings.metrics_interval},
+    },
 }

@@ -31,13 +31,11 @@ from mailpipe.app import logs
 from mailpipe.app.tasks import sweep
 from mailpipe.celery import app
 from mailpipe.coordination import heartbeat, redis_keys
-from mailpipe.operations import metrics
 from mailpipe.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
 # The worker main process's threads, between worker_ready and worker_shutdown.
-_metrics_reporter: metrics.MetricsReporter | None = None
 _heartbeat: heartbeat.WorkerHeartbeat | None = None
 
 # Eviction policies under which Redis may drop the broker's own keys (queues, unacked messages)
@@ -150,6 +148,7 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
         interval=settings.worker_heartbeat_interval,
         dead_after=settings.worker_dead_after,
         restore=restore,
+        queues=lambda: _consumed_queues(sender),
         # The ECS health check tests this file's age: fresh while heartbeats reach Redis, which
         # is also what keeps this worker's messages its own (deploy/README.md, Health checks).
         health_file=settings.worker_health_file,
@@ -176,35 +175,20 @@ def _sweep_once_per_fleet_start(**_: Any) -> None:
         sweep.apply_async()
 
 
-@worker_ready.connect
-def _start_metrics_reporter(**_: Any) -> None:
-    """Backlog metrics from the main process, on a daemon thread so that a slow CloudWatch never
-    stalls job intake (mailpipe.operations.metrics.MetricsReporter)."""
-    global _metrics_reporter
-    settings = get_settings()
-    if not settings.worker_metrics or _metrics_reporter is not None:
-        return
-    res = resources.Resources(settings)
-    _metrics_reporter = metrics.MetricsReporter(
-        res,
-        count_workers=lambda: heartbeat.live_workers(res.redis, settings.worker_dead_after),
-        sink=metrics.make_sink(settings),
-        interval=settings.metrics_interval,
-    )
-    _metrics_reporter.start()
-
-
 @worker_shutdown.connect
 def _stop_threads(**_: Any) -> None:
-    """Sent once the pool has stopped: no report after it, one in flight gets a second, then is
-    left to die with the process (the threads are daemons); the heartbeat leaves the registry."""
-    global _metrics_reporter, _heartbeat
-    if _metrics_reporter is not None:
-        _metrics_reporter.stop(timeout=1.0)
-        _metrics_reporter = None
+    """Sent once the pool has stopped: the heartbeat leaves the registry (a beat in flight gets a
+    second, then is left to die with the process: the thread is a daemon)."""
+    global _heartbeat
     if _heartbeat is not None:
         _heartbeat.stop(timeout=1.0)
         _heartbeat = None
+
+
+def _consumed_queues(consumer: Any) -> list[str]:
+    """The queues the worker consumes now (`-Q`, and any added or cancelled since)."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    return [queue.name for queue in list(task_consumer.queues)] if task_consumer else []
 
 
 def _classifier_problem(settings: Settings, exc: Exception) -> str:

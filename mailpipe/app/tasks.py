@@ -7,6 +7,7 @@ Celery's actions, lives in `EmailJobTask` below.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from celery import Task
@@ -14,15 +15,14 @@ from celery.worker.request import Request
 
 from mailpipe.celery import app
 from mailpipe.coordination.brokerstate import job_headers
-from mailpipe.coordination.heartbeat import live_workers
 from mailpipe.coordination.queues import TaskName
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.errors import RunFailed, TransientError
-from mailpipe.operations import sweeper
-from mailpipe.operations.metrics import make_sink
+from mailpipe.operations import metrics, sweeper
 from mailpipe.pipeline import job
 from mailpipe.pipeline.job import Kind, Outcome
 from mailpipe.resources import Resources, get_resources
+from mailpipe.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,23 @@ def sweep() -> dict[str, object]:
 
 
 def run_sweep(res: Resources) -> sweeper.SweepResult:
-    """One sweep with the real enqueue, live-worker count and metrics sink."""
-    return sweeper.sweep(
-        res,
-        enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
-        count_workers=lambda: live_workers(res.redis, res.settings.worker_dead_after),
-        sink=make_sink(res.settings),
-    )
+    """One sweep with the real enqueue."""
+    return sweeper.sweep(res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent)
+
+
+@app.task(name=TaskName.REPORT_METRICS.value, acks_late=False, ignore_result=True)
+def report_metrics() -> None:
+    """The fleet's backlog metrics, one report for all workers (mailpipe.operations.metrics).
+
+    Beat sends it to the control queue every MAILPIPE_METRICS_INTERVAL seconds, with that
+    interval as its expiry: a report that waited longer is stale, and the next one is on its way.
+    Acked early and never retried for the same reason.
+    """
+    res = get_resources()
+    _metrics_sink(res.settings).send(metrics.collect(res))
+
+
+@functools.cache
+def _metrics_sink(settings: Settings) -> metrics.MetricsSink:
+    # One per process: the CloudWatch client is built once, on the first report.
+    return metrics.make_sink(settings)

@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from redis import Redis, RedisError
@@ -44,10 +44,14 @@ class WorkerHeartbeat:
         interval: float,
         dead_after: float,
         restore: Callable[[str], None],
+        queues: Callable[[], Sequence[str]] = tuple,
         health_file: Path | None = None,
     ) -> None:
         self.redis = redis
         self.worker_id = worker_id
+        # What it consumes now (a worker can be told to add a queue): RunningTasks is per queue.
+        self._queues = queues
+        self._registered: set[str] = set()
         self.interval = interval
         self.dead_after = dead_after
         self._restore = restore
@@ -73,8 +77,11 @@ class WorkerHeartbeat:
         if self._thread.is_alive():
             self._thread.join(timeout)
         try:
-            self.redis.zrem(redis_keys.workers(), self.worker_id)
-            self.redis.delete(redis_keys.worker_held(self.worker_id))
+            pipe = self.redis.pipeline(transaction=False)
+            for registry in (redis_keys.workers(), *map(redis_keys.workers_on, self._registered)):
+                pipe.zrem(registry, self.worker_id)
+            pipe.delete(redis_keys.worker_held(self.worker_id))
+            pipe.execute()
         except RedisError:
             log.warning("heartbeat: could not leave the registry; the entry lapses", exc_info=True)
 
@@ -94,7 +101,13 @@ class WorkerHeartbeat:
                 tags = [t for t in tags if t not in gone]
         key = redis_keys.worker_held(self.worker_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.zadd(redis_keys.workers(), {self.worker_id: time.time()})
+        now = time.time()
+        queues = set(self._queues())
+        for registry in (redis_keys.workers(), *map(redis_keys.workers_on, queues)):
+            pipe.zadd(registry, {self.worker_id: now})
+        for left in self._registered - queues:
+            pipe.zrem(redis_keys.workers_on(left), self.worker_id)
+        self._registered = queues
         pipe.delete(key)
         if tags:
             pipe.sadd(key, *tags)
@@ -164,9 +177,17 @@ def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], No
     return orphans
 
 
-def live_workers(redis: Redis, dead_after: float) -> int:
-    """Worker processes (ECS tasks) whose heartbeat is fresh."""
-    return int(redis.zcount(redis_keys.workers(), time.time() - dead_after, "+inf"))
+def live_workers(redis: Redis, dead_after: float, queue: str | None = None) -> int:
+    """Worker processes (ECS tasks) whose heartbeat is fresh; with `queue`, those consuming it
+    (the entries of workers gone for good are dropped on the way)."""
+    if queue is None:
+        return int(redis.zcount(redis_keys.workers(), time.time() - dead_after, "+inf"))
+    registry = redis_keys.workers_on(queue)
+    cutoff = time.time() - dead_after
+    pipe = redis.pipeline(transaction=False)
+    pipe.zremrangebyscore(registry, "-inf", cutoff - dead_after)
+    pipe.zcount(registry, cutoff, "+inf")
+    return int(pipe.execute()[1])
 
 
 def _text(value: object) -> str:

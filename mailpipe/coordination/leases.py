@@ -35,13 +35,14 @@ def _script(source: bytes) -> Script:
 
 
 # Scripts as bytes need no client to compute their SHA; each call names the client it runs on.
-# KEYS: lease, marker, deferred set. ARGV: holder value, lease TTL ms, marker TTL s, now, email id.
+# KEYS: lease, marker, then the deferred sets. ARGV: holder value, lease TTL ms, marker TTL s,
+# now, email id.
 # The marker is stamped whether or not the lease is free: the job is queued or running either
 # way. Returns 1, or the current holder and its remaining TTL.
 _ACQUIRE = _script(b"""
 redis.call('set', KEYS[2], ARGV[4], 'EX', ARGV[3])
 if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  redis.call('zrem', KEYS[3], ARGV[5])
+  for i = 3, #KEYS do redis.call('zrem', KEYS[i], ARGV[5]) end
   return 1
 end
 return {redis.call('get', KEYS[1]) or '', redis.call('pttl', KEYS[1])}
@@ -107,7 +108,7 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease and mark the job running, or raise LeaseHeld."""
         answer = _ACQUIRE(
-            keys=[*self.keys, redis_keys.deferred()],
+            keys=[*self.keys, *redis_keys.deferred_sets()],
             args=[self.value, self.ttl_ms, self.marker_ttl, _now(), self.email_id],
             client=self.redis,
         )

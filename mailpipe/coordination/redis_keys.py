@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from mailpipe.coordination.queues import job_queues
 from mailpipe.settings import get_settings
 
 
@@ -21,9 +22,15 @@ def lease(email_id: int) -> str:
     return key(f"lease:{email_id}")
 
 
-def deferred() -> str:
-    """Sorted set: emails whose job waits for a deferred delivery, scored by when it is due."""
-    return key("deferred")
+def deferred(queue: str) -> str:
+    """Sorted set: emails whose job on `queue` waits for a deferred delivery, scored by when it
+    is due."""
+    return key(f"deferred:{queue}")
+
+
+def deferred_sets() -> list[str]:
+    """The deferred set of every queue that carries email jobs."""
+    return [deferred(queue) for queue in job_queues(get_settings())]
 
 
 def deferrals_counter() -> str:
@@ -34,6 +41,11 @@ def deferrals_counter() -> str:
 def workers() -> str:
     """Sorted set: live worker processes, scored by their last heartbeat (unix time)."""
     return key("workers")
+
+
+def workers_on(queue: str) -> str:
+    """Sorted set: live worker processes that consume `queue`, scored by their last heartbeat."""
+    return key(f"queue:{queue}:workers")
 
 
 def worker_held(worker_id: str) -> str:

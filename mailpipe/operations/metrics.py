@@ -1,33 +1,35 @@
 """Backlog metrics for autoscaling and alarms (docs/metrics.md).
 
-Per queue (dimension `Queue` = `MAILPIPE_QUEUE`):
+Per job queue (dimension `Queue`: the email queue `MAILPIPE_QUEUE`, and its model queue
+`<queue>.model`, which the worker and model roles scale on):
 
-- `QueueDepth`: jobs waiting in the email queue, every priority list of it;
+- `QueueDepth`: jobs waiting in the queue, every priority list of it;
 - `OldestJobAgeSeconds`: how long the oldest of them has waited (0 when none waits);
 - `DeferredJobs`: jobs deferred (a held lease, the rate limit, throttling) and waiting for their
   delivery, which workers hold for its countdown outside the queue;
-- `RunningTasks`: worker processes (ECS tasks) with a fresh heartbeat, not a guess from ECS;
-- `BacklogPerTask`: (QueueDepth + DeferredJobs) / RunningTasks, what Auto Scaling tracks;
-- `FailedRuns`: runs that failed since the previous report, counted once across the fleet;
-- `Deferrals`: deferrals since the previous report, counted once across the fleet.
+- `RunningTasks`: worker processes (ECS tasks) consuming the queue, with a fresh heartbeat;
+- `BacklogPerTask`: (QueueDepth + DeferredJobs) / RunningTasks, what Auto Scaling tracks.
 
-Two reporters send them: every worker's main process (`MetricsReporter`, a daemon thread started
-at worker_ready) and the sweeper. The first four are fleet-wide readings that every reporter
-sends alike, so Average and Maximum are right for them and Sum is not. `FailedRuns` and
-`Deferrals` are counts per report window that one reporter claims (see `claim_failed_runs`), so
-their Sum over a period is the number in it.
+With the email queue's dimension only:
+
+- `FailedRuns`: runs that failed since the previous report;
+- `Deferrals`: deferrals since the previous report, of either stage.
+
+One reporter sends them for the whole fleet: the `mailpipe.report_metrics` task, which beat sends
+to the control queue every `MAILPIPE_METRICS_INTERVAL` seconds and one worker runs. A report is
+one reading of Redis, one indexed count in the database and one batched PutMetricData, whatever
+the fleet's size. The sweeper reads the same backlog for its own report, and sends nothing.
 
 One small interface with two sinks: CloudWatch when `MAILPIPE_METRICS_NAMESPACE` is set, the log
-otherwise. This module never imports Celery; the callers pass in how to count live workers.
+otherwise. This module never imports Celery.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -35,6 +37,8 @@ from sqlalchemy import func, select
 
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.brokerstate import queue_stats
+from mailpipe.coordination.heartbeat import live_workers
+from mailpipe.coordination.queues import job_queues
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import PipelineRun, RunStatus
@@ -72,11 +76,15 @@ class BacklogMetrics:
 
 
 class MetricsSink(Protocol):
-    def send(self, metrics: BacklogMetrics) -> None: ...
+    def send(self, readings: Sequence[BacklogMetrics]) -> None: ...
 
 
 class LogMetricsSink:
-    def send(self, metrics: BacklogMetrics) -> None:
+    def send(self, readings: Sequence[BacklogMetrics]) -> None:
+        for metrics in readings:
+            self._log(metrics)
+
+    def _log(self, metrics: BacklogMetrics) -> None:
         counts = "".join(
             f" {name}={value}"
             for name, value in (
@@ -99,7 +107,8 @@ class LogMetricsSink:
 
 
 class CloudWatchSink:
-    """One batched PutMetricData per report.
+    """One batched PutMetricData per report (every queue's figures: 12 entries, well within the
+    API's 1,000).
 
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
@@ -112,13 +121,12 @@ class CloudWatchSink:
         self._endpoint_url = endpoint_url
         self._client: Any = None
 
-    def send(self, metrics: BacklogMetrics) -> None:
+    def send(self, readings: Sequence[BacklogMetrics]) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
+        data = [entry for metrics in readings for entry in metric_data(metrics)]
         try:
-            self._cloudwatch().put_metric_data(
-                Namespace=self.namespace, MetricData=metric_data(metrics)
-            )
+            self._cloudwatch().put_metric_data(Namespace=self.namespace, MetricData=data)
         except (BotoCoreError, ClientError) as exc:
             log.warning("CloudWatch PutMetricData failed, these figures are dropped: %s", exc)
 
@@ -174,52 +182,52 @@ def make_sink(settings: Settings) -> MetricsSink:
     return LogMetricsSink()
 
 
-def collect(res: Resources, count_workers: Callable[[], int]) -> BacklogMetrics:
-    """One reading of every metric. A database error costs FailedRuns only: the backlog figures,
-    which scaling depends on, are still worth sending."""
+def collect(res: Resources) -> list[BacklogMetrics]:
+    """One reading of every metric, a reading per job queue; the email queue's carries the
+    fleet's counts. A database error costs FailedRuns only: the backlog figures, which scaling
+    depends on, are still worth sending."""
     measured_at = time.time()
-    stats = queue_stats(res.redis, res.settings.queue)
-    deferred, deferrals = _deferred_work(res, measured_at)
-    running = count_workers()
+    email, *others = [read_backlog(res, queue, measured_at) for queue in job_queues(res.settings)]
+    counted = res.redis.getdel(redis_keys.deferrals_counter())
     try:
         failed = claim_failed_runs(res, lookback=res.settings.metrics_interval)
     except Exception:
         log.warning("could not count failed runs for FailedRuns", exc_info=True)
         failed = None
+    deferrals = int(counted) if counted is not None else None
+    return [replace(email, failed_runs=failed, deferrals=deferrals), *others]
+
+
+def read_backlog(res: Resources, queue: str, now: float | None = None) -> BacklogMetrics:
+    """The backlog of one queue now, from Redis alone; counts nothing, so any caller may read it.
+    A deferred entry whose delivery never came (lost with a worker past the visibility timeout,
+    a purged queue) leaves the count once it is a visibility timeout late."""
+    now = time.time() if now is None else now
+    stats = queue_stats(res.redis, queue)
+    pipe = res.redis.pipeline(transaction=True)
+    pipe.zremrangebyscore(redis_keys.deferred(queue), "-inf", now - res.settings.visibility_timeout)
+    pipe.zcard(redis_keys.deferred(queue))
+    _, deferred = pipe.execute()
     return BacklogMetrics(
-        queue=res.settings.queue,
+        queue=queue,
         queue_depth=stats.depth,
         oldest_job_age_s=stats.oldest_age_s or 0.0,
-        running_tasks=running,
-        deferred_jobs=deferred,
-        failed_runs=failed,
-        deferrals=deferrals,
-        measured_at=measured_at,
+        running_tasks=live_workers(res.redis, res.settings.worker_dead_after, queue),
+        deferred_jobs=int(deferred),
+        measured_at=now,
     )
 
 
-def _deferred_work(res: Resources, now: float) -> tuple[int, int | None]:
-    """Deferred jobs waiting now, and deferrals since the last report of any reporter (None when
-    none was counted). An entry whose delivery never came (lost with a worker past the
-    visibility timeout, a purged queue) leaves the count once it is a visibility timeout late."""
-    pipe = res.redis.pipeline(transaction=True)
-    pipe.zremrangebyscore(redis_keys.deferred(), "-inf", now - res.settings.visibility_timeout)
-    pipe.zcard(redis_keys.deferred())
-    pipe.getdel(redis_keys.deferrals_counter())
-    _, waiting, counted = pipe.execute()
-    return int(waiting), int(counted) if counted is not None else None
-
-
 def claim_failed_runs(res: Resources, lookback: float) -> int | None:
-    """Runs that failed since the last report of any reporter, or None if another reporter has
-    counted up to now already.
+    """Runs that failed since the last report, or None if another report has counted up to now
+    already.
 
-    Every worker reports, so "since my last report" would count each failure once per worker. A
-    cursor in Redis holds the end of the last counted window instead: a reporter counts the runs
-    failed in (cursor, now - settle] and moves the cursor with a compare-and-set; if another
-    reporter moved it first, its count is dropped and that reporter's is the one sent. Each failure
-    is thus counted once (at most once: a report lost on its way to CloudWatch loses its count).
-    With no cursor yet (a new fleet, a flushed Redis) the first window is `lookback` long.
+    Reports run on whichever worker takes the task, so "since my last report" is no one's to
+    keep. A cursor in Redis holds the end of the last counted window instead: a report counts the
+    runs failed in (cursor, now - settle] and moves the cursor with a compare-and-set; if another
+    report moved it first (two beats for a moment, a late delivery), its count is dropped. Each
+    failure is thus counted once (at most once: a report lost on its way to CloudWatch loses its
+    count). With no cursor yet (a new fleet, a flushed Redis) the first window is `lookback` long.
 
     The count is a range scan of the partial index on failed runs' `closed_at`.
     """
@@ -247,54 +255,3 @@ def claim_failed_runs(res: Resources, lookback: float) -> int | None:
 def _naive_utc(timestamp: float) -> datetime:
     # Times in the database are naive UTC (mailpipe.storage.models.utcnow).
     return datetime.fromtimestamp(timestamp, UTC).replace(tzinfo=None)
-
-
-class MetricsReporter:
-    """Reports every `interval` seconds from a daemon thread of the worker's main process.
-
-    The thread, not Celery's event loop, waits on Redis, the database and
-    CloudWatch: a slow or unreachable CloudWatch delays the next report, never job intake. Reports
-    keep to a fixed grid; one that overruns is followed at once by the next, never by a burst.
-    Every error is logged and the report dropped.
-
-    Its connections are its own (not the process's shared `Resources`), so the pool's children,
-    forked from this process, never use them.
-    """
-
-    def __init__(
-        self,
-        res: Resources,
-        count_workers: Callable[[], int],
-        sink: MetricsSink,
-        interval: float,
-    ) -> None:
-        self._res = res
-        self._count_workers = count_workers
-        self._sink = sink
-        self._interval = interval
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mailpipe-metrics", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float) -> None:
-        """Stop reporting; waits at most `timeout` for a report in flight (the thread is a
-        daemon, so one stuck on CloudWatch does not hold up the worker's exit)."""
-        self._stopping.set()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._res.close()
-
-    def report_once(self) -> None:
-        try:
-            self._sink.send(collect(self._res, self._count_workers))
-        except Exception:
-            log.warning("metrics report dropped", exc_info=True)
-
-    def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stopping.is_set():
-            self.report_once()
-            next_at = max(next_at + self._interval, time.monotonic())
-            self._stopping.wait(next_at - time.monotonic())

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from mailpipe.coordination import brokerstate, markers, redis_keys
 from mailpipe.coordination.queues import TaskName, job_queues
-from mailpipe.operations.metrics import MetricsSink, collect
+from mailpipe.operations.metrics import read_backlog
 from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -133,8 +133,6 @@ class BrokerView:
 def sweep(
     res: Resources,
     enqueue: Enqueue,
-    count_workers: Callable[[], int],
-    sink: MetricsSink,
     in_flight_grace: float = IN_FLIGHT_GRACE_S,
 ) -> SweepResult:
     """One sweep; `in_flight_grace`: how young a marker keeps a job the broker read missed."""
@@ -150,10 +148,9 @@ def sweep(
         except LockError:
             log.warning("the sweep outlived its lock; another sweep may have run beside it")
 
-    metrics = collect(res, count_workers)
-    result.queue_depth = metrics.queue_depth
-    result.backlog_per_task = metrics.backlog_per_task
-    sink.send(metrics)
+    backlog = read_backlog(res, res.settings.queue)
+    result.queue_depth = backlog.queue_depth
+    result.backlog_per_task = backlog.backlog_per_task
     with res.db.transaction() as session:
         session.add(
             SweepReport(

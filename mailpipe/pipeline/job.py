@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
 from mailpipe.coordination import leases, redis_keys
 from mailpipe.coordination.leases import LeaseHeld
+from mailpipe.coordination.queues import email_queue, model_queue
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import PermanentError, Throttled, is_soft_time_limit, is_transient
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
@@ -125,7 +126,8 @@ def _deliver(
             Kind.DEFER, _deferral_delay(settings, deferred_since), f"Redis unavailable: {exc}"
         )
     if outcome.kind is Kind.DEFER:
-        return _bounded_deferral(res, email_id, outcome, deferred_since)
+        queue = model_queue(settings) if stage is runs.Stage.CLASSIFY else email_queue(settings)
+        return _bounded_deferral(res, email_id, queue, outcome, deferred_since)
     return outcome
 
 
@@ -277,7 +279,7 @@ def _write(res: Resources, write) -> bool | None:
 
 
 def _bounded_deferral(
-    res: Resources, email_id: int, outcome: Outcome, deferred_since: float | None
+    res: Resources, email_id: int, queue: str, outcome: Outcome, deferred_since: float | None
 ) -> Outcome:
     settings = res.settings
     now = time.time()
@@ -295,7 +297,7 @@ def _bounded_deferral(
         return Outcome(Kind.FAILED, error=error)
     try:
         pipe = res.redis.pipeline(transaction=False)
-        pipe.zadd(redis_keys.deferred(), {str(email_id): now + delay})
+        pipe.zadd(redis_keys.deferred(queue), {str(email_id): now + delay})
         pipe.incr(redis_keys.deferrals_counter())
         pipe.execute()
     except RedisError:

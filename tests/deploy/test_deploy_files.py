@@ -404,7 +404,7 @@ def test_worker_settings_pass_the_app_time_budget_check(monkeypatch):
 def test_model_settings_are_sized_for_threads(monkeypatch):
     settings = task_settings("model", monkeypatch)
     assert settings.model_backend == "bedrock"
-    assert settings.metrics_namespace == "Mailpipe"
+    assert settings.metrics_namespace is None  # the fleet's report runs on the worker role
     # Threads hold a connection only for their short transactions: a few serve all 32.
     assert option(container("model")["command"], "concurrency") == "32"
     assert settings.db_pool_size == 8
@@ -488,14 +488,18 @@ def test_task_definition_roles_are_the_stack_roles(role, template):
         assert "taskRoleArn" not in td, "no AWS API calls, so no credentials"
 
 
-def test_only_workers_send_metrics():
-    """Both workers report from their main process, the CPU stage's also from the sweeps it runs
-    (the sweep is a task on the control queue); beat only sends the sweep message. So only the
-    workers have the namespace, and only their task roles may put metrics."""
+def test_only_the_worker_role_sends_metrics():
+    """The fleet's report is a task on the control queue, which only the worker role consumes;
+    beat only sends its message. So only the worker role has the namespace, and only its task
+    role may put metrics."""
     senders = {role for role in ROLES if "MAILPIPE_METRICS_NAMESPACE" in env(role)}
-    assert senders == set(WORKERS)
-    task_policies = {p.stem for p in (DEPLOY / "iam").glob("*-task-policy.json")}
-    assert task_policies == {f"{role}-task-policy" for role in WORKERS}
+    assert senders == {"worker"}
+    putters = {
+        path.stem
+        for path in (DEPLOY / "iam").glob("*-task-policy.json")
+        if any(s["Sid"] == "PutMetrics" for s in iam_document(path.stem)["Statement"])
+    }
+    assert putters == {"worker-task-policy"}
 
 
 # --- Dockerfile --------------------------------------------------------------------------------
@@ -732,10 +736,9 @@ def test_task_role_trust_is_limited_to_this_account():
     assert statement["Condition"]["ArnLike"]["aws:SourceArn"].startswith("arn:aws:ecs:")
 
 
-@pytest.mark.parametrize("role", WORKERS)
-def test_metrics_are_limited_to_the_mailpipe_namespace(role):
+def test_metrics_are_limited_to_the_mailpipe_namespace():
     (statement,) = [
-        s for s in iam_document(f"{role}-task-policy")["Statement"] if s["Sid"] == "PutMetrics"
+        s for s in iam_document("worker-task-policy")["Statement"] if s["Sid"] == "PutMetrics"
     ]
     assert statement["Condition"] == {"StringEquals": {"cloudwatch:namespace": "Mailpipe"}}
 
@@ -751,7 +754,7 @@ def test_worker_reaches_only_its_blob_prefix():
 
 def test_model_role_reaches_only_its_model():
     by_sid = {s["Sid"]: s for s in iam_document("model-task-policy")["Statement"]}
-    assert set(by_sid) == {"InvokeModel", "PutMetrics"}
+    assert set(by_sid) == {"InvokeModel"}  # the fleet's metrics are the worker role's
     model = by_sid["InvokeModel"]
     assert as_list(model["Action"]) == ["bedrock:InvokeModel"]
     assert as_list(model["Resource"]) == [

@@ -26,7 +26,6 @@ from mailpipe.coordination.queues import control_queue
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.harness.services import Database, free_port
 from mailpipe.operations import sweeper
-from mailpipe.operations.metrics import LogMetricsSink
 from mailpipe.pipeline import job
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -227,8 +226,6 @@ def lose_the_job_until_marked_for_review(res: Resources) -> int:
         sweeper.sweep(
             res,
             enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
-            count_workers=lambda: 1,
-            sink=LogMetricsSink(),
             in_flight_grace=0.0,  # the job just sent is lost already: the purge below
         )
         for name in brokerstate.priority_lists(res.settings.queue):

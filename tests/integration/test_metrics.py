@@ -1,5 +1,6 @@
 """Backlog metrics read back from a CloudWatch-compatible server (moto, the session's S3 server,
-which serves every AWS API on one port), sent by real workers and by the sweeper."""
+which serves every AWS API on one port), sent by the fleet's report task on real workers, fired
+by a real beat."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
-from sqlalchemy import update
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
@@ -29,7 +29,6 @@ from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 from mailpipe.storage import flags
-from mailpipe.storage.models import PipelineRun, RunStatus, utcnow
 from tests.support.fleet import enqueue_in
 from tests.support.waits import wait_for, wait_until_closed
 
@@ -41,8 +40,11 @@ NAMES = {
     "RunningTasks",
     "FailedRuns",
 }
-QUEUE_DIMENSION = [{"Name": "Queue", "Value": "mailpipe"}]
-INTERVAL = 1.0
+BACKLOG = NAMES - {"FailedRuns"}
+
+
+def dimension(queue: str) -> list[dict[str, str]]:
+    return [{"Name": "Queue", "Value": queue}]
 
 
 def good_email(i: int) -> bytes:
@@ -53,14 +55,17 @@ def good_email(i: int) -> bytes:
     ).encode()
 
 
-def fleet_env(endpoint: str | None = None) -> dict[str, str]:
+def fleet_env(endpoint: str | None = None, interval: float = 60.0) -> dict[str, str]:
     """Its own key prefix (under the run's, so the session cleans it up): these workers see only
     their own jobs and pings, and the shared worker never sees them. Its own namespace: the
     server keeps every test's datapoints."""
     env = dict(os.environ)
     env["MAILPIPE_REDIS_PREFIX"] = f"{os.environ['MAILPIPE_REDIS_PREFIX']}m{uuid.uuid4().hex[:8]}:"
     env["MAILPIPE_METRICS_NAMESPACE"] = f"MailpipeTest{uuid.uuid4().hex[:8]}"
-    env["MAILPIPE_METRICS_INTERVAL"] = str(INTERVAL)
+    env["MAILPIPE_METRICS_INTERVAL"] = str(interval)
+    # Heartbeats every second: a queue a worker is told to consume counts it within a second.
+    env["MAILPIPE_WORKER_HEARTBEAT_INTERVAL"] = "1"
+    env["MAILPIPE_WORKER_DEAD_AFTER"] = "5"
     env["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"] = endpoint or os.environ["MAILPIPE_S3_ENDPOINT_URL"]
     return env
 
@@ -69,13 +74,15 @@ def cloudwatch() -> Any:
     return boto3.client("cloudwatch", endpoint_url=os.environ["MAILPIPE_S3_ENDPOINT_URL"])
 
 
-def stats(namespace: str, name: str, start: float, end: float) -> dict[str, float]:
+def stats(
+    namespace: str, name: str, start: float, end: float, queue: str = "mailpipe"
+) -> dict[str, float]:
     """Minimum, Maximum, Sum and SampleCount of the datapoints timestamped in the whole seconds
     inside [start, end): the server drops the fraction of a query's bounds, as CloudWatch does."""
     reply = cloudwatch().get_metric_statistics(
         Namespace=namespace,
         MetricName=name,
-        Dimensions=QUEUE_DIMENSION,
+        Dimensions=dimension(queue),
         StartTime=datetime.fromtimestamp(math.ceil(start), UTC),
         EndTime=datetime.fromtimestamp(math.floor(end), UTC),
         Period=60,
@@ -92,17 +99,28 @@ def stats(namespace: str, name: str, start: float, end: float) -> dict[str, floa
     }
 
 
-def test_a_worker_reports_exact_figures_with_the_queue_dimension(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def report(env: dict[str, str]) -> None:
+    """What beat sends every interval, sent once by hand: one report, whichever worker takes it."""
+    localfleet.control_app(env).send_task(
+        "mailpipe.report_metrics", queue="mailpipe.control", expires=60
+    )
+
+
+def reports_sent(namespace: str) -> float:
+    return stats(namespace, "QueueDepth", time.time() - 3600, time.time() + 60)["SampleCount"]
+
+
+def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     env = fleet_env()
     namespace, prefix = env["MAILPIPE_METRICS_NAMESPACE"], env["MAILPIPE_REDIS_PREFIX"]
-    # Four emails that succeed and two that fail (an empty and a garbage one), stored with no job:
-    # the sweep the worker sends at start (model calls on) enqueues them from inside the worker.
+    # Four emails that succeed and two that fail as they are (an empty and a garbage one),
+    # stored with no job: the sweep the worker sends at start (model calls on) enqueues them.
     ids = store_emails(res, [good_email(i) for i in range(4)] + [b"", b"\x00\x01 not an email"])
     with res.db.transaction() as session:
         flags.set_model_calls(session, True)
     started = time.time()
-    # Consuming the control queue only, the worker runs the sweep but leaves the jobs waiting:
-    # the depth holds still at a known value until it is told to take them.
+    # Consuming the control queue only, the worker runs the sweep and the reports but leaves the
+    # jobs waiting: the depth holds still until it is told to take them.
     worker = localfleet.worker(
         env, tmp_path, concurrency=2, extra_args=("--queues", "mailpipe.control")
     )
@@ -110,76 +128,110 @@ def test_a_worker_reports_exact_figures_with_the_queue_dimension(res, tmp_path: 
     try:
         worker.wait_ready()
         wait_for(lambda: res.redis.llen(prefix + "mailpipe") == 6, 30, "the start-up sweep's jobs")
-        waiting_from = time.time()
-        time.sleep(4.5 * INTERVAL)
-        waiting_until = time.time()
+        # A window's bounds are whole seconds: a second early, not to miss the report.
+        waiting_from = time.time() - 1
+        report(env)
+        wait_for(lambda: reports_sent(namespace) == 1, 30, "the first report")
+        waiting_until = time.time() + 1
 
         control = localfleet.control_app(env)
         assert control.control.add_consumer("mailpipe", destination=[worker.nodename], reply=True)
         statuses = wait_until_closed(res, ids, timeout=60)
         assert sorted(statuses.values()) == ["failed"] * 2 + ["succeeded"] * 4
-        drained_from = time.time() + 2 * INTERVAL  # a report already underway may predate it
-
-        # The failures reach FailedRuns once their window has settled, and only once.
-        def failed_runs_sum() -> float:
-            return stats(namespace, "FailedRuns", started, time.time() + 1).get("Sum", 0.0)
-
-        wait_for(lambda: failed_runs_sum() >= 2, 10 + metrics.FAILED_RUNS_SETTLE_S, "FailedRuns")
-        time.sleep(max(0.0, drained_from + 3 * INTERVAL - time.time()))
-        ended = time.time()
-        assert failed_runs_sum() == 2
+        # The failures are counted once their window has settled; the worker's next heartbeat
+        # names the queue it was told to consume.
+        time.sleep(metrics.FAILED_RUNS_SETTLE_S + 1)
+        wait_for(
+            lambda: res.redis.zcard(prefix + "mailpipe:queue:mailpipe:workers") == 1,
+            10,
+            "the heartbeat to name the email queue",
+        )
+        drained_from = time.time() - 1  # seconds after the first report
+        report(env)
+        wait_for(lambda: reports_sent(namespace) == 2, 30, "the second report")
+        report(env)  # nothing failed since: FailedRuns 0, not the same 2 again
+        wait_for(lambda: reports_sent(namespace) == 3, 30, "the third report")
+        ended = time.time() + 1
     finally:
         assert worker.stop() == 0, worker.log_tail()
 
     listed = cloudwatch().list_metrics(Namespace=namespace)["Metrics"]
-    assert {m["MetricName"] for m in listed} == NAMES
-    assert all(m["Dimensions"] == QUEUE_DIMENSION for m in listed)
+    by_queue = {
+        queue: {m["MetricName"] for m in listed if m["Dimensions"] == dimension(queue)}
+        for queue in ("mailpipe", "mailpipe.model")
+    }
+    assert by_queue == {"mailpipe": NAMES, "mailpipe.model": BACKLOG}
+    assert len(listed) == len(NAMES) + len(BACKLOG)
 
-    # While six jobs waited and one worker process was alive, every report said so.
+    # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}
-    assert waiting["QueueDepth"]["Minimum"] == waiting["QueueDepth"]["Maximum"] == 6
-    assert waiting["RunningTasks"]["Minimum"] == waiting["RunningTasks"]["Maximum"] == 1
-    assert waiting["BacklogPerTask"]["Minimum"] == waiting["BacklogPerTask"]["Maximum"] == 6
+    assert {name: figures["SampleCount"] for name, figures in waiting.items()} == dict.fromkeys(
+        NAMES, 1
+    )
+    assert waiting["QueueDepth"]["Maximum"] == 6
+    assert waiting["RunningTasks"]["Maximum"] == 0
+    assert waiting["BacklogPerTask"]["Maximum"] == 6  # what one new task would face
     assert waiting["DeferredJobs"]["Maximum"] == 0  # nothing was deferred
-    # The oldest job's age grows with the wall clock and never exceeds the time since the worker
-    # started (it enqueued the jobs).
-    age = waiting["OldestJobAgeSeconds"]
-    assert 0 < age["Minimum"] < age["Maximum"] <= waiting_until - started
-    # Throttled to the interval: a few reports in the window, not one per loop turn.
-    reports = waiting["QueueDepth"]["SampleCount"]
-    assert 2 <= reports <= (waiting_until - waiting_from) / INTERVAL + 3
+    assert 0 < waiting["OldestJobAgeSeconds"]["Maximum"] <= waiting_until - started
+    assert waiting["FailedRuns"]["Sum"] == 0
+    model = {
+        name: stats(namespace, name, waiting_from, waiting_until, "mailpipe.model")
+        for name in BACKLOG
+    }
+    assert model["QueueDepth"]["Maximum"] == model["RunningTasks"]["Maximum"] == 0
 
     drained = {name: stats(namespace, name, drained_from, ended) for name in NAMES}
-    assert drained["QueueDepth"]["SampleCount"] >= 1
+    assert drained["QueueDepth"]["SampleCount"] == 2
     assert drained["QueueDepth"]["Maximum"] == drained["OldestJobAgeSeconds"]["Maximum"] == 0
     assert drained["BacklogPerTask"]["Maximum"] == 0
     assert drained["RunningTasks"]["Minimum"] == drained["RunningTasks"]["Maximum"] == 1
+    # The two poison emails, counted once over the two reports.
+    assert drained["FailedRuns"]["Sum"] == 2
+    assert drained["FailedRuns"]["Maximum"] == 2 and drained["FailedRuns"]["Minimum"] == 0
 
 
-def test_failed_runs_are_counted_once_across_reporters(res) -> None:  # type: ignore[no-untyped-def]
-    """Eight reporters claim at the same moment: the failures are counted once in all."""
-    ids = store_emails(res, [good_email(i) for i in range(6)])
-    now = utcnow()
+def test_beat_has_one_report_sent_per_interval_whatever_the_fleet_size(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Three workers, one beat: one report per interval in all, never one per worker."""
+    interval = 2.0
+    env = fleet_env(interval=interval)
+    namespace = env["MAILPIPE_METRICS_NAMESPACE"]
+    workers = [
+        localfleet.worker(env, tmp_path, concurrency=1, extra_args=("--queues", "mailpipe.control"))
+        for _ in range(3)
+    ]
+    beat = localfleet.beat(env, tmp_path)
+    for process in [*workers, beat]:
+        process.start()
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        started = time.time()
+        wait_for(lambda: reports_sent(namespace) >= 4, 60, "four reports")
+        sent, elapsed = reports_sent(namespace), time.time() - started
+    finally:
+        assert beat.stop() == 0, beat.log_tail()
+        for worker in workers:
+            assert worker.stop() == 0, worker.log_tail()
+    # Beat's first report comes one interval after it starts (before `started` at the earliest):
+    # at most one report per interval since, where a reporter per worker would send three.
+    assert sent <= elapsed / interval + 2, (sent, elapsed)
+    assert (
+        stats(namespace, "RunningTasks", started - 60, time.time() + 1, "mailpipe.control")[
+            "SampleCount"
+        ]
+        == 0
+    )  # the control queue is not a job queue: no figures of its own
+
+
+def test_failed_runs_are_counted_once_across_concurrent_reports(res) -> None:  # type: ignore[no-untyped-def]
+    """Eight reports claim at the same moment (two beats for a moment, a late delivery): the
+    failures are counted once in all."""
+    ids = store_emails(res, [good_email(i) for i in range(4)])
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
-        closed = {
-            ids[0]: now - timedelta(seconds=10),
-            ids[1]: now - timedelta(seconds=20),
-            ids[2]: now - timedelta(seconds=30),
-            ids[3]: now - timedelta(seconds=1),  # not settled yet: the next window's
-            ids[4]: now - timedelta(hours=1),
-        }  # before the first window
-        for email_id, closed_at in closed.items():
-            session.execute(
-                update(PipelineRun)
-                .where(PipelineRun.email_id == email_id)
-                .values(status=RunStatus.FAILED, closed_at=closed_at)
-            )
-        session.execute(
-            update(PipelineRun)
-            .where(PipelineRun.email_id == ids[5])
-            .values(status=RunStatus.SUCCEEDED, closed_at=now)
-        )
+        for email_id in ids[:3]:
+            assert runs.fail_open_run(session, email_id, "given up")
+    time.sleep(metrics.FAILED_RUNS_SETTLE_S + 0.5)  # their window settles
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
     counts: list[int | None] = [None] * len(reporters)
@@ -196,10 +248,13 @@ def test_failed_runs_are_counted_once_across_reporters(res) -> None:  # type: ig
     for reporter in reporters:
         reporter.close()
     assert sum(c for c in counts if c is not None) == 3, counts
-    assert res.redis.exists(redis_keys.key("metrics:failed-runs-cursor"))
+    assert res.redis.exists(redis_keys.failed_runs_cursor())
+    # A later report counts only what failed after: nothing.
+    time.sleep(0.01)
+    assert metrics.claim_failed_runs(res, lookback=60) in (0, None)
 
 
-def test_the_sweeper_reports_through_cloudwatch(res) -> None:  # type: ignore[no-untyped-def]
+def test_the_sweeper_reads_the_backlog_and_sends_nothing(res) -> None:  # type: ignore[no-untyped-def]
     namespace = f"MailpipeTest{uuid.uuid4().hex[:8]}"
     settings = res.settings.model_copy(
         update={
@@ -207,17 +262,12 @@ def test_the_sweeper_reports_through_cloudwatch(res) -> None:  # type: ignore[no
             "cloudwatch_endpoint_url": os.environ["MAILPIPE_S3_ENDPOINT_URL"],
         }
     )
-    sink = metrics.make_sink(settings)
-    assert isinstance(sink, metrics.CloudWatchSink)
-    before = time.time()
-    sweeper.sweep(
-        res, enqueue=lambda ids: enqueue_emails(ids, res), count_workers=lambda: 3, sink=sink
-    )
-    after = time.time() + 1
-    figures = {name: stats(namespace, name, before - 1, after) for name in NAMES - {"FailedRuns"}}
-    assert figures["RunningTasks"]["Minimum"] == figures["RunningTasks"]["Maximum"] == 3
-    assert figures["QueueDepth"]["Maximum"] == figures["BacklogPerTask"]["Maximum"] == 0
+    assert isinstance(metrics.make_sink(settings), metrics.CloudWatchSink)
     assert metrics.make_sink(res.settings).__class__ is metrics.LogMetricsSink  # no namespace
+    store_emails(res, [good_email(i) for i in range(3)])
+    result = sweeper.sweep(res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent)
+    assert (result.queue_depth, result.backlog_per_task) == (3, 3.0)
+    assert cloudwatch().list_metrics(Namespace=namespace)["Metrics"] == []
 
 
 @pytest.fixture
@@ -242,30 +292,35 @@ def black_hole() -> Iterator[tuple[str, list[socket.socket]]]:
         conn.close()
 
 
-def test_an_unreachable_cloudwatch_does_not_slow_jobs(res, tmp_path: Path, black_hole) -> None:  # type: ignore[no-untyped-def]
+def test_an_unreachable_cloudwatch_costs_one_report_not_the_jobs(
+    res, tmp_path: Path, black_hole
+) -> None:  # type: ignore[no-untyped-def]
     endpoint, accepted = black_hole
     env = fleet_env(endpoint)
     ids = store_emails(res, [good_email(i) for i in range(20)])
     worker = localfleet.worker(env, tmp_path, concurrency=2).start()
     try:
         worker.wait_ready()
-        # The reporter is now stuck on CloudWatch (each report can take ~20 s to give up) ...
-        wait_for(lambda: len(accepted) >= 1, 30, "the reporter to call the black hole")
+        report(env)
+        # The report is now stuck on CloudWatch in one child (each try waits out its timeouts) ...
+        wait_for(lambda: len(accepted) >= 1, 30, "the report to call the black hole")
         with res.db.transaction() as session:
             flags.set_model_calls(session, True)
         enqueue_in(env, ids)
-        # ... while the main process answers pings at once and keeps handing out jobs. Were the
-        # report sent from the event loop, each one would stall intake for ~20 s: 20 jobs taken
-        # a few at a time by 2 children could not finish inside the deadline below.
+        # ... while the main process answers pings and the other child runs the jobs.
         control = localfleet.control_app(env)
         for _ in range(3):
             assert control.control.ping(destination=[worker.nodename], timeout=2.0)
-        statuses = wait_until_closed(res, ids, timeout=30)
+        statuses = wait_until_closed(res, ids, timeout=60)
         assert set(statuses.values()) == {"succeeded"}
+        # The report gives up by itself (bounded timeouts and tries), logged, not raised.
+        wait_for(
+            lambda: "PutMetricData failed, these figures are dropped" in worker.log_tail(400),
+            90,
+            "the report to give up",
+        )
         assert worker.alive()
     finally:
-        # Exits by itself (0), not by the SIGKILL that follows 30 s of waiting, although the
-        # metrics thread is still waiting on the black hole.
         assert worker.stop() == 0, worker.log_tail()
 
 

@@ -218,7 +218,11 @@ def test_a_model_quota_at_zero_defers_without_attempts_then_fails_with_the_reaso
         f.worker("throttled")
         [email_id] = store_emails(res, [email("quota-zero")])
         f.enqueue([email_id])
-        wait_for(lambda: f.res.redis.zcard(f"{f.prefix}mailpipe:deferred") == 1, 30, "a deferral")
+        wait_for(
+            lambda: f.res.redis.zcard(f"{f.prefix}mailpipe:deferred:mailpipe.model") == 1,
+            30,
+            "a deferral",
+        )
         statuses = wait_until_closed(res, [email_id], timeout=60)
         assert statuses == {email_id: "failed"}
         run = runs_of(res, [email_id])[email_id]

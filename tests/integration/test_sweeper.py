@@ -14,7 +14,6 @@ from mailpipe.coordination import brokerstate, queues, redis_keys
 from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.harness.services import delete_prefix
 from mailpipe.operations import sweeper
-from mailpipe.operations.metrics import BacklogMetrics
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import store_classification
 from mailpipe.pipeline.job import Kind
@@ -24,14 +23,6 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 
 
-class RecordingSink:
-    def __init__(self) -> None:
-        self.sent: list[BacklogMetrics] = []
-
-    def send(self, metrics: BacklogMetrics) -> None:
-        self.sent.append(metrics)
-
-
 def emails(n: int, tag: str = "") -> list[bytes]:
     return [
         f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <{tag}{i}@x>\r\n\r\nbody {i}\r\n".encode()
@@ -39,15 +30,9 @@ def emails(n: int, tag: str = "") -> list[bytes]:
     ]
 
 
-def run_sweep(
-    res: Resources, sink: RecordingSink | None = None, grace: float = 0.0
-) -> sweeper.SweepResult:
+def run_sweep(res: Resources, grace: float = 0.0) -> sweeper.SweepResult:
     return sweeper.sweep(
-        res,
-        enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
-        count_workers=lambda: 2,
-        sink=sink or RecordingSink(),
-        in_flight_grace=grace,
+        res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent, in_flight_grace=grace
     )
 
 
@@ -101,16 +86,18 @@ def sweep_counts(res: Resources) -> dict[int, int]:
 def test_emails_without_run_are_readded_once(res) -> None:  # type: ignore[no-untyped-def]
     ids = store_emails(res, emails(5))
     assert enqueue_email(ids[0])  # one is queued already
-    sink = RecordingSink()
-    result = run_sweep(res, sink)
+    # Two workers consume the queue (their heartbeats), a third has stopped beating.
+    now = time.time()
+    workers = {"a": now, "b": now, "gone": now - 2 * res.settings.worker_dead_after}
+    res.redis.zadd(redis_keys.workers_on(res.settings.queue), workers)
+    result = run_sweep(res)
     assert (result.readded_no_run, result.skipped_queued) == (4, 1)
     assert sorted(result.readded_ids) == ids[1:]
     assert depth(res) == 5  # four re-added beside the one queued, none twice
     with res.db.session() as session:
         report = session.scalars(select(SweepReport)).one()
     assert sweep_counts(res) == {i: 1 for i in ids[1:]}
-    assert (report.readded_no_run, report.queue_depth) == (4, 5)
-    assert sink.sent[0].queue_depth == 5 and sink.sent[0].backlog_per_task == 2.5
+    assert (report.readded_no_run, report.queue_depth, report.backlog_per_task) == (4, 5, 2.5)
     # Queued or running emails are never re-added: the next sweep sends nothing.
     again = run_sweep(res)
     assert (again.readded_no_run, again.readded_stalled, again.skipped_queued) == (0, 0, 5)

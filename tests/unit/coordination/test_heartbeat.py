@@ -50,6 +50,38 @@ def test_a_beat_records_the_worker_and_the_messages_it_still_holds(res) -> None:
         delivered.close()
 
 
+def test_workers_are_counted_per_queue_they_consume_now(res) -> None:  # type: ignore[no-untyped-def]
+    consumed = {"cpu": ["mailpipe", "mailpipe.control"], "io": ["mailpipe.model"]}
+
+    def beat(name: str) -> heartbeat.WorkerHeartbeat:
+        return heartbeat.WorkerHeartbeat(
+            res.redis, name, interval=1, dead_after=3, restore=print, queues=lambda: consumed[name]
+        )
+
+    cpu, io = beat("cpu"), beat("io")
+    cpu.beat()
+    io.beat()
+
+    def live() -> dict[str, int]:
+        return {
+            q: heartbeat.live_workers(res.redis, 3, q)
+            for q in ("mailpipe", "mailpipe.model", "mailpipe.control")
+        }
+
+    assert live() == {"mailpipe": 1, "mailpipe.model": 1, "mailpipe.control": 1}
+    assert heartbeat.live_workers(res.redis, 3) == 2
+    consumed["io"] = ["mailpipe.model", "mailpipe"]  # told to add a queue
+    consumed["cpu"] = ["mailpipe.control"]  # told to cancel one
+    cpu.beat()
+    io.beat()
+    assert live() == {"mailpipe": 1, "mailpipe.model": 1, "mailpipe.control": 1}
+    assert res.redis.zscore(redis_keys.workers_on("mailpipe"), "cpu") is None
+    io.stop(timeout=1)
+    assert live() == {"mailpipe": 0, "mailpipe.model": 0, "mailpipe.control": 1}
+    cpu.stop(timeout=1)
+    assert live() == {"mailpipe": 0, "mailpipe.model": 0, "mailpipe.control": 0}
+
+
 def test_messages_no_live_worker_holds_go_back_and_held_ones_stay(res) -> None:  # type: ignore[no-untyped-def]
     delivered = Delivered(res, 4)
     try:

@@ -199,7 +199,7 @@ def test_a_held_lease_defers_without_an_attempt_and_deferrals_are_bounded(res) -
     # Never a countdown past the longest backoff (so never past the visibility timeout).
     assert 0.5 <= outcome.delay <= res.settings.retry_backoff_max
     assert outcome.deferred_since is not None
-    assert res.redis.zscore(redis_keys.deferred(), email_id) is not None
+    assert res.redis.zscore(redis_keys.deferred(res.settings.queue), email_id) is not None
     with res.db.session() as session:
         assert session.scalar(select(PipelineRun.attempts)) is None  # no run, no attempt
 
