@@ -11,9 +11,11 @@ import time
 
 import pytest
 from kombu import Connection, Exchange, Producer
+from sqlalchemy import func, select
 
 from mailpipe.cli.ingest import store_emails
-from mailpipe.storage.models import PipelineRun
+from mailpipe.resources import Resources
+from mailpipe.storage.models import PipelineRun, SweepReport
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.slow
@@ -90,9 +92,16 @@ def test_the_soft_time_limit_fails_the_run_at_once_in_a_real_worker(res, fleet) 
     assert worker.alive()
 
 
+def sweep_reports(res: Resources) -> int:
+    with res.db.session() as session:
+        return int(session.scalar(select(func.count()).select_from(SweepReport)) or 0)
+
+
 def test_a_pickle_message_is_refused_and_runs_nothing(res, fleet) -> None:  # type: ignore[no-untyped-def]
     f = fleet()
     worker = f.worker("json-only")
+    # The worker's start-up sweep over first: it would re-add an email stored before it ran.
+    wait_for(lambda: sweep_reports(res) == 1, 30, "the start-up sweep")
     [target] = store_emails(res, [email("pickled")])
     queue = res.settings.queue
     with Connection(
@@ -111,8 +120,7 @@ def test_a_pickle_message_is_refused_and_runs_nothing(res, fleet) -> None:  # ty
     log = worker.log_path.read_text()
     assert "Refusing to deserialize untrusted content of type pickle" in log
     with res.db.session() as session:
-        from sqlalchemy import func, select
-
         assert session.scalar(select(func.count()).select_from(PipelineRun)) == 0
+    assert sweep_reports(res) == 1  # no other sweep came to run the email either
     assert f.queue_depth() == 0 and f.unacked() == 0  # not left to come back either
     assert worker.alive()
