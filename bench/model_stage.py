@@ -24,9 +24,11 @@ seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -63,7 +65,7 @@ class Fleet:
             with (self.logs / f"{role}.log").open("ab") as log:
                 self.processes.append(
                     subprocess.Popen(
-                        ["sh", "-c", f"exec {lines[role]}"],
+                        ["sh", "-c", lines[role]],
                         env=self.env,
                         cwd=REPO,
                         stdout=log,
@@ -100,13 +102,15 @@ class Fleet:
         return total / 2**20
 
     def stop(self) -> None:
+        # Each line runs in a shell of its own session: the signal goes to the whole group.
         for process in self.processes:
-            process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
         for process in self.processes:
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait(10)
 
 

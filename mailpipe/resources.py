@@ -8,6 +8,7 @@ used: a process that only enqueues (upstream code) loads neither SQLAlchemy nor 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -80,13 +81,20 @@ class Resources:
 
 
 _current: Resources | None = None
+# The model role runs jobs on threads: the first jobs of a process may ask at the same moment,
+# and must share one set of connections, not build one each.
+_building = threading.Lock()
 
 
 def get_resources() -> Resources:
     global _current
-    if _current is None or _current.pid != os.getpid():
-        _current = Resources(get_settings())
-    return _current
+    current = _current
+    if current is None or current.pid != os.getpid():
+        with _building:
+            if _current is None or _current.pid != os.getpid():
+                _current = Resources(get_settings())
+            current = _current
+    return current
 
 
 def reset() -> None:
