@@ -185,21 +185,23 @@ def insert_ignore(
     values of that column for the rows actually inserted."""
     if not rows:
         return []
-    statement = _dialect_insert(session)(model).values(rows)
-    statement = statement.on_conflict_do_nothing(index_elements=conflict)
+    # The rows go as parameters, not into the statement: one statement per model and conflict
+    # target, compiled once per process and then taken from SQLAlchemy's cache (rows written into
+    # it with .values() made every job compile every insert again).
+    statement = _dialect_insert(session)(model).on_conflict_do_nothing(index_elements=conflict)
     if returning is None:
-        session.execute(statement)
+        session.execute(statement, rows)
         return []
-    return list(session.scalars(statement.returning(returning)))
+    return list(session.scalars(statement.returning(returning), rows))
 
 
 def upsert(session: Session, model: type, rows: list[dict], conflict: list[str]) -> None:
     """INSERT ... ON CONFLICT DO UPDATE of every non-key column given."""
     if not rows:
         return
-    statement = _dialect_insert(session)(model).values(rows)
+    statement = _dialect_insert(session)(model)
     update = {name: statement.excluded[name] for name in rows[0] if name not in conflict}
-    session.execute(statement.on_conflict_do_update(index_elements=conflict, set_=update))
+    session.execute(statement.on_conflict_do_update(index_elements=conflict, set_=update), rows)
 
 
 def _dialect_insert(session: Session) -> Any:
