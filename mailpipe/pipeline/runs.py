@@ -136,15 +136,16 @@ def converted(session: Session, email_id: int, attempt: int) -> None:
     for its classification stage, with a fresh attempt budget for it."""
     run = current(session, email_id, attempt)
     run.converted_at = utcnow()
-    run.attempts = 0
-    run.sweep_count = 0
-    run.attempt_started_at = None
-    run.error = None
+    _fresh_budget(run)
 
 
 def leave_open(session: Session, email_id: int, attempt: int) -> None:
     """The classification stage found model calls off: the run waits for them, attempts reset."""
-    run = current(session, email_id, attempt)
+    _fresh_budget(current(session, email_id, attempt))
+
+
+def _fresh_budget(run: PipelineRun) -> None:
+    """The run stays open for a stage to come: that stage starts with every attempt and sweep."""
     run.attempts = 0
     run.sweep_count = 0
     run.attempt_started_at = None
