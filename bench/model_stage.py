@@ -31,6 +31,7 @@ import shlex
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -118,6 +119,8 @@ def environment(
     database: Database, prefix: str, blobs: Path, server: TimedBedrockServer, rate: float
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")}
+    # The Procfile's `celery` is this environment's.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(
         harness.base_env(database_url=database.url, prefix=prefix, blob_url=f"file://{blobs}"),
         MAILPIPE_MODEL_BACKEND="bedrock",
@@ -223,6 +226,10 @@ def throughput(emails: int, rate: float, delay: float) -> dict[str, object]:
         fleet.stop()
         setup.close()
     peak = setup.server.peak_in_flight
+    arrivals = setup.server.arrivals()
+    # The rate the calls held once they flowed: calls after the first over the span of arrivals
+    # (the end-to-end figure also holds the ingest before the first call and one latency after).
+    steady = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else 0.0
     return {
         "emails": emails,
         "rate": rate,
@@ -230,6 +237,8 @@ def throughput(emails: int, rate: float, delay: float) -> dict[str, object]:
         "seconds": round(elapsed, 1),
         "emails_per_s": round(emails / elapsed, 2),
         "share_of_rate": round(emails / elapsed / rate, 3),
+        "calls_per_s_steady": round(steady, 2),
+        "steady_share_of_rate": round(steady / rate, 3),
         "peak_in_flight": peak,
         "fleet_pss_mb_median": round(statistics.median(samples), 1) if samples else None,
         "fleet_pss_mb_per_call_in_flight": round(max(samples) / max(1, peak), 1)
