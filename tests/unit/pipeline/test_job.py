@@ -10,6 +10,8 @@ from sqlalchemy import select, update
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.job import Kind
 from mailpipe.resources import Resources
@@ -90,6 +92,21 @@ def test_model_calls_off_leaves_the_run_open_after_the_documents(res) -> None:  
     assert job.classify_email(res, email_id).kind is Kind.CLOSED
     assert job.process_email(res, email_id).kind is Kind.CLOSED
     assert rows(res) == before  # a delivery of a closed run changes no row
+
+
+def test_a_run_left_waiting_starts_its_next_stage_with_every_sweep(res) -> None:  # type: ignore[no-untyped-def]
+    """A run the sweeper re-added (its job had been lost), whose CPU stage then ran with model
+    calls off, waits with its sweep count back at 0: sweeps from before model calls were switched
+    on do not count against the stage to come."""
+    [email_id] = store_emails(res, [INVOICE])
+    result = sweeper.sweep(
+        res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent, in_flight_grace=0.0
+    )
+    assert result.readded_ids == [email_id]
+    assert run_of(res, email_id).sweep_count == 1
+    assert job.process_email(res, email_id).kind is Kind.WAITING
+    run = run_of(res, email_id)
+    assert (run.status.value, run.attempts, run.sweep_count) == ("open", 0, 0)
 
 
 def test_transient_errors_retry_with_backoff_then_fail_after_max_attempts(res) -> None:  # type: ignore[no-untyped-def]
