@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 
 import psutil
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 
 from bench import harness
 from mailpipe.harness.services import Database, delete_prefix
@@ -140,25 +140,8 @@ def store_and_enqueue(env: dict[str, str], emails: list[bytes], folder: Path) ->
     harness.ingest(REPO, env, harness.write_emails(folder, emails), len(emails))
 
 
-def closed(database: Database) -> int:
-    import sqlalchemy
-
-    engine = sqlalchemy.create_engine(
-        database.url.replace("postgresql://", "postgresql+psycopg://")
-    )
-    from mailpipe.storage.models import PipelineRun, RunStatus
-
-    with engine.connect() as conn:
-        count = conn.execute(
-            select(func.count())
-            .select_from(PipelineRun)
-            .where(PipelineRun.status != RunStatus.OPEN)
-        ).scalar()
-    engine.dispose()
-    return int(count or 0)
-
-
-def converted(database: Database) -> int:
+def count_runs(database: Database, condition: ColumnElement[bool]) -> int:
+    """Runs of `database` that meet `condition`, on a connection of this call's own."""
     import sqlalchemy
 
     from mailpipe.storage.models import PipelineRun
@@ -168,12 +151,22 @@ def converted(database: Database) -> int:
     )
     with engine.connect() as conn:
         count = conn.execute(
-            select(func.count())
-            .select_from(PipelineRun)
-            .where(PipelineRun.converted_at.is_not(None))
+            select(func.count()).select_from(PipelineRun).where(condition)
         ).scalar()
     engine.dispose()
     return int(count or 0)
+
+
+def closed(database: Database) -> int:
+    from mailpipe.storage.models import PipelineRun, RunStatus
+
+    return count_runs(database, PipelineRun.status != RunStatus.OPEN)
+
+
+def converted(database: Database) -> int:
+    from mailpipe.storage.models import PipelineRun
+
+    return count_runs(database, PipelineRun.converted_at.is_not(None))
 
 
 def wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
