@@ -65,6 +65,7 @@ CHILD_SIGKILL_EVERY_S = 3.0
 S3_ERRORS_S = 4.0
 DEPTH_SAMPLE_EVERY_S = 0.1
 EXAMPLES = 10  # ids listed per figure in the report
+REPORT_ATTEMPTS = 5  # the report's reads, retried while the restarted database comes back
 
 # FLUSHDB in one atomic script that carries the test's own keys over (`mailpipe:test:*`: the
 # fault settings and the counters of tests.support.faults). Everything mailpipe and kombu keep
@@ -276,6 +277,8 @@ class Chaos:
             return self._run()
 
     def _run(self) -> dict[str, Any]:
+        from sqlalchemy.exc import OperationalError
+
         from mailpipe.cli.ingest import store_emails
         from mailpipe.coordination import brokerstate
         from mailpipe.enqueue import enqueue_emails
@@ -340,7 +343,17 @@ class Chaos:
         injector.join(60)
         self.sampler.stop()
         self.log("drained" if drained_at is not None else "deadline")
-        return self._report(res, None if drained_at is None else drained_at - drain_from)
+        drain_seconds = None if drained_at is None else drained_at - drain_from
+        attempt = 1
+        while True:
+            try:
+                return self._report(res, drain_seconds)
+            except OperationalError:  # a restart just before the report closed its connection
+                if attempt == REPORT_ATTEMPTS:
+                    raise
+                self.log("report_retried", attempt=attempt)
+                attempt += 1
+                time.sleep(1.0)
 
     def _wait_for_markers_to_lapse(self, res: Any) -> None:
         """Until no email of the backlog has a dedup marker: none can lapse before the TTL."""
