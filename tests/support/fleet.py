@@ -106,8 +106,10 @@ class Fleet:
         )
 
     def stop(self) -> None:
+        """The test is over: SIGTERM, and SIGKILL for a worker still up after 10 s (a warm
+        shutdown after hard time limits can hang; the shutdown tests assert shutdowns)."""
         for process in self.workers:
-            process.stop()
+            process.stop(timeout=10)
 
 
 def enqueue_in(env: dict[str, str], email_ids: list[int]) -> None:
