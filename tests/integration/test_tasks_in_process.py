@@ -1,0 +1,140 @@
+"""The tasks through Celery's in-process test worker, against the real Redis and PostgreSQL.
+
+pytest-celery's plugin provides the worker (`celery_session_worker`: Celery's `start_worker`, a
+solo pool in a thread of this process); the fixtures below hand it mailpipe's own app and a
+queue of its own. These tests are fast checks of what the task shells do with a real broker and
+database: the job's outcome mapped to Celery's, a sweep's re-adds. What a crash, a kill or a
+shutdown does is tested on real prefork workers (test_crashes, test_recovery, test_roles).
+
+The worker lives for the whole session, so it consumes only `IN_PROCESS_QUEUE`, which nothing
+but this module sends to: the prefork workers of the other tests keep every job of theirs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.signals import task_failure, task_success
+
+from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import brokerstate
+from mailpipe.coordination.queues import TaskName
+from mailpipe.resources import Resources
+from mailpipe.storage import flags
+from mailpipe.storage.models import EmailLabel, SweepReport
+from tests.support.waits import run_statuses, wait_for, wait_until_closed
+
+IN_PROCESS_QUEUE = "in-process"
+
+
+@pytest.fixture(scope="session")
+def celery_session_app() -> Iterator[Celery]:
+    from mailpipe.celery import app
+
+    yield app
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {
+        "queues": [IN_PROCESS_QUEUE],
+        "hostname": "in-process@localhost",
+        # The ping check needs a result backend; mailpipe keeps none (the runs are the results).
+        "perform_ping_check": False,
+    }
+
+
+class Outcomes:
+    """Each task's end as the worker signals it: the task's return value, or its exception."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def success(self, sender: Any = None, result: object = None, **_: Any) -> None:
+        with self._lock:
+            self.by_id[sender.request.id] = result
+
+    def failure(self, task_id: str = "", exception: BaseException | None = None, **_: Any) -> None:
+        with self._lock:
+            self.by_id[task_id] = exception
+
+    def wait(self, task_id: str) -> object:
+        wait_for(lambda: task_id in self.by_id, 30, f"task {task_id} to end")
+        return self.by_id[task_id]
+
+
+@pytest.fixture
+def outcomes() -> Iterator[Outcomes]:
+    seen = Outcomes()
+    task_success.connect(seen.success, weak=False)
+    task_failure.connect(seen.failure, weak=False)
+    try:
+        yield seen
+    finally:
+        task_success.disconnect(seen.success)
+        task_failure.disconnect(seen.failure)
+
+
+@pytest.fixture
+def worker(res: Resources, celery_session_worker: Any) -> Any:
+    """The in-process worker, on clean tables and Redis keys (`res` runs first)."""
+    return celery_session_worker
+
+
+def send(app: Celery, name: TaskName, *args: object) -> str:
+    return app.send_task(name.value, args=args, queue=IN_PROCESS_QUEUE).id
+
+
+def email(tag: str) -> bytes:
+    return (
+        f"From: billing@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\n"
+        "Amount due: 40 EUR\r\n"
+    ).encode()
+
+
+def test_a_job_ends_succeeded_with_its_labels(
+    res: Resources, worker: Any, outcomes: Outcomes
+) -> None:
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    [email_id] = store_emails(res, [email("in-process")])
+    task_id = send(worker.app, TaskName.PROCESS_EMAIL, email_id)
+    assert outcomes.wait(task_id) == "succeeded"
+    assert wait_until_closed(res, [email_id], timeout=30) == {email_id: "succeeded"}
+    with res.db.session() as session:
+        labels = {row.label for row in session.query(EmailLabel).filter_by(email_id=email_id)}
+    assert "invoice" in labels
+
+
+def test_an_unknown_id_fails_its_task_and_the_next_job_runs(
+    res: Resources, worker: Any, outcomes: Outcomes
+) -> None:
+    [email_id] = store_emails(res, [email("after-unknown")])
+    unknown = send(worker.app, TaskName.PROCESS_EMAIL, email_id + 10_000)
+    known = send(worker.app, TaskName.PROCESS_EMAIL, email_id)
+    failure = outcomes.wait(unknown)
+    assert type(failure).__name__ == "RunFailed"
+    assert f"no email_message row with id {email_id + 10_000}" in str(failure)
+    assert outcomes.wait(known) in ("succeeded", "waiting")
+    assert run_statuses(res, [email_id + 10_000]) == {}
+
+
+def test_a_sweep_task_re_adds_an_email_that_has_no_job(
+    res: Resources, worker: Any, outcomes: Outcomes
+) -> None:
+    [email_id] = store_emails(res, [email("no-job")])  # stored, never enqueued
+    task_id = send(worker.app, TaskName.SWEEP)
+    summary = outcomes.wait(task_id)
+    assert isinstance(summary, dict)
+    assert summary["readded_no_run"] == 1, summary
+    with res.db.session() as session:
+        report = session.query(SweepReport).one()
+    assert report.readded_no_run == 1
+    # The job waits in the email queue, for the workers that consume it (none in this test).
+    assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 1
+    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == {email_id}
