@@ -12,13 +12,14 @@ but this module sends to: the prefork workers of the other tests keep every job 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery.signals import task_failure, task_success
+from celery.signals import setup_logging, task_failure, task_success
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import brokerstate
@@ -29,6 +30,8 @@ from mailpipe.storage.models import EmailLabel, SweepReport
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 IN_PROCESS_QUEUE = "in-process"
+# Exported by Celery's logging set-up for the children a worker forks later.
+CELERY_FORK_VARIABLES = ("_MP_FORK_LOGLEVEL_", "_MP_FORK_LOGFILE_", "_MP_FORK_LOGFORMAT_")
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +49,28 @@ def celery_worker_parameters() -> dict[str, Any]:
         # The ping check needs a result backend; mailpipe keeps none (the runs are the results).
         "perform_ping_check": False,
     }
+
+
+def _leave_logging_alone(**_: Any) -> None:
+    """A `setup_logging` receiver: while one answers, Celery configures no logger."""
+
+
+@pytest.fixture(scope="session")
+def in_process_worker(request: pytest.FixtureRequest) -> Any:
+    """pytest-celery's session worker, leaving this process as it found it: starting a worker
+    sets up Celery's logging (the root logger's level and handlers) and exports variables that
+    the children forked later read, and the tests after this module must inherit neither."""
+    before = {name: os.environ.get(name) for name in CELERY_FORK_VARIABLES}
+    setup_logging.connect(_leave_logging_alone)
+    try:
+        return request.getfixturevalue("celery_session_worker")
+    finally:
+        setup_logging.disconnect(_leave_logging_alone)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class Outcomes:
@@ -81,9 +106,9 @@ def outcomes() -> Iterator[Outcomes]:
 
 
 @pytest.fixture
-def worker(res: Resources, celery_session_worker: Any) -> Any:
+def worker(res: Resources, in_process_worker: Any) -> Any:
     """The in-process worker, on clean tables and Redis keys (`res` runs first)."""
-    return celery_session_worker
+    return in_process_worker
 
 
 def send(app: Celery, name: TaskName, *args: object) -> str:
