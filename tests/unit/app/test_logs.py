@@ -53,10 +53,11 @@ def test_records_written_while_a_job_runs_carry_its_ids(lines) -> None:  # type:
     logger, stream = lines
     app = Celery("test-logs", set_as_current=False)
 
-    @app.task(name="mailpipe.process_email")
+    # Not shared: a shared task joins every app finalized later in this process, mailpipe's too.
+    @app.task(name="mailpipe.process_email", shared=False)
     def process_email(email_id: int) -> None: ...
 
-    @app.task(name="mailpipe.sweep")
+    @app.task(name="mailpipe.sweep", shared=False)
     def sweep() -> None: ...
 
     for task, request in [
