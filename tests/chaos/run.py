@@ -65,7 +65,6 @@ CHILD_SIGKILL_EVERY_S = 3.0
 S3_ERRORS_S = 4.0
 DEPTH_SAMPLE_EVERY_S = 0.1
 EXAMPLES = 10  # ids listed per figure in the report
-REPORT_ATTEMPTS = 5  # the report's reads, retried while the restarted database comes back
 
 # FLUSHDB in one atomic script that carries the test's own keys over (`mailpipe:test:*`: the
 # fault settings and the counters of tests.support.faults). Everything mailpipe and kombu keep
@@ -277,13 +276,12 @@ class Chaos:
             return self._run()
 
     def _run(self) -> dict[str, Any]:
-        from sqlalchemy.exc import OperationalError
-
         from mailpipe.cli.ingest import store_emails
         from mailpipe.coordination import brokerstate
         from mailpipe.enqueue import enqueue_emails
         from mailpipe.resources import get_resources
         from mailpipe.storage import flags
+        from mailpipe.storage.db import once_more_if_disconnected
         from mailpipe.storage.migrate import upgrade
         from tests.support.faults import set_fault
 
@@ -344,16 +342,9 @@ class Chaos:
         self.sampler.stop()
         self.log("drained" if drained_at is not None else "deadline")
         drain_seconds = None if drained_at is None else drained_at - drain_from
-        attempt = 1
-        while True:
-            try:
-                return self._report(res, drain_seconds)
-            except OperationalError:  # a restart just before the report closed its connection
-                if attempt == REPORT_ATTEMPTS:
-                    raise
-                self.log("report_retried", attempt=attempt)
-                attempt += 1
-                time.sleep(1.0)
+        # The restart fault may have closed the pooled connections just before (the injector has
+        # joined, so the server is back): read again on a fresh one, as a claim would.
+        return once_more_if_disconnected(lambda: self._report(res, drain_seconds))
 
     def _wait_for_markers_to_lapse(self, res: Any) -> None:
         """Until no email of the backlog has a dedup marker: none can lapse before the TTL."""
