@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.signals import setup_logging, task_failure, task_success
+from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import brokerstate
 from mailpipe.coordination.queues import TaskName
+from mailpipe.errors import RunFailed
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, SweepReport
@@ -132,7 +134,9 @@ def test_a_job_ends_succeeded_with_its_labels(
     assert outcomes.wait(task_id) == "succeeded"
     assert wait_until_closed(res, [email_id], timeout=30) == {email_id: "succeeded"}
     with res.db.session() as session:
-        labels = {row.label for row in session.query(EmailLabel).filter_by(email_id=email_id)}
+        labels = set(
+            session.scalars(select(EmailLabel.label).where(EmailLabel.email_id == email_id))
+        )
     assert "invoice" in labels
 
 
@@ -143,7 +147,7 @@ def test_an_unknown_id_fails_its_task_and_the_next_job_runs(
     unknown = send(worker.app, TaskName.PROCESS_EMAIL, email_id + 10_000)
     known = send(worker.app, TaskName.PROCESS_EMAIL, email_id)
     failure = outcomes.wait(unknown)
-    assert type(failure).__name__ == "RunFailed"
+    assert isinstance(failure, RunFailed)
     assert f"no email_message row with id {email_id + 10_000}" in str(failure)
     assert outcomes.wait(known) in ("succeeded", "waiting")
     assert run_statuses(res, [email_id + 10_000]) == {}
@@ -158,7 +162,7 @@ def test_a_sweep_task_re_adds_an_email_that_has_no_job(
     assert isinstance(summary, dict)
     assert summary["readded_no_run"] == 1, summary
     with res.db.session() as session:
-        report = session.query(SweepReport).one()
+        report = session.scalars(select(SweepReport)).one()
     assert report.readded_no_run == 1
     # The job waits in the email queue, for the workers that consume it (none in this test).
     assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 1
