@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from redis import RedisError
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
@@ -56,9 +56,19 @@ from mailpipe.pipeline.origin import record_origin
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.db import once_more_if_disconnected, upsert
-from mailpipe.storage.models import EmailMessage, ModelInput, PipelineRun, RunStatus, utcnow
+from mailpipe.storage.models import (
+    EmailMessage,
+    ModelInput,
+    PipelineRun,
+    RunStatus,
+    table,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
+
+_EMAIL = table(EmailMessage)
+_BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("blob_email_id"))
 
 
 class Kind(enum.StrEnum):
@@ -157,9 +167,7 @@ def run_claimed(
 
     def claim_in_a_transaction() -> tuple[str, runs.ClaimResult, bool] | None:
         with res.db.transaction() as session:
-            blob_key = session.scalar(
-                select(EmailMessage.blob_key).where(EmailMessage.id == email_id)
-            )
+            blob_key = session.scalar(_BLOB_KEY, {"blob_email_id": email_id})
             if blob_key is None:
                 return None
             result = runs.claim_attempt(
@@ -205,7 +213,7 @@ def _attempt(
     try:
         if stage is runs.Stage.CLASSIFY:
             return _classify_steps(res, email_id, attempt, claim.classified)
-        return _run_steps(res, email_id, attempt, blob_key)
+        return _run_steps(res, email_id, claim, blob_key)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
@@ -312,14 +320,16 @@ def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
     return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
 
 
-def _run_steps(res: Resources, email_id: int, attempt: int, blob_key: str) -> Outcome:
+def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key: str) -> Outcome:
     """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
-    Every write is fenced by the attempt (`runs.current`).
+    Every write is fenced by the attempt: each transaction ends with the run's update, which
+    rolls it all back when a later attempt holds the run or it was closed (`runs.end_attempt`).
 
     An email without attachments takes one transaction for all of it. With attachments, the
     origin is recorded in a transaction of its own first, so that a copy stops before its
     documents are converted."""
     settings = res.settings
+    attempt = claim.attempt
     raw = res.blobs.get(blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
         raw,
@@ -330,14 +340,19 @@ def _run_steps(res: Resources, email_id: int, attempt: int, blob_key: str) -> Ou
             body_max_chars=settings.body_text_max_chars,
         ),
     )
+    defects = _defects(parsed)
 
     origin_recorded = False
     if parsed.attachments:
         with res.db.transaction() as session:
             run = runs.current(session, email_id, attempt)
-            _note_defects(run, parsed)
-            if _closed_as_copy(session, run, parsed):
+            if record_origin(session, email_id, parsed).duplicate_of is not None:
+                runs.end_attempt(
+                    session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects
+                )
                 return Outcome(Kind.DUPLICATE)
+            if defects is not None:
+                run.parse_defects = defects
         origin_recorded = True
 
     documents = convert_documents(parsed, settings)
@@ -346,9 +361,8 @@ def _run_steps(res: Resources, email_id: int, attempt: int, blob_key: str) -> Ou
         parsed, texts_for_classifier(documents), settings.classifier_text_budget
     )
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, attempt)
-        _note_defects(run, parsed)
-        if not origin_recorded and _closed_as_copy(session, run, parsed):
+        if not origin_recorded and record_origin(session, email_id, parsed).duplicate_of:
+            runs.end_attempt(session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects)
             return Outcome(Kind.DUPLICATE)
         store_documents(session, rows)
         model_calls = res.model_calls(session)
@@ -356,11 +370,17 @@ def _run_steps(res: Resources, email_id: int, attempt: int, blob_key: str) -> Ou
             # A local classifier answers in well under a millisecond: in this transaction, with
             # no hand-off and no second one.
             result = res.classifier.classify(email_text)
-            store_classification(session, run.id, email_id, result)
+            assert claim.run_id is not None  # a claim that lets an attempt go names its run
+            store_classification(session, claim.run_id, email_id, result)
             sync_model_labels(session, email_id, result.labels)
-            # The run's changes last, in one UPDATE with the commit.
-            runs.mark_classified(run)
-            runs.finish(run, RunStatus.SUCCEEDED)
+            runs.end_attempt(
+                session,
+                email_id,
+                attempt,
+                RunStatus.SUCCEEDED,
+                classified=True,
+                parse_defects=defects,
+            )
             return Outcome(Kind.SUCCEEDED)
         # What the model will read is kept, so that its stage never parses the email again.
         upsert(
@@ -369,26 +389,19 @@ def _run_steps(res: Resources, email_id: int, attempt: int, blob_key: str) -> Ou
             [{"email_id": email_id, "input": input_as_json(email_text), "created_at": utcnow()}],
             ["email_id"],
         )
-        runs.converted(session, email_id, attempt)
+        runs.converted(session, email_id, attempt, defects)
     return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
 
 
-def _note_defects(run: PipelineRun, parsed: ParsedEmail) -> None:
-    """What the parser got past (a malformed header line skipped, a broken part), on the run; no
-    statement of its own, it goes with the run's next update."""
-    if parsed.defect_count:
-        run.parse_defects = {
-            "count": parsed.defect_count,
-            "skipped_header_lines": list(parsed.skipped_header_lines),
-        }
-
-
-def _closed_as_copy(session: Session, run: PipelineRun, parsed: ParsedEmail) -> bool:
-    """Record the email's origin; a copy of an email already recorded is linked and closed."""
-    if record_origin(session, run.email_id, parsed).duplicate_of is None:
-        return False
-    runs.finish(run, RunStatus.DUPLICATE)
-    return True
+def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
+    """What the parser got past (a malformed header line skipped, a broken part), for the run;
+    None when it read cleanly."""
+    if not parsed.defect_count:
+        return None
+    return {
+        "count": parsed.defect_count,
+        "skipped_header_lines": list(parsed.skipped_header_lines),
+    }
 
 
 def _classify_steps(res: Resources, email_id: int, attempt: int, classified: bool) -> Outcome:

@@ -8,35 +8,45 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import delete, select
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.classifiers import LabelScore
 from mailpipe.storage.db import insert_ignore
-from mailpipe.storage.models import EmailLabel
+from mailpipe.storage.models import EmailLabel, table
 
 MODEL_SOURCE = "model"
+_LABEL = table(EmailLabel)
+_LABELS_OF = select(_LABEL.c.label, _LABEL.c.source).where(
+    _LABEL.c.email_id == bindparam("labels_email_id")
+)
 
 
 def sync_model_labels(session: Session, email_id: int, scores: Iterable[LabelScore]) -> None:
     wanted = {score.label: score.confidence for score in scores}
-    existing = {
-        row.label: row
-        for row in session.scalars(select(EmailLabel).where(EmailLabel.email_id == email_id))
-    }
+    rows = session.execute(_LABELS_OF, {"labels_email_id": email_id})
+    existing = {label: source for label, source in rows}
     stale = [
         label
-        for label, row in existing.items()
-        if row.source == MODEL_SOURCE and label not in wanted
+        for label, source in existing.items()
+        if source == MODEL_SOURCE and label not in wanted
     ]
     if stale:
         session.execute(
-            delete(EmailLabel).where(EmailLabel.email_id == email_id, EmailLabel.label.in_(stale))
+            delete(_LABEL).where(_LABEL.c.email_id == email_id, _LABEL.c.label.in_(stale))
         )
-    for label, confidence in wanted.items():
-        row = existing.get(label)
-        if row is not None and row.source == MODEL_SOURCE:
-            row.confidence = confidence
+    kept = [
+        {"label_": label, "confidence": confidence}
+        for label, confidence in wanted.items()
+        if existing.get(label) == MODEL_SOURCE
+    ]
+    if kept:
+        session.execute(
+            update(_LABEL)
+            .where(_LABEL.c.email_id == email_id, _LABEL.c.label == bindparam("label_"))
+            .values(confidence=bindparam("confidence")),
+            kept,
+        )
     insert_ignore(
         session,
         EmailLabel,

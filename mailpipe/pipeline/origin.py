@@ -10,14 +10,18 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.mail.parse import ParsedEmail
 from mailpipe.storage.db import insert_ignore
-from mailpipe.storage.models import EmailMessage, EmailOrigin
+from mailpipe.storage.models import EmailMessage, EmailOrigin, table
 
 FINGERPRINT_VERSION = "v1"
+
+_EMAIL = table(EmailMessage)
+# The columns to SET come from the parameters given with it.
+_LINK = update(_EMAIL).where(_EMAIL.c.id == bindparam("link_email_id"))
 
 
 def fingerprint(parsed: ParsedEmail) -> str:
@@ -58,14 +62,11 @@ def record_origin(session: Session, email_id: int, parsed: ParsedEmail) -> Origi
             select(EmailOrigin.id, EmailOrigin.first_email_id).where(EmailOrigin.fingerprint == key)
         ).one()
     duplicate_of = None if first_email_id == email_id else first_email_id
-    session.execute(
-        update(EmailMessage)
-        .where(EmailMessage.id == email_id)
-        .values(
-            origin_id=origin_id,
-            duplicate_of=duplicate_of,
-            subject=parsed.subject[:1000],
-            sender=parsed.sender[:1000],
-        )
-    )
+    link = {
+        "origin_id": origin_id,
+        "duplicate_of": duplicate_of,
+        "subject": parsed.subject[:1000],
+        "sender": parsed.sender[:1000],
+    }
+    session.execute(_LINK, {"link_email_id": email_id, **link})
     return OriginResult(origin_id, duplicate_of)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, and_, bindparam, select, update
 from sqlalchemy.orm import Session
 
-from mailpipe.storage.db import insert_ignore
-from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, utcnow
+from mailpipe.storage.db import dialect_insert, insert_ignore
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, table, utcnow
 
 # Errors are for operators: long tracebacks belong in the log, not in the row.
 MAX_ERROR_CHARS = 2000
@@ -45,6 +47,7 @@ class ClaimResult:
     attempt: int
     error: str | None = None
     classified: bool = False  # the run holds the model's answer from an earlier attempt
+    run_id: int | None = None  # GO: the run's id
 
 
 class Superseded(Exception):
@@ -64,7 +67,14 @@ def claim_attempt(
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
     `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
+
+    The usual case, a run that is new or open and ready for this stage, is counted in one
+    statement (`_count_if_ready`); every other case locks the run and decides below.
     """
+    if cut_off is None:
+        counted = _count_if_ready(session, email_id, max_attempts, stage)
+        if counted is not None:
+            return counted
     ensure_runs(session, [email_id])
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
@@ -96,7 +106,81 @@ def claim_attempt(
         return ClaimResult(Claim.EXHAUSTED, run.attempts, run.error)
     run.attempts += 1
     run.attempt_started_at = utcnow()
-    return ClaimResult(Claim.GO, run.attempts, classified=run.classified_at is not None)
+    return ClaimResult(
+        Claim.GO, run.attempts, classified=run.classified_at is not None, run_id=run.id
+    )
+
+
+def _count_if_ready(
+    session: Session, email_id: int, max_attempts: int, stage: Stage
+) -> ClaimResult | None:
+    """Count an attempt of a run that is open, has no attempt running, has attempts left and is
+    at `stage`, in one statement; None when the run is in any other state (or, for the model
+    stage, missing). For the CPU stage a missing run is created with its first attempt counted."""
+    now = utcnow()
+    given = {"max_attempts": max_attempts, "now": now}
+    if stage is Stage.CONVERT:
+        new_run = {"email_id": email_id, "attempts": 1, "attempt_started_at": now}
+        statement = _count_or_create(session.get_bind().dialect.name)
+        row = session.execute(statement, {**new_run, **given}).one_or_none()
+    else:
+        row = session.execute(_COUNT_CONVERTED, {"run_email_id": email_id, **given}).one_or_none()
+    if row is None:
+        return None
+    run_id, attempts, classified_at = row
+    if stage is Stage.CONVERT and attempts == 1:
+        # Perhaps created just now: the email is flagged as having a run, as `ensure_runs` does.
+        session.execute(_FLAG_HAS_RUN, {"flag_email_id": email_id})
+    return ClaimResult(Claim.GO, attempts, classified=classified_at is not None, run_id=run_id)
+
+
+# The statements of a job's usual path, built once, with their values as parameters.
+_RUN = table(PipelineRun)
+_EMAIL = table(EmailMessage)
+
+
+def _ready(stage: Stage) -> ColumnElement[bool]:
+    return and_(
+        _RUN.c.status == RunStatus.OPEN,
+        _RUN.c.attempt_started_at.is_(None),
+        _RUN.c.attempts < bindparam("max_attempts"),
+        _RUN.c.converted_at.is_(None)
+        if stage is Stage.CONVERT
+        else _RUN.c.converted_at.is_not(None),
+    )
+
+
+_COUNTED = {
+    "attempts": _RUN.c.attempts + 1,
+    "attempt_started_at": bindparam("now"),
+    "updated_at": bindparam("now"),
+}
+_CLAIMED = (_RUN.c.id, _RUN.c.attempts, _RUN.c.classified_at)
+_COUNT_CONVERTED = (
+    update(_RUN)
+    .where(_RUN.c.email_id == bindparam("run_email_id"), _ready(Stage.CLASSIFY))
+    .values(_COUNTED)
+    .returning(*_CLAIMED)
+)
+_FLAG_HAS_RUN = (
+    update(_EMAIL)
+    .where(_EMAIL.c.id == bindparam("flag_email_id"), _EMAIL.c.has_run.is_(False))
+    .values(has_run=True)
+)
+# The columns to SET come from the parameters given with it.
+_UPDATE_IF_AT_ATTEMPT = update(_RUN).where(
+    _RUN.c.email_id == bindparam("fence_email_id"),
+    _RUN.c.status == RunStatus.OPEN,
+    _RUN.c.attempts == bindparam("fence_attempt"),
+)
+
+
+@cache
+def _count_or_create(dialect: str) -> Any:
+    insert = dialect_insert(dialect)(_RUN)
+    return insert.on_conflict_do_update(
+        index_elements=["email_id"], set_=_COUNTED, where=_ready(Stage.CONVERT)
+    ).returning(*_CLAIMED)
 
 
 def ensure_runs(session: Session, email_ids: list[int]) -> None:
@@ -131,25 +215,63 @@ def give_back_attempt(session: Session, email_id: int, attempt: int) -> None:
     run.attempt_started_at = None
 
 
-def converted(session: Session, email_id: int, attempt: int) -> None:
+def converted(
+    session: Session, email_id: int, attempt: int, parse_defects: dict[str, Any] | None = None
+) -> None:
     """The CPU stage is done (the documents and the model's input are stored): the run waits
-    for its classification stage, with a fresh attempt budget for it."""
-    run = current(session, email_id, attempt)
-    run.converted_at = utcnow()
-    _fresh_budget(run)
+    for its classification stage, with a fresh attempt budget for it. Fenced as `end_attempt`."""
+    values = {"converted_at": utcnow(), **_FRESH_BUDGET}
+    _update_fenced(session, email_id, attempt, values, parse_defects)
+
+
+def end_attempt(
+    session: Session,
+    email_id: int,
+    attempt: int,
+    status: RunStatus,
+    *,
+    classified: bool = False,
+    parse_defects: dict[str, Any] | None = None,
+) -> None:
+    """Close the run at the end of this attempt's transaction, in one UPDATE that is also the
+    fence: when the run is closed already or a later attempt holds it, it updates nothing and
+    raises Superseded, and the transaction rolls back every write the delivery made before it.
+    `classified`: the model's answer was stored in this transaction."""
+    now = utcnow()
+    values = {"status": status, "error": None, "attempt_started_at": None, "closed_at": now}
+    if classified:
+        values["classified_at"] = now
+    _update_fenced(session, email_id, attempt, values, parse_defects)
+
+
+# The run stays open for a stage to come: that stage starts with every attempt and sweep.
+_FRESH_BUDGET: dict[str, Any] = {
+    "attempts": 0,
+    "sweep_count": 0,
+    "attempt_started_at": None,
+    "error": None,
+}
+
+
+def _update_fenced(
+    session: Session,
+    email_id: int,
+    attempt: int,
+    values: dict[str, Any],
+    parse_defects: dict[str, Any] | None,
+) -> None:
+    """Set `values` on the run if it is open at `attempt`; raises Superseded otherwise."""
+    if parse_defects is not None:
+        values["parse_defects"] = parse_defects
+    fence = {"fence_email_id": email_id, "fence_attempt": attempt}
+    if session.connection().execute(_UPDATE_IF_AT_ATTEMPT, {**values, **fence}).rowcount != 1:
+        current(session, email_id, attempt)  # raises Superseded, saying why
+        raise Superseded(f"email {email_id}: the run is not at attempt {attempt}")
 
 
 def leave_open(session: Session, email_id: int, attempt: int) -> None:
     """The classification stage found model calls off: the run waits for them, attempts reset."""
-    _fresh_budget(current(session, email_id, attempt))
-
-
-def _fresh_budget(run: PipelineRun) -> None:
-    """The run stays open for a stage to come: that stage starts with every attempt and sweep."""
-    run.attempts = 0
-    run.sweep_count = 0
-    run.attempt_started_at = None
-    run.error = None
+    _update_fenced(session, email_id, attempt, dict(_FRESH_BUDGET), None)
 
 
 def mark_classified(run: PipelineRun) -> None:

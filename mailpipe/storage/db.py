@@ -12,14 +12,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
+
+from mailpipe.storage.models import Base, table
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ class Database:
 
 def insert_ignore(
     session: Session,
-    model: type,
+    model: type[Base],
     rows: list[dict],
     conflict: list[str],
     returning: Any = None,
@@ -185,28 +187,45 @@ def insert_ignore(
     values of that column for the rows actually inserted."""
     if not rows:
         return []
-    # The rows go as parameters, not into the statement: one statement per model and conflict
-    # target, compiled once per process and then taken from SQLAlchemy's cache (rows written into
-    # it with .values() made every job compile every insert again).
-    statement = _dialect_insert(session)(model).on_conflict_do_nothing(index_elements=conflict)
+    statement = _insert_ignore(_dialect(session), table(model), tuple(conflict), returning)
     if returning is None:
         session.execute(statement, rows)
         return []
-    return list(session.scalars(statement.returning(returning), rows))
+    return list(session.scalars(statement, rows))
 
 
-def upsert(session: Session, model: type, rows: list[dict], conflict: list[str]) -> None:
+def upsert(session: Session, model: type[Base], rows: list[dict], conflict: list[str]) -> None:
     """INSERT ... ON CONFLICT DO UPDATE of every non-key column given."""
     if not rows:
         return
-    statement = _dialect_insert(session)(model)
-    update = {name: statement.excluded[name] for name in rows[0] if name not in conflict}
-    session.execute(statement.on_conflict_do_update(index_elements=conflict, set_=update), rows)
+    statement = _upsert(_dialect(session), table(model), tuple(conflict), tuple(rows[0]))
+    session.execute(statement, rows)
 
 
-def _dialect_insert(session: Session) -> Any:
+# The statements are built once per process and shape, and their rows go as parameters: a job
+# then pays neither for building them (the ORM's bulk-insert path, the `excluded` alias and its
+# columns) nor for compiling them (taken from SQLAlchemy's cache). On the table, not the ORM
+# class: the ORM's bulk path costs more than the insert itself, for nothing here.
+@cache
+def _insert_ignore(dialect: str, table: Table, conflict: tuple[str, ...], returning: Any) -> Any:
+    statement = dialect_insert(dialect)(table).on_conflict_do_nothing(index_elements=conflict)
+    return statement if returning is None else statement.returning(returning)
+
+
+@cache
+def _upsert(dialect: str, table: Table, conflict: tuple[str, ...], columns: tuple[str, ...]) -> Any:
+    statement = dialect_insert(dialect)(table)
+    update = {name: statement.excluded[name] for name in columns if name not in conflict}
+    return statement.on_conflict_do_update(index_elements=conflict, set_=update)
+
+
+def _dialect(session: Session) -> str:
+    return session.get_bind().dialect.name
+
+
+def dialect_insert(dialect: str) -> Any:
     """The dialect's INSERT, which has ON CONFLICT (PostgreSQL's and SQLite's alike)."""
-    if session.get_bind().dialect.name == "postgresql":
+    if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 
         return postgresql_insert

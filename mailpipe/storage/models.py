@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -19,6 +19,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
     text,
@@ -45,6 +46,11 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def table(model: type[Base]) -> Table:
+    """A model's table, for Core statements: they skip the ORM's work on each execution."""
+    return cast(Table, model.__table__)
 
 
 class RunStatus(enum.StrEnum):

@@ -98,6 +98,34 @@ MUTANTS = [
         "a late delivery writes to a closed run",
     ),
     Mutant(
+        "one-statement-claim-counts-nothing",
+        "mailpipe/pipeline/runs.py",
+        '    "attempts": _RUN.c.attempts + 1,\n',
+        '    "attempts": _RUN.c.attempts + 0,\n',
+        "the usual claim does not count its attempt, so a crashing job runs for ever",
+    ),
+    Mutant(
+        "one-statement-claim-one-attempt-more",
+        "mailpipe/pipeline/runs.py",
+        '        _RUN.c.attempts < bindparam("max_attempts"),\n',
+        '        _RUN.c.attempts <= bindparam("max_attempts"),\n',
+        "the usual claim lets a fifth attempt run",
+    ),
+    Mutant(
+        "one-statement-claim-ignores-dead-attempt",
+        "mailpipe/pipeline/runs.py",
+        "        _RUN.c.attempt_started_at.is_(None),\n",
+        "",
+        "an attempt whose process died is never recorded as such",
+    ),
+    Mutant(
+        "close-ignores-attempt",
+        "mailpipe/pipeline/runs.py",
+        '    _RUN.c.attempts == bindparam("fence_attempt"),\n',
+        "",
+        "a delivery whose attempt was superseded still closes the run with its writes",
+    ),
+    Mutant(
         "give-back-keeps-attempt",
         "mailpipe/pipeline/runs.py",
         "    run.attempts = max(0, run.attempts - 1)\n",
@@ -107,8 +135,8 @@ MUTANTS = [
     Mutant(
         "waiting-keeps-sweeps",
         "mailpipe/pipeline/runs.py",
-        "    run.attempts = 0\n    run.sweep_count = 0\n    run.attempt_started_at = None\n    run.error = None",
-        "    run.attempts = 0\n    run.attempt_started_at = None\n    run.error = None",
+        '    "attempts": 0,\n    "sweep_count": 0,\n',
+        '    "attempts": 0,\n',
         "a run left waiting for model calls keeps its sweep count",
     ),
     Mutant(

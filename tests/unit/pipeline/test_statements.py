@@ -76,17 +76,18 @@ def test_a_plain_email_takes_two_transactions_and_reads_its_row_once(res) -> Non
         assert job.process_email(worker, second).kind is Kind.SUCCEEDED
     assert dict(counted) == {
         "transactions": 2,
-        # The claim: the email row, once; the run, created if missing, locked and counted.
+        # The claim: the email row, once; the run created or counted in one statement, and the
+        # email flagged as having a run at its first attempt.
         "SELECT email_message": 1,
         "INSERT INTO pipeline_run": 1,
-        "UPDATE email_message": 2,  # has_run on the run's creation; the origin's link
-        "SELECT pipeline_run": 2,  # locked at the claim, and again as the fence of the writes
-        "UPDATE pipeline_run": 2,  # attempt counted; closed
-        # The steps, in one transaction: origin, classification, labels.
+        "UPDATE email_message": 2,  # has_run at the first attempt; the origin's link
+        # The steps, in one transaction: origin, classification, labels, and last the run's
+        # close, which is also the fence of the writes before it.
         "INSERT INTO email_origin": 1,
         "INSERT INTO classification": 1,
         "SELECT email_label": 1,
         "INSERT INTO email_label": 1,
+        "UPDATE pipeline_run": 1,
     }
 
 
