@@ -16,6 +16,7 @@ import email.header
 import email.parser
 import email.policy
 import email.utils
+import functools
 import hashlib
 from dataclasses import dataclass
 from email.headerregistry import BaseHeader, HeaderRegistry
@@ -156,6 +157,17 @@ class _CachedHeaders(HeaderRegistry):
         if parsed is None:
             parsed = self._parsed[key] = super().__call__(name, value)
         return parsed
+
+    def __getitem__(self, name: str) -> type[BaseHeader]:
+        # The registry builds a new class each time it parses a header; one per kind of header
+        # will do (a few dozen kinds: every name it does not know shares one).
+        kind = self.registry.get(name.lower(), self.default_class)
+        return _header_class(kind, self.base_class)
+
+
+@functools.cache
+def _header_class(kind: type, base: type) -> type[BaseHeader]:
+    return type("_" + kind.__name__, (kind, base), {})
 
 
 def _parse_bytes(raw: bytes, max_parts: int) -> Message:
