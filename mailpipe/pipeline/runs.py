@@ -1,9 +1,12 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
-Every write a delivery makes after its claim goes through `current`, which locks the run and
-checks that it is still open and still at this delivery's attempt. A delivery whose lease lapsed
-while a later one claimed the run, or one that finishes after the run was closed (by another
-delivery, by the sweeper), is thereby fenced off: it writes nothing more.
+Every transaction a delivery writes in after its claim is fenced by the run's status and the
+delivery's attempt: it starts with `current`, which locks the run and checks that it is still open
+and still at this attempt, or it ends with `end_attempt` or `converted`, one UPDATE of the run on
+the same two conditions, which raises Superseded (rolling back every write before it) when it
+finds no such row. A delivery whose lease lapsed while a later one claimed the run, or one that
+finishes after the run was closed (by another delivery, by the sweeper), is thereby fenced off:
+it writes nothing more.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from sqlalchemy import select, update
 
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier
@@ -32,6 +33,12 @@ INVOICE = (
     b"--b\r\nContent-Type: text/plain\r\n\r\nAmount due: 12 EUR\r\n"
     b'--b\r\nContent-Type: text/plain; name="notes.txt"\r\nContent-Disposition: attachment; filename="../../notes.txt"\r\n\r\n'
     b"pay soon\r\n--b--\r\n"
+)
+
+
+PLAIN = (
+    b"From: billing@acme.example\r\nSubject: Invoice 13\r\nMessage-ID: <j13@acme>\r\n\r\n"
+    b"Amount due: 13 EUR\r\n"
 )
 
 
@@ -132,6 +139,23 @@ def test_transient_errors_retry_with_backoff_then_fail_after_max_attempts(res) -
     assert run.error.startswith("gave up after 4 attempts: TransientError: S3 unavailable")
 
 
+def test_a_run_at_a_lowered_attempt_limit_fails_without_another_attempt(res) -> None:  # type: ignore[no-untyped-def]
+    """Retries were left under the old limit and none are under the one deployed since: the next
+    delivery fails the run at once, without a third attempt."""
+    [email_id] = store_emails(res, [INVOICE])
+    unreachable = Resources(
+        res.settings.model_copy(update={"s3_endpoint_url": "http://127.0.0.1:9"})
+    )
+    for _ in (1, 2):
+        assert job.process_email(unreachable, email_id).kind is Kind.RETRY
+    lowered = Resources(res.settings.model_copy(update={"max_retries": 1}))  # 2 attempts in all
+    outcome = job.process_email(lowered, email_id)
+    assert outcome.kind is Kind.FAILED
+    run = run_of(res, email_id)
+    assert (run.status.value, run.attempts) == ("failed", 2)
+    assert run.error.startswith("gave up after 2 attempts: TransientError: S3 unavailable")
+
+
 def test_a_service_s_retry_after_takes_precedence_over_the_backoff(res) -> None:  # type: ignore[no-untyped-def]
     settings = res.settings
     assert job.retry_delay(settings, 1, retry_after=3.5) == 3.5
@@ -152,6 +176,30 @@ def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore
     run = run_of(res, email_id)
     assert run.attempts == 4
     assert "gave up after 4 attempts" in run.error and "worker process died" in run.error
+
+
+def test_the_next_attempt_runs_with_the_death_of_the_last_on_record(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """While the next attempt runs, the run says why there is one: the last one died."""
+    [email_id] = store_emails(res, [INVOICE])
+    model_calls(res, True)
+    start_attempt(res, email_id)  # attempt 1 claimed, then its child died
+    seen = []
+    real_steps = job._run_steps
+
+    def steps(*args):  # type: ignore[no-untyped-def]
+        seen.append((run_of(res, email_id).attempts, run_of(res, email_id).error))
+        return real_steps(*args)
+
+    monkeypatch.setattr(job, "_run_steps", steps)
+    assert job.process_email(res, email_id).kind is Kind.SUCCEEDED
+    assert seen == [
+        (
+            2,
+            "attempt 1 ended without a result: its worker process died or was killed, or stopped "
+            "renewing its lease",
+        )
+    ]
+    assert run_of(res, email_id).error is None
 
 
 def test_an_attempt_cut_off_by_the_hard_time_limit_waits_its_backoff_then_the_last_fails(
@@ -354,10 +402,19 @@ def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(
     assert [tuple(label) for label in labels] == [("invoice", 0.8)]
 
 
-def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(res) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("raw", "written"),
+    [(INVOICE, Document), (PLAIN, Classification)],
+    ids=["fenced-first-with-attachments", "fenced-by-the-close-without"],
+)
+def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  # type: ignore[no-untyped-def]
+    res, raw, written
+) -> None:
     """The fence is the attempt, not only the run's status: the first delivery wakes while the
-    second, which claimed attempt 2, is still inside its steps and the run still open."""
-    [email_id] = store_emails(res, [INVOICE])
+    second, which claimed attempt 2, is still inside its steps and the run still open. With
+    attachments the origin's transaction checks the run first; without, the run's close ends the
+    only transaction and finds the run at another attempt."""
+    [email_id] = store_emails(res, [raw])
     model_calls(res, True)
     first_res, second_res = Resources(res.settings), Resources(res.settings)
     first_blobs, second_blobs = BlockingBlobs(res.blobs), BlockingBlobs(res.blobs)
@@ -380,7 +437,8 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(re
     assert outcomes["first"].kind is Kind.CLOSED
     assert outcomes["first"].error == f"email {email_id}: attempt 2 has claimed the run"
     with res.db.session() as session:
-        assert session.scalars(select(Document)).all() == []  # nothing of the first's
+        assert session.scalars(select(written)).all() == []  # nothing of the first's
+        assert session.scalars(select(EmailLabel)).all() == []
     second_blobs.go.set()
     second.join(30)
     assert outcomes["second"].kind is Kind.SUCCEEDED
