@@ -1,8 +1,10 @@
 """Where a job's time goes, and how many SQL statements and Redis commands it sends.
 
-    .venv/bin/python -m bench.profile_job [--jobs 1100] [--no-pyspy] [--out DIR]
+    .venv/bin/python -m bench.profile_job [--jobs 1100] [--workload mixed|plain] [--no-pyspy]
+                                          [--out DIR]
 
-Same workload and services as bench/throughput.py (`mixed_workload`, PostgreSQL, local blobs,
+Same workloads and services as bench/throughput.py (`mixed_workload`, or `plain_workload` with
+`--workload plain`; PostgreSQL, local blobs,
 model calls on with the `rules` classifier), except Redis: a private `redis-server` started here on
 a free port, so that its `INFO commandstats` counts this run and nothing else (the shared Redis
 serves other processes; its commandstats are server-wide). Three parts:
@@ -358,6 +360,7 @@ def main() -> int:
     )
     parser.add_argument("--jobs", type=int, default=1100)
     parser.add_argument("--seed", type=int, default=8)
+    parser.add_argument("--workload", choices=("mixed", "plain"), default="mixed")
     parser.add_argument("--no-pyspy", action="store_true")
     parser.add_argument("--out", type=Path, default=WORK / "out")
     args = parser.parse_args()
@@ -367,7 +370,7 @@ def main() -> int:
     # Every process of this run (this one, the workers) uses the private server.
     os.environ["MAILPIPE_BROKER_URL"] = redis_server.url
 
-    from bench.workload import mixed_workload
+    from bench.workload import mixed_workload, plain_workload
     from mailpipe.cli.ingest import store_emails
     from mailpipe.resources import get_resources
     from mailpipe.storage import flags
@@ -380,7 +383,8 @@ def main() -> int:
         res = get_resources()
         with res.db.transaction() as session:
             flags.set_model_calls(session, True)
-        emails, kinds = mixed_workload(args.jobs, seed=args.seed)
+        workload = mixed_workload if args.workload == "mixed" else plain_workload
+        emails, kinds = workload(args.jobs, seed=args.seed)
         result["workload"] = kinds
 
         def store() -> list[int]:
