@@ -322,8 +322,9 @@ def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
 
 def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key: str) -> Outcome:
     """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
-    Every write is fenced by the attempt: each transaction ends with the run's update, which
-    rolls it all back when a later attempt holds the run or it was closed (`runs.end_attempt`).
+    Every write is fenced by the attempt: each transaction locks the run first and checks that
+    it is still open at this attempt (`runs.hold`, `runs.current`), and ends with the run's
+    update.
 
     An email without attachments takes one transaction for all of it. With attachments, the
     origin is recorded in a transaction of its own first, so that a copy stops before its
@@ -361,6 +362,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key:
         parsed, texts_for_classifier(documents), settings.classifier_text_budget
     )
     with res.db.transaction() as session:
+        runs.hold(session, email_id, attempt)
         if not origin_recorded and record_origin(session, email_id, parsed).duplicate_of:
             runs.end_attempt(session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects)
             return Outcome(Kind.DUPLICATE)

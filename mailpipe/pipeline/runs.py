@@ -1,10 +1,10 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
-delivery's attempt: it starts with `current`, which locks the run and checks that it is still open
-and still at this attempt, or it ends with `end_attempt` or `converted`, one UPDATE of the run on
-the same two conditions, which raises Superseded (rolling back every write before it) when it
-finds no such row. A delivery whose lease lapsed while a later one claimed the run, or one that
+delivery's attempt: it starts with `current` (or `hold`, the same without loading the run), which
+locks the run and checks that it is still open and still at this attempt; and its last write to
+the run (`end_attempt`, `converted`) is one UPDATE on the same two conditions, which raises
+Superseded, rolling back every write before it, when it finds no such row. A delivery whose lease lapsed while a later one claimed the run, or one that
 finishes after the run was closed (by another delivery, by the sweeper), is thereby fenced off:
 it writes nothing more.
 """
@@ -170,6 +170,11 @@ _FLAG_HAS_RUN = (
     .where(_EMAIL.c.id == bindparam("flag_email_id"), _EMAIL.c.has_run.is_(False))
     .values(has_run=True)
 )
+_LOCK_RUN = (
+    select(_RUN.c.status, _RUN.c.attempts)
+    .where(_RUN.c.email_id == bindparam("lock_email_id"))
+    .with_for_update()
+)
 # The columns to SET come from the parameters given with it.
 _UPDATE_IF_AT_ATTEMPT = update(_RUN).where(
     _RUN.c.email_id == bindparam("fence_email_id"),
@@ -204,11 +209,24 @@ def ensure_runs(session: Session, email_ids: list[int]) -> None:
 def current(session: Session, email_id: int, attempt: int) -> PipelineRun:
     """The run, locked, if it is still open at `attempt`; raises Superseded otherwise."""
     run = _locked_run(session, email_id)
-    if run.status is not RunStatus.OPEN:
-        raise Superseded(f"email {email_id}: the run is {run.status.value} already")
-    if run.attempts != attempt:
-        raise Superseded(f"email {email_id}: attempt {run.attempts} has claimed the run")
+    _check_fence(email_id, attempt, run.status, run.attempts)
     return run
+
+
+def hold(session: Session, email_id: int, attempt: int) -> None:
+    """`current` without loading the run: lock it for the rest of the transaction if it is still
+    open at `attempt`; raises Superseded otherwise. First in a transaction that writes the email's
+    rows, so that the run is locked before the email row, in the order of every transaction that
+    locks both (the claim, the sweeper's, `reopen`)."""
+    status, attempts = session.connection().execute(_LOCK_RUN, {"lock_email_id": email_id}).one()
+    _check_fence(email_id, attempt, status, attempts)
+
+
+def _check_fence(email_id: int, attempt: int, status: RunStatus, attempts: int) -> None:
+    if status is not RunStatus.OPEN:
+        raise Superseded(f"email {email_id}: the run is {status.value} already")
+    if attempts != attempt:
+        raise Superseded(f"email {email_id}: attempt {attempts} has claimed the run")
 
 
 def give_back_attempt(session: Session, email_id: int, attempt: int) -> None:
@@ -236,10 +254,10 @@ def end_attempt(
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
-    """Close the run at the end of this attempt's transaction, in one UPDATE that is also the
-    fence: when the run is closed already or a later attempt holds it, it updates nothing and
-    raises Superseded, and the transaction rolls back every write the delivery made before it.
-    `classified`: the model's answer was stored in this transaction."""
+    """Close the run at the end of this attempt's transaction (begun with `hold` or `current`),
+    in one UPDATE fenced like them: when the run is closed already or a later attempt holds it,
+    it updates nothing and raises Superseded, and the transaction rolls back every write the
+    delivery made before it. `classified`: the model's answer was stored in this transaction."""
     now = utcnow()
     values = {"status": status, "error": None, "attempt_started_at": None, "closed_at": now}
     if classified:

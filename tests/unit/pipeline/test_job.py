@@ -405,15 +405,15 @@ def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(
 @pytest.mark.parametrize(
     ("raw", "written"),
     [(INVOICE, Document), (PLAIN, Classification)],
-    ids=["fenced-first-with-attachments", "fenced-by-the-close-without"],
+    ids=["with-attachments", "without"],
 )
 def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  # type: ignore[no-untyped-def]
     res, raw, written
 ) -> None:
     """The fence is the attempt, not only the run's status: the first delivery wakes while the
     second, which claimed attempt 2, is still inside its steps and the run still open. With
-    attachments the origin's transaction checks the run first; without, the run's close ends the
-    only transaction and finds the run at another attempt."""
+    attachments the origin's transaction finds the run at another attempt; without, the one
+    transaction of the steps does."""
     [email_id] = store_emails(res, [raw])
     model_calls(res, True)
     first_res, second_res = Resources(res.settings), Resources(res.settings)

@@ -81,8 +81,9 @@ def test_a_plain_email_takes_two_transactions_and_reads_its_row_once(res) -> Non
         "SELECT email_message": 1,
         "INSERT INTO pipeline_run": 1,
         "UPDATE email_message": 2,  # has_run at the first attempt; the origin's link
-        # The steps, in one transaction: origin, classification, labels, and last the run's
-        # close, which is also the fence of the writes before it.
+        # The steps, in one transaction: the run locked and checked at this attempt, origin,
+        # classification, labels, and last the run's close.
+        "SELECT pipeline_run": 1,
         "INSERT INTO email_origin": 1,
         "INSERT INTO classification": 1,
         "SELECT email_label": 1,
