@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 
 from redis import RedisError
-from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
@@ -52,23 +51,18 @@ from mailpipe.pipeline.documents import (
     texts_for_classifier,
 )
 from mailpipe.pipeline.labels import sync_model_labels
-from mailpipe.pipeline.origin import record_origin
+from mailpipe.pipeline.origin import find_origin, link_to_origin, record_origin
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.db import once_more_if_disconnected, upsert
 from mailpipe.storage.models import (
-    EmailMessage,
     ModelInput,
     PipelineRun,
     RunStatus,
-    table,
     utcnow,
 )
 
 log = logging.getLogger(__name__)
-
-_EMAIL = table(EmailMessage)
-_BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("blob_email_id"))
 
 
 class Kind(enum.StrEnum):
@@ -165,16 +159,13 @@ def run_claimed(
     rows one would."""
     settings = res.settings
 
-    def claim_in_a_transaction() -> tuple[str, runs.ClaimResult, bool] | None:
+    def claim_in_a_transaction() -> tuple[runs.ClaimResult, bool]:
         with res.db.transaction() as session:
-            blob_key = session.scalar(_BLOB_KEY, {"blob_email_id": email_id})
-            if blob_key is None:
-                return None
             result = runs.claim_attempt(
                 session, email_id, settings.max_attempts, cut_off=cut_off, stage=stage
             )
             model_calls = result.claim is runs.Claim.CONVERTED and res.model_calls(session)
-            return blob_key, result, model_calls
+            return result, model_calls
 
     try:
         claimed = once_more_if_disconnected(claim_in_a_transaction)
@@ -185,9 +176,9 @@ def run_claimed(
         return Outcome(
             Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {_describe(exc)}"
         )
-    if claimed is None:
+    claim, model_calls = claimed
+    if claim.claim is runs.Claim.NO_EMAIL:
         return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
-    blob_key, claim, model_calls = claimed
     if claim.claim is runs.Claim.CLOSED:
         return Outcome(Kind.CLOSED)
     if claim.claim is runs.Claim.CONVERTED:
@@ -202,18 +193,16 @@ def run_claimed(
         return Outcome(Kind.FAILED, error=f"gave up after {claim.attempt} attempts: {claim.error}")
     if claim.claim is runs.Claim.BACK_OFF:
         return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
-    return _attempt(res, email_id, claim, stage, blob_key)
+    return _attempt(res, email_id, claim, stage)
 
 
-def _attempt(
-    res: Resources, email_id: int, claim: runs.ClaimResult, stage: runs.Stage, blob_key: str
-) -> Outcome:
+def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: runs.Stage) -> Outcome:
     settings = res.settings
     attempt = claim.attempt
     try:
         if stage is runs.Stage.CLASSIFY:
             return _classify_steps(res, email_id, attempt, claim.classified)
-        return _run_steps(res, email_id, claim, blob_key)
+        return _run_steps(res, email_id, claim)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
@@ -320,18 +309,19 @@ def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
     return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
 
 
-def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key: str) -> Outcome:
+def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcome:
     """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
-    Every write is fenced by the attempt: each transaction locks the run first and checks that
-    it is still open at this attempt (`runs.hold`, `runs.current`), and ends with the run's
-    update.
+    Every write is fenced by the attempt: the run's update in each transaction finds the run
+    still open at this attempt, or raises Superseded and rolls back the whole transaction
+    (`runs.current`, `runs.end_attempt`, `runs.converted`).
 
     An email without attachments takes one transaction for all of it. With attachments, the
     origin is recorded in a transaction of its own first, so that a copy stops before its
     documents are converted."""
     settings = res.settings
     attempt = claim.attempt
-    raw = res.blobs.get(blob_key, max_bytes=settings.max_email_bytes)
+    assert claim.blob_key is not None  # a claim that lets the CPU stage go says where the email is
+    raw = res.blobs.get(claim.blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
         raw,
         ParseLimits(
@@ -343,7 +333,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key:
     )
     defects = _defects(parsed)
 
-    origin_recorded = False
+    origin = None  # found in the steps' transaction below, when it was not recorded before
     if parsed.attachments:
         with res.db.transaction() as session:
             run = runs.current(session, email_id, attempt)
@@ -354,27 +344,30 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key:
                 return Outcome(Kind.DUPLICATE)
             if defects is not None:
                 run.parse_defects = defects
-        origin_recorded = True
 
     documents = convert_documents(parsed, settings)
     rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
     email_text = email_for_classifier(
         parsed, texts_for_classifier(documents), settings.classifier_text_budget
     )
+    # The run's fenced update locks the run before the email row is written, in the order of
+    # every transaction that locks both (the claim, the sweeper's, `reopen`); the origin and the
+    # documents, written before it, lock neither.
     with res.db.transaction() as session:
-        runs.hold(session, email_id, attempt)
-        if not origin_recorded and record_origin(session, email_id, parsed).duplicate_of:
-            runs.end_attempt(session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects)
-            return Outcome(Kind.DUPLICATE)
+        if not parsed.attachments:
+            origin = find_origin(session, email_id, parsed)
+            if origin.duplicate_of is not None:
+                runs.end_attempt(
+                    session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects
+                )
+                link_to_origin(session, email_id, parsed, origin)
+                return Outcome(Kind.DUPLICATE)
         store_documents(session, rows)
         model_calls = res.model_calls(session)
         if model_calls and not res.classifier.remote:
             # A local classifier answers in well under a millisecond: in this transaction, with
             # no hand-off and no second one.
             result = res.classifier.classify(email_text)
-            assert claim.run_id is not None  # a claim that lets an attempt go names its run
-            store_classification(session, claim.run_id, email_id, result)
-            sync_model_labels(session, email_id, result.labels)
             runs.end_attempt(
                 session,
                 email_id,
@@ -383,15 +376,28 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult, blob_key:
                 classified=True,
                 parse_defects=defects,
             )
-            return Outcome(Kind.SUCCEEDED)
-        # What the model will read is kept, so that its stage never parses the email again.
-        upsert(
-            session,
-            ModelInput,
-            [{"email_id": email_id, "input": input_as_json(email_text), "created_at": utcnow()}],
-            ["email_id"],
-        )
-        runs.converted(session, email_id, attempt, defects)
+            assert claim.run_id is not None  # a claim that lets an attempt go names its run
+            store_classification(session, claim.run_id, email_id, result)
+            sync_model_labels(session, email_id, result.labels)
+        else:
+            runs.converted(session, email_id, attempt, defects)
+            # What the model will read is kept, so that its stage never parses the email again.
+            upsert(
+                session,
+                ModelInput,
+                [
+                    {
+                        "email_id": email_id,
+                        "input": input_as_json(email_text),
+                        "created_at": utcnow(),
+                    }
+                ],
+                ["email_id"],
+            )
+        if origin is not None:
+            link_to_origin(session, email_id, parsed, origin)
+    if model_calls and not res.classifier.remote:
+        return Outcome(Kind.SUCCEEDED)
     return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
 
 

@@ -43,10 +43,19 @@ class OriginResult:
 
 
 def record_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginResult:
+    """Find or create the email's origin and link the email to it (`find_origin`, then
+    `link_to_origin`)."""
+    origin = find_origin(session, email_id, parsed)
+    link_to_origin(session, email_id, parsed, origin)
+    return origin
+
+
+def find_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginResult:
     """Idempotent: the first email to record a fingerprint owns it, whoever runs it again.
 
-    Two statements for a new origin (the insert returns its id; the email row is updated by id,
-    never read), three for a copy (the insert yields nothing, the existing origin is read)."""
+    One statement for a new origin (the insert returns its id), two for a copy (the insert yields
+    nothing, the existing origin is read). It locks neither the run nor the email row, so a
+    transaction may run it before it locks the run."""
     key = fingerprint(parsed)
     inserted = insert_ignore(
         session,
@@ -56,17 +65,21 @@ def record_origin(session: Session, email_id: int, parsed: ParsedEmail) -> Origi
         EmailOrigin.id,
     )
     if inserted:
-        origin_id, first_email_id = inserted[0], email_id
-    else:
-        origin_id, first_email_id = session.execute(
-            select(EmailOrigin.id, EmailOrigin.first_email_id).where(EmailOrigin.fingerprint == key)
-        ).one()
-    duplicate_of = None if first_email_id == email_id else first_email_id
+        return OriginResult(inserted[0], None)
+    origin_id, first_email_id = session.execute(
+        select(EmailOrigin.id, EmailOrigin.first_email_id).where(EmailOrigin.fingerprint == key)
+    ).one()
+    return OriginResult(origin_id, None if first_email_id == email_id else first_email_id)
+
+
+def link_to_origin(
+    session: Session, email_id: int, parsed: ParsedEmail, origin: OriginResult
+) -> None:
+    """Point the email row at its origin (and at the first email, for a copy), by id, unread."""
     link = {
-        "origin_id": origin_id,
-        "duplicate_of": duplicate_of,
+        "origin_id": origin.origin_id,
+        "duplicate_of": origin.duplicate_of,
         "subject": parsed.subject[:1000],
         "sender": parsed.sender[:1000],
     }
     session.execute(_LINK, {"link_email_id": email_id, **link})
-    return OriginResult(origin_id, duplicate_of)

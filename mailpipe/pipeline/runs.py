@@ -1,12 +1,13 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
-delivery's attempt: it starts with `current` (or `hold`, the same without loading the run), which
-locks the run and checks that it is still open and still at this attempt; and its last write to
-the run (`end_attempt`, `converted`) is one UPDATE on the same two conditions, which raises
-Superseded, rolling back every write before it, when it finds no such row. A delivery whose lease lapsed while a later one claimed the run, or one that
-finishes after the run was closed (by another delivery, by the sweeper), is thereby fenced off:
-it writes nothing more.
+delivery's attempt, in one of two ways: it starts with `current`, which locks the run and checks
+that it is still open and still at this attempt; or its update of the run (`end_attempt`,
+`converted`) is one UPDATE on the same two conditions, which raises Superseded, rolling back the
+whole transaction, when it finds no such row. A delivery whose lease lapsed while a later one
+claimed the run, or one that finishes after the run was closed (by another delivery, by the
+sweeper), is thereby fenced off: it writes nothing more. Either way the run is locked before the
+email row, the order of every transaction that locks both.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, bindparam, select, update
+from sqlalchemy import ColumnElement, and_, bindparam, literal, select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.storage.db import dialect_insert, insert_ignore
@@ -35,6 +36,7 @@ class Claim(enum.Enum):
     )
     CONVERTED = "converted"  # the CPU stage is done: only the classification stage is left
     NOT_CONVERTED = "not_converted"  # the classification stage came before the CPU stage
+    NO_EMAIL = "no_email"  # there is no email_message row with this id
 
 
 class Stage(enum.StrEnum):
@@ -51,6 +53,7 @@ class ClaimResult:
     error: str | None = None
     classified: bool = False  # the run holds the model's answer from an earlier attempt
     run_id: int | None = None  # GO: the run's id
+    blob_key: str | None = None  # GO at the CPU stage: where the raw email is stored
 
 
 class Superseded(Exception):
@@ -72,12 +75,16 @@ def claim_attempt(
     `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
 
     The usual case, a run that is new or open and ready for this stage, is counted in one
-    statement (`_count_if_ready`); every other case locks the run and decides below.
+    statement (`_count_if_ready`), which also reads where the email is stored; every other case
+    locks the run and decides below.
     """
     if cut_off is None:
         counted = _count_if_ready(session, email_id, max_attempts, stage)
         if counted is not None:
             return counted
+    blob_key = session.execute(_BLOB_KEY, {"blob_email_id": email_id}).scalar()
+    if blob_key is None:
+        return ClaimResult(Claim.NO_EMAIL, 0)
     ensure_runs(session, [email_id])
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
@@ -110,7 +117,11 @@ def claim_attempt(
     run.attempts += 1
     run.attempt_started_at = utcnow()
     return ClaimResult(
-        Claim.GO, run.attempts, classified=run.classified_at is not None, run_id=run.id
+        Claim.GO,
+        run.attempts,
+        classified=run.classified_at is not None,
+        run_id=run.id,
+        blob_key=blob_key,
     )
 
 
@@ -118,23 +129,24 @@ def _count_if_ready(
     session: Session, email_id: int, max_attempts: int, stage: Stage
 ) -> ClaimResult | None:
     """Count an attempt of a run that is open, has no attempt running, has attempts left and is
-    at `stage`, in one statement; None when the run is in any other state (or, for the model
-    stage, missing). For the CPU stage a missing run is created with its first attempt counted."""
-    now = utcnow()
-    given = {"max_attempts": max_attempts, "now": now}
+    at `stage`, in one statement; None when the run is in any other state (or missing, for the
+    model stage; or when there is no such email). For the CPU stage a missing run is created with
+    its first attempt counted, and the statement returns the email's blob key with the run."""
+    given = {"run_email_id": email_id, "max_attempts": max_attempts, "now": utcnow()}
     if stage is Stage.CONVERT:
-        new_run = {"email_id": email_id, "attempts": 1, "attempt_started_at": now}
         statement = _count_or_create(session.get_bind().dialect.name)
-        row = session.execute(statement, {**new_run, **given}).one_or_none()
     else:
-        row = session.execute(_COUNT_CONVERTED, {"run_email_id": email_id, **given}).one_or_none()
+        statement = _COUNT_CONVERTED
+    row = session.execute(statement, given).one_or_none()
     if row is None:
         return None
-    run_id, attempts, classified_at = row
+    run_id, attempts, classified_at, blob_key = row
     if stage is Stage.CONVERT and attempts == 1:
         # Perhaps created just now: the email is flagged as having a run, as `ensure_runs` does.
         session.execute(_FLAG_HAS_RUN, {"flag_email_id": email_id})
-    return ClaimResult(Claim.GO, attempts, classified=classified_at is not None, run_id=run_id)
+    return ClaimResult(
+        Claim.GO, attempts, classified=classified_at is not None, run_id=run_id, blob_key=blob_key
+    )
 
 
 # The statements of a job's usual path, built once, with their values as parameters.
@@ -158,7 +170,13 @@ _COUNTED = {
     "attempt_started_at": bindparam("now"),
     "updated_at": bindparam("now"),
 }
-_CLAIMED = (_RUN.c.id, _RUN.c.attempts, _RUN.c.classified_at)
+_BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("blob_email_id"))
+_CLAIMED = (
+    _RUN.c.id,
+    _RUN.c.attempts,
+    _RUN.c.classified_at,
+    select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("run_email_id")).scalar_subquery(),
+)
 _COUNT_CONVERTED = (
     update(_RUN)
     .where(_RUN.c.email_id == bindparam("run_email_id"), _ready(Stage.CLASSIFY))
@@ -170,11 +188,6 @@ _FLAG_HAS_RUN = (
     .where(_EMAIL.c.id == bindparam("flag_email_id"), _EMAIL.c.has_run.is_(False))
     .values(has_run=True)
 )
-_LOCK_RUN = (
-    select(_RUN.c.status, _RUN.c.attempts)
-    .where(_RUN.c.email_id == bindparam("lock_email_id"))
-    .with_for_update()
-)
 # The columns to SET come from the parameters given with it.
 _UPDATE_IF_AT_ATTEMPT = update(_RUN).where(
     _RUN.c.email_id == bindparam("fence_email_id"),
@@ -185,7 +198,14 @@ _UPDATE_IF_AT_ATTEMPT = update(_RUN).where(
 
 @cache
 def _count_or_create(dialect: str) -> Any:
-    insert = dialect_insert(dialect)(_RUN)
+    # INSERT ... SELECT from the email row: no row for an unknown email id, instead of a foreign
+    # key error that would abort the transaction.
+    new_run = select(
+        _EMAIL.c.id, literal(1), bindparam("now", type_=_RUN.c.attempt_started_at.type)
+    ).where(_EMAIL.c.id == bindparam("run_email_id"))
+    insert = dialect_insert(dialect)(_RUN).from_select(
+        ["email_id", "attempts", "attempt_started_at"], new_run
+    )
     return insert.on_conflict_do_update(
         index_elements=["email_id"], set_=_COUNTED, where=_ready(Stage.CONVERT)
     ).returning(*_CLAIMED)
@@ -211,15 +231,6 @@ def current(session: Session, email_id: int, attempt: int) -> PipelineRun:
     run = _locked_run(session, email_id)
     _check_fence(email_id, attempt, run.status, run.attempts)
     return run
-
-
-def hold(session: Session, email_id: int, attempt: int) -> None:
-    """`current` without loading the run: lock it for the rest of the transaction if it is still
-    open at `attempt`; raises Superseded otherwise. First in a transaction that writes the email's
-    rows, so that the run is locked before the email row, in the order of every transaction that
-    locks both (the claim, the sweeper's, `reopen`)."""
-    status, attempts = session.connection().execute(_LOCK_RUN, {"lock_email_id": email_id}).one()
-    _check_fence(email_id, attempt, status, attempts)
 
 
 def _check_fence(email_id: int, attempt: int, status: RunStatus, attempts: int) -> None:
@@ -254,10 +265,11 @@ def end_attempt(
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
-    """Close the run at the end of this attempt's transaction (begun with `hold` or `current`),
-    in one UPDATE fenced like them: when the run is closed already or a later attempt holds it,
-    it updates nothing and raises Superseded, and the transaction rolls back every write the
-    delivery made before it. `classified`: the model's answer was stored in this transaction."""
+    """Close the run in this attempt's transaction, in one UPDATE fenced like `current`: when the
+    run is closed already or a later attempt holds it, it updates nothing and raises Superseded,
+    and the transaction rolls back every write the delivery made in it. It locks the run, so it
+    comes before any write to the email row. `classified`: the model's answer is stored in this
+    transaction."""
     now = utcnow()
     values = {"status": status, "error": None, "attempt_started_at": None, "closed_at": now}
     if classified:

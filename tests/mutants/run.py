@@ -119,6 +119,13 @@ MUTANTS = [
         "an attempt whose process died is never recorded as such",
     ),
     Mutant(
+        "close-ignores-attempt",
+        "mailpipe/pipeline/runs.py",
+        '    _RUN.c.attempts == bindparam("fence_attempt"),\n',
+        "",
+        "a delivery whose attempt was superseded still closes the run with its writes",
+    ),
+    Mutant(
         "give-back-keeps-attempt",
         "mailpipe/pipeline/runs.py",
         "    run.attempts = max(0, run.attempts - 1)\n",

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 from sqlalchemy import event
 
 from mailpipe.cli.ingest import store_emails
@@ -39,23 +40,32 @@ def email(template: bytes, n: int) -> bytes:
 def statements(res: Resources) -> Iterator[Counter[str]]:
     """Each statement by verb and first table, and the transactions, of this engine."""
     counted: Counter[str] = Counter()
+    with statements_in_order(res) as seen:
+        yield counted
+    counted.update(seen)
+
+
+@contextmanager
+def statements_in_order(res: Resources) -> Iterator[list[str]]:
+    """The same, as a list in the order sent: "transactions" marks where each one begins."""
+    seen: list[str] = []
 
     def on_statement(_conn, _cursor, statement, *_) -> None:  # type: ignore[no-untyped-def]
         if statement.startswith("SELECT"):
             table = re.search(r"\bFROM (\w+)", statement)
-            counted[f"SELECT {table.group(1) if table else '?'}"] += 1
+            seen.append(f"SELECT {table.group(1) if table else '?'}")
         else:
             found = _VERB_TABLE.match(statement)
-            counted[" ".join(found.groups()) if found else statement.split()[0]] += 1
+            seen.append(" ".join(found.groups()) if found else statement.split()[0])
 
     def on_begin(_conn) -> None:  # type: ignore[no-untyped-def]
-        counted["transactions"] += 1
+        seen.append("transactions")
 
     engine = res.db.engine
     event.listen(engine, "before_cursor_execute", on_statement)
     event.listen(engine, "begin", on_begin)
     try:
-        yield counted
+        yield seen
     finally:
         event.remove(engine, "before_cursor_execute", on_statement)
         event.remove(engine, "begin", on_begin)
@@ -76,20 +86,41 @@ def test_a_plain_email_takes_two_transactions_and_reads_its_row_once(res) -> Non
         assert job.process_email(worker, second).kind is Kind.SUCCEEDED
     assert dict(counted) == {
         "transactions": 2,
-        # The claim: the email row, once; the run created or counted in one statement, and the
-        # email flagged as having a run at its first attempt.
-        "SELECT email_message": 1,
+        # The claim: the run created or counted in one statement, which reads the email row's
+        # blob key too, and the email flagged as having a run at its first attempt.
         "INSERT INTO pipeline_run": 1,
         "UPDATE email_message": 2,  # has_run at the first attempt; the origin's link
-        # The steps, in one transaction: the run locked and checked at this attempt, origin,
-        # classification, labels, and last the run's close.
-        "SELECT pipeline_run": 1,
+        # The steps, in one transaction: the origin, the run's close (fenced by this attempt,
+        # and locking the run before the email row), the email's link to its origin, the
+        # classification and the labels.
+        "UPDATE pipeline_run": 1,
         "INSERT INTO email_origin": 1,
         "INSERT INTO classification": 1,
         "SELECT email_label": 1,
         "INSERT INTO email_label": 1,
-        "UPDATE pipeline_run": 1,
     }
+
+
+@pytest.mark.parametrize("template", [PLAIN, WITH_DOCUMENT], ids=["plain", "with-a-document"])
+def test_every_transaction_of_the_steps_locks_the_run_before_the_email_row(res, template) -> None:  # type: ignore[no-untyped-def]
+    """The claim, the sweeper's review marking and `reopen` lock the run, then the email row: a
+    job that took them the other way round could deadlock with them."""
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    worker = cached(res)
+    first, second = store_emails(res, [email(template, 1), email(template, 2)])
+    assert job.process_email(worker, first).kind is Kind.SUCCEEDED
+    with statements_in_order(worker) as seen:
+        assert job.process_email(worker, second).kind is Kind.SUCCEEDED
+    transactions = " ".join(seen).split("transactions")[1:]
+    assert len(transactions) == (2 if template is PLAIN else 3)
+    for statements_sent in transactions:
+        if "UPDATE email_message" in statements_sent:
+            locks_run = ("UPDATE pipeline_run", "SELECT pipeline_run", "INSERT INTO pipeline_run")
+            first_run_lock = min(
+                (statements_sent.find(s) for s in locks_run if s in statements_sent), default=-1
+            )
+            assert 0 <= first_run_lock < statements_sent.find("UPDATE email_message"), seen
 
 
 def test_an_email_with_a_document_records_its_origin_before_converting(res) -> None:  # type: ignore[no-untyped-def]
