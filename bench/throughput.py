@@ -24,7 +24,8 @@ Variants, each over the same emails (tables truncated and the emails stored agai
   clock starting at the first publish (this script's method before; the publisher then takes
   one of the CPUs for its first second or so);
 - noop: the same number of `bench.noop` tasks (bench/noop_tasks.py, on mailpipe's app, so every
-  celeryconfig setting applies) through the same kind of worker;
+  celeryconfig setting applies) through the same kind of worker; with `--noop-sleep S`, each
+  sleeps S seconds first, a task as long as a job with none of its work;
 - baseline, with `--baseline-src DIR`: the mailpipe variant with the code of the checkout in DIR
   (another commit, made with `git worktree add DIR <commit>`), at the main concurrency with local
   blobs. That checkout is only ever run, never imported here, so it may have another layout: its
@@ -394,9 +395,8 @@ class Bench:
         from bench import noop_tasks
 
         redis = self.res["local"].redis
-        worker = self._worker(
-            self.env[blobs], concurrency, self._set_model_calls, ("-I", "bench.noop_tasks")
-        )
+        env = {**self.env[blobs], noop_tasks.SLEEP_ENV: str(self.args.noop_sleep)}
+        worker = self._worker(env, concurrency, self._set_model_calls, ("-I", "bench.noop_tasks"))
         try:
             redis.delete(noop_tasks.done_key(), noop_tasks.first_key(), noop_tasks.last_key())
             jobs = len(self.emails)
@@ -816,6 +816,13 @@ def main() -> int:
         choices=("mixed", "plain"),
         default="mixed",
         help="mixed: corpus, documents and copies; plain: short plain-text emails only",
+    )
+    parser.add_argument(
+        "--noop-sleep",
+        type=float,
+        default=0.0,
+        help="seconds each no-op task sleeps: a task as long as a job, to tell Celery's cost "
+        "per job at that rate from the job's own",
     )
     parser.add_argument("--seed", type=int, default=8)
     parser.add_argument("--json", type=Path)
