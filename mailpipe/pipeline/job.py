@@ -364,9 +364,10 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
                 return Outcome(Kind.DUPLICATE)
         store_documents(session, rows)
         model_calls = res.model_calls(session)
-        if model_calls and not res.classifier.remote:
-            # A local classifier answers in well under a millisecond: in this transaction, with
-            # no hand-off and no second one.
+        # A local classifier answers in well under a millisecond: in this transaction, with no
+        # hand-off and no second one.
+        classified_here = model_calls and not res.classifier.remote
+        if classified_here:
             result = res.classifier.classify(email_text)
             runs.end_attempt(
                 session,
@@ -396,7 +397,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
             )
         if origin is not None:
             link_to_origin(session, email_id, parsed, origin)
-    if model_calls and not res.classifier.remote:
+    if classified_here:
         return Outcome(Kind.SUCCEEDED)
     return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
 
