@@ -82,7 +82,7 @@ def claim_attempt(
         counted = _count_if_ready(session, email_id, max_attempts, stage)
         if counted is not None:
             return counted
-    blob_key = session.execute(_BLOB_KEY, {"blob_email_id": email_id}).scalar()
+    blob_key = session.execute(_BLOB_KEY, {"run_email_id": email_id}).scalar()
     if blob_key is None:
         return ClaimResult(Claim.NO_EMAIL, 0)
     ensure_runs(session, [email_id])
@@ -170,13 +170,8 @@ _COUNTED = {
     "attempt_started_at": bindparam("now"),
     "updated_at": bindparam("now"),
 }
-_BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("blob_email_id"))
-_CLAIMED = (
-    _RUN.c.id,
-    _RUN.c.attempts,
-    _RUN.c.classified_at,
-    select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("run_email_id")).scalar_subquery(),
-)
+_BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("run_email_id"))
+_CLAIMED = (_RUN.c.id, _RUN.c.attempts, _RUN.c.classified_at, _BLOB_KEY.scalar_subquery())
 _COUNT_CONVERTED = (
     update(_RUN)
     .where(_RUN.c.email_id == bindparam("run_email_id"), _ready(Stage.CLASSIFY))
