@@ -38,7 +38,8 @@ def email(template: bytes, n: int) -> bytes:
 
 @contextmanager
 def statements(res: Resources) -> Iterator[Counter[str]]:
-    """Each statement by verb and first table, and the transactions, of this engine."""
+    """Each statement by verb and first table, and the transactions, of this engine, counted
+    when the block ends."""
     counted: Counter[str] = Counter()
     with statements_in_order(res) as seen:
         yield counted
@@ -112,15 +113,14 @@ def test_every_transaction_of_the_steps_locks_the_run_before_the_email_row(res, 
     assert job.process_email(worker, first).kind is Kind.SUCCEEDED
     with statements_in_order(worker) as seen:
         assert job.process_email(worker, second).kind is Kind.SUCCEEDED
-    transactions = " ".join(seen).split("transactions")[1:]
+    starts = [i for i, sent in enumerate(seen) if sent == "transactions"]
+    transactions = [seen[a:b] for a, b in zip(starts, [*starts[1:], len(seen)], strict=True)]
     assert len(transactions) == (2 if template is PLAIN else 3)
-    for statements_sent in transactions:
-        if "UPDATE email_message" in statements_sent:
-            locks_run = ("UPDATE pipeline_run", "SELECT pipeline_run", "INSERT INTO pipeline_run")
-            first_run_lock = min(
-                (statements_sent.find(s) for s in locks_run if s in statements_sent), default=-1
-            )
-            assert 0 <= first_run_lock < statements_sent.find("UPDATE email_message"), seen
+    locks_run = {"UPDATE pipeline_run", "SELECT pipeline_run", "INSERT INTO pipeline_run"}
+    for sent in transactions:
+        if "UPDATE email_message" in sent:
+            before_email_row = sent[: sent.index("UPDATE email_message")]
+            assert locks_run & set(before_email_row), seen
 
 
 def test_an_email_with_a_document_records_its_origin_before_converting(res) -> None:  # type: ignore[no-untyped-def]
