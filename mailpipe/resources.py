@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 class Resources:
     settings: Settings
     pid: int = field(default_factory=os.getpid)
+    # False in a process that runs jobs, unless MAILPIPE_WORKER_SYNCHRONOUS_COMMIT says otherwise
+    # (`runs_jobs`).
+    synchronous_commit: bool = True
 
     @cached_property
     def db(self) -> Database:
@@ -42,6 +45,7 @@ class Resources:
                 keepalives_idle=settings.db_keepalives_idle,
                 pool_size=settings.db_pool_size,
             ),
+            synchronous_commit=self.synchronous_commit,
         )
 
     @cached_property
@@ -81,6 +85,7 @@ class Resources:
 
 
 _current: Resources | None = None
+_runs_jobs = False
 # The model role runs jobs on threads: the first jobs of a process may ask at the same moment,
 # and must share one set of connections, not build one each.
 _building = threading.Lock()
@@ -92,9 +97,21 @@ def get_resources() -> Resources:
     if current is None or current.pid != os.getpid():
         with _building:
             if _current is None or _current.pid != os.getpid():
-                _current = Resources(get_settings())
+                settings = get_settings()
+                _current = Resources(
+                    settings,
+                    synchronous_commit=not _runs_jobs or settings.worker_synchronous_commit,
+                )
             current = _current
     return current
+
+
+def runs_jobs() -> None:
+    """This process, and the children it forks, run jobs: every row they write is derived from a
+    stored email, so their commits need not wait for the disk (`worker_synchronous_commit`)."""
+    global _runs_jobs, _current
+    _runs_jobs = True
+    _current = None
 
 
 def reset() -> None:

@@ -99,6 +99,12 @@ def _refuse_an_evicting_redis(**_: Any) -> None:
 
 
 @worker_init.connect
+def _commit_like_a_job_process(**_: Any) -> None:
+    """The worker runs jobs, in its children or on its threads (mailpipe.resources.runs_jobs)."""
+    resources.runs_jobs()
+
+
+@worker_init.connect
 def _freeze_heap_before_fork(**_: Any) -> None:
     """Objects the main process built so far stay shared with the children: the cyclic GC would
     otherwise touch them in every child and copy their pages (docs/benchmarks.md)."""

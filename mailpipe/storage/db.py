@@ -68,16 +68,24 @@ class ConnectionLimits:
         }
 
 
-def make_engine(url: str, limits: ConnectionLimits | None = None) -> Engine:
+def make_engine(
+    url: str, limits: ConnectionLimits | None = None, *, synchronous_commit: bool = True
+) -> Engine:
+    """`synchronous_commit=False`: PostgreSQL answers a COMMIT before the commit is on disk
+    (its `synchronous_commit = off`). A crash of the server's machine, not of this process, can
+    then undo the last fraction of a second of commits, never part of one; SQLite ignores it."""
     url = normalise_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         limits = limits or ConnectionLimits()
+        connect_args = limits.connect_args()
+        if not synchronous_commit:
+            connect_args["options"] += " -c synchronous_commit=off"
         engine = create_engine(
             url,
             pool_size=limits.pool_size,
             max_overflow=limits.pool_size,
-            connect_args=limits.connect_args(),
+            connect_args=connect_args,
         )
         event.listen(engine, "checkin", _on_checkin)
         event.listen(engine, "checkout", partial(_ping_if_idle, engine.dialect))
@@ -140,9 +148,12 @@ def _sqlite_on_begin(connection) -> None:
 class Database:
     """The process's engine and session factory, rebuilt after a fork."""
 
-    def __init__(self, url: str, limits: ConnectionLimits | None = None) -> None:
+    def __init__(
+        self, url: str, limits: ConnectionLimits | None = None, *, synchronous_commit: bool = True
+    ) -> None:
         self.url = url
         self.limits = limits
+        self.synchronous_commit = synchronous_commit
         self._pid: int | None = None
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
@@ -154,7 +165,9 @@ class Database:
                 # Inherited from the parent: drop its pooled connections without closing the
                 # parent's sockets.
                 self._engine.dispose(close=False)
-            self._engine = make_engine(self.url, self.limits)
+            self._engine = make_engine(
+                self.url, self.limits, synchronous_commit=self.synchronous_commit
+            )
             self._sessions = sessionmaker(self._engine, expire_on_commit=False)
             self._pid = os.getpid()
         return self._engine

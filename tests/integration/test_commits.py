@@ -1,0 +1,67 @@
+"""What a commit waits for: a worker's job processes commit without waiting for the disk, every
+other process waits (docs/architecture.md, "What a commit waits for")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mailpipe.harness import fleet
+from mailpipe.resources import Resources
+from tests.support.probes import SYNCHRONOUS_COMMIT
+from tests.support.waits import wait_for
+
+
+def synchronous_commit_of_the_jobs(
+    res: Resources, log_dir: Path, pool: str = "prefork", **env: str
+) -> str:
+    """Start a real worker with `pool` and `env`, ask one of its job processes, stop it."""
+    worker = fleet.worker(
+        {**os.environ, **env}, log_dir, pool=pool, extra_args=("-I", "tests.support.probes")
+    ).start()
+    try:
+        worker.wait_ready()
+        reply = f"{res.settings.redis_prefix}test:probe:{uuid.uuid4().hex}"
+        with fleet.control_app(worker.env) as control:
+            control.send_task(SYNCHRONOUS_COMMIT, args=(reply,), queue=res.settings.queue)
+        wait_for(lambda: res.redis.exists(reply) == 1, 60, "the probe's answer")
+        return res.redis.get(reply).decode()
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_workers_jobs_commit_without_waiting_for_the_disk(res, tmp_path, pool) -> None:  # type: ignore[no-untyped-def]
+    assert synchronous_commit_of_the_jobs(res, tmp_path, pool) == "off"
+
+
+def test_a_worker_told_to_wait_for_the_disk_does(res, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    waiting = synchronous_commit_of_the_jobs(
+        res, tmp_path, MAILPIPE_WORKER_SYNCHRONOUS_COMMIT="true"
+    )
+    assert waiting == "on"
+
+
+def test_any_other_process_waits_for_the_disk(res) -> None:  # type: ignore[no-untyped-def]
+    """Upstream code and the CLI: their writes (stored emails, flags, reopened runs) are derived
+    from nothing, and must survive a crash of PostgreSQL once committed. Asked in a fresh
+    process, as this one hosts Celery's in-process test worker for some tests."""
+    asked = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from sqlalchemy import text; from mailpipe.resources import get_resources\n"
+            "with get_resources().db.session() as session:\n"
+            "    print(session.scalar(text('SHOW synchronous_commit')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert asked.stdout.strip() == "on", asked.stderr
