@@ -15,7 +15,8 @@ else, the job at its cheapest.
 Variants, each over the same emails (tables truncated and the emails stored again before each):
 
 - limit: `mailpipe.pipeline.job.process_email(res, email_id)` in N plain processes (fork, no
-  Celery), each with its own `Resources`, taking the next email id from a shared counter;
+  Celery), each with its own `Resources` committing as a worker's children do, taking the next
+  email id from a shared counter;
 - mailpipe: the emails enqueued with `mailpipe.enqueue.enqueue_emails` and processed by one
   `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement). The jobs are
   published while the worker's consumer is stopped (a remote control command), then it is
@@ -127,7 +128,9 @@ def _limit_child(overrides, ids, counter, barrier, results) -> None:  # type: ig
     from mailpipe.resources import Resources
     from mailpipe.settings import Settings
 
-    res = Resources(Settings(**overrides))
+    settings = Settings(**overrides)
+    # Committing as a worker's children do.
+    res = Resources(settings, synchronous_commit=settings.worker_synchronous_commit)
     outcomes: Counter[str] = Counter()
     barrier.wait()
     cpu_start = sum(os.times()[:2])
