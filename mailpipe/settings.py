@@ -89,9 +89,9 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(2, ge=1)
     # Whether the processes that run jobs (workers and their children) wait for PostgreSQL to
     # put each commit on disk. Everything they write is derived from a stored email and written
-    # again by the email's next job; a crash of PostgreSQL's machine can undo the last fraction
-    # of a second of it, and the next sweep re-adds those emails (docs/architecture.md). The
-    # CLI's writes (stored emails, flags, reopened runs) always wait.
+    # again by the email's next job; a crash of PostgreSQL can undo the last fraction of a second
+    # of it, and the next sweep re-adds those emails (docs/architecture.md). The CLI's writes
+    # (stored emails, flags, reopened runs) always wait.
     worker_synchronous_commit: bool = False
 
     # Workers.

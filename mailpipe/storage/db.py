@@ -72,8 +72,8 @@ def make_engine(
     url: str, limits: ConnectionLimits | None = None, *, synchronous_commit: bool = True
 ) -> Engine:
     """`synchronous_commit=False`: PostgreSQL answers a COMMIT before the commit is on disk
-    (its `synchronous_commit = off`). A crash of the server's machine, not of this process, can
-    then undo the last fraction of a second of commits, never part of one; SQLite ignores it."""
+    (its `synchronous_commit = off`). A crash of the server, not of this process, can then undo
+    the last fraction of a second of commits, never part of one; SQLite ignores it."""
     url = normalise_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
