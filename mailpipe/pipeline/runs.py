@@ -224,15 +224,11 @@ def ensure_runs(session: Session, email_ids: list[int]) -> None:
 def current(session: Session, email_id: int, attempt: int) -> PipelineRun:
     """The run, locked, if it is still open at `attempt`; raises Superseded otherwise."""
     run = _locked_run(session, email_id)
-    _check_fence(email_id, attempt, run.status, run.attempts)
+    if run.status is not RunStatus.OPEN:
+        raise Superseded(f"email {email_id}: the run is {run.status.value} already")
+    if run.attempts != attempt:
+        raise Superseded(f"email {email_id}: attempt {run.attempts} has claimed the run")
     return run
-
-
-def _check_fence(email_id: int, attempt: int, status: RunStatus, attempts: int) -> None:
-    if status is not RunStatus.OPEN:
-        raise Superseded(f"email {email_id}: the run is {status.value} already")
-    if attempts != attempt:
-        raise Superseded(f"email {email_id}: attempt {attempts} has claimed the run")
 
 
 def give_back_attempt(session: Session, email_id: int, attempt: int) -> None:
