@@ -128,9 +128,7 @@ def _limit_child(overrides, ids, counter, barrier, results) -> None:  # type: ig
     from mailpipe.resources import Resources
     from mailpipe.settings import Settings
 
-    settings = Settings(**overrides)
-    # Committing as a worker's children do.
-    res = Resources(settings, synchronous_commit=settings.worker_synchronous_commit)
+    res = Resources.for_jobs(Settings(**overrides))  # committing as a worker's children do
     outcomes: Counter[str] = Counter()
     barrier.wait()
     cpu_start = sum(os.times()[:2])

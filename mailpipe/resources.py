@@ -29,8 +29,14 @@ class Resources:
     settings: Settings
     pid: int = field(default_factory=os.getpid)
     # False in a process that runs jobs, unless MAILPIPE_WORKER_SYNCHRONOUS_COMMIT says otherwise
-    # (`runs_jobs`).
+    # (`for_jobs`).
     synchronous_commit: bool = True
+
+    @classmethod
+    def for_jobs(cls, settings: Settings) -> Resources:
+        """The resources of a process that runs jobs: every row it writes is derived from a
+        stored email, so its commits need not wait for the disk (`worker_synchronous_commit`)."""
+        return cls(settings, synchronous_commit=settings.worker_synchronous_commit)
 
     @cached_property
     def db(self) -> Database:
@@ -98,17 +104,14 @@ def get_resources() -> Resources:
         with _building:
             if _current is None or _current.pid != os.getpid():
                 settings = get_settings()
-                _current = Resources(
-                    settings,
-                    synchronous_commit=not _runs_jobs or settings.worker_synchronous_commit,
-                )
+                _current = Resources.for_jobs(settings) if _runs_jobs else Resources(settings)
             current = _current
     return current
 
 
 def runs_jobs() -> None:
-    """This process, and the children it forks, run jobs: every row they write is derived from a
-    stored email, so their commits need not wait for the disk (`worker_synchronous_commit`)."""
+    """This process, and the children it forks, run jobs: `get_resources` builds theirs with
+    `Resources.for_jobs`."""
     global _runs_jobs, _current
     _runs_jobs = True
     _current = None
