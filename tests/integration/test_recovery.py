@@ -251,7 +251,10 @@ def test_a_killed_worker_s_jobs_run_elsewhere_within_the_dead_after(res, fleet) 
         30,
         "two jobs running and two reserved on the doomed worker",
     )
-    rescuer = f.worker("rescuer")
+    # A child for each job that comes back: the two that were only reserved have their slow first
+    # run still ahead of them, and on two children they could hold both for 20 s, in whichever
+    # order the four come back.
+    rescuer = f.worker("rescuer", "--concurrency", "4")
     doomed.kill()  # SIGKILL to the main process and its children
     killed_at = time.time()
     wait_for(
