@@ -18,6 +18,8 @@ from mailpipe.settings import get_settings as _get_settings
 _settings = _get_settings()
 
 broker_url = _settings.broker_url
+# kombu's Redis transport, sharing one Redis client per channel (mailpipe.app.transport).
+broker_transport = "mailpipe.app.transport:Transport"
 # Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
 # longest retry backoff (checked at start-up), so Redis never redelivers a job that is still
 # running or waiting out its countdown. It is the last line of defence: a dead worker's messages
