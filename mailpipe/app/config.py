@@ -9,6 +9,7 @@ setting (`celery report` lists them), so helpers are imported under private name
 
 from kombu import Queue as _Queue
 
+from mailpipe.app.transport import broker_ssl as _broker_ssl
 from mailpipe.coordination.queues import TaskName as _TaskName
 from mailpipe.coordination.queues import control_queue as _control_queue
 from mailpipe.coordination.queues import email_queue as _email_queue
@@ -18,8 +19,10 @@ from mailpipe.settings import get_settings as _get_settings
 _settings = _get_settings()
 
 broker_url = _settings.broker_url
-# kombu's Redis transport, sharing one Redis client per channel (mailpipe.app.transport).
+# kombu's Redis transport, sharing one Redis client per channel (mailpipe.app.transport); TLS
+# for a rediss:// URL, which kombu no longer derives from the scheme once the transport is named.
 broker_transport = "mailpipe.app.transport:Transport"
+broker_use_ssl = _broker_ssl(broker_url)
 # Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
 # longest retry backoff (checked at start-up), so Redis never redelivers a job that is still
 # running or waiting out its countdown. It is the last line of defence: a dead worker's messages

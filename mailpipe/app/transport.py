@@ -11,13 +11,18 @@ Measured in docs/benchmarks.md ("The broker transport").
 
 This overrides kombu's `Channel.conn_or_acquire`, checked against kombu 5.7;
 `tests/unit/app/test_transport.py` fails if kombu stops calling it or changes what it yields.
+
+Naming the transport (Celery's `broker_transport`) means kombu no longer reads it from the URL's
+scheme, and with that it no longer turns TLS on for `rediss://`: `broker_ssl` says it instead.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from kombu.transport import redis as kombu_redis
 
@@ -40,3 +45,12 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def broker_ssl(url: str) -> dict[str, Any] | None:
+    """Celery's `broker_use_ssl` for this broker URL: TLS for `rediss://`, with the server's
+    certificate verified, as redis-py's own clients of the same URL verify it (mailpipe.resources,
+    the worker heartbeat); an `ssl_cert_reqs` in the URL's query still wins. None otherwise."""
+    if urlsplit(url).scheme == "rediss":
+        return {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return None

@@ -3,47 +3,21 @@ other process waits (docs/architecture.md, "What a commit waits for")."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import uuid
-from pathlib import Path
 
 import pytest
 
-from mailpipe.harness import fleet
-from mailpipe.resources import Resources
-from tests.support.probes import SYNCHRONOUS_COMMIT
-from tests.support.waits import wait_for
-
-
-def synchronous_commit_of_the_jobs(
-    res: Resources, log_dir: Path, pool: str = "prefork", **env: str
-) -> str:
-    """Start a real worker with `pool` and `env`, ask one of its job processes, stop it."""
-    worker = fleet.worker(
-        {**os.environ, **env}, log_dir, pool=pool, extra_args=("-I", "tests.support.probes")
-    ).start()
-    try:
-        worker.wait_ready()
-        reply = f"{res.settings.redis_prefix}test:probe:{uuid.uuid4().hex}"
-        with fleet.control_app(worker.env) as control:
-            control.send_task(SYNCHRONOUS_COMMIT, args=(reply,), queue=res.settings.queue)
-        wait_for(lambda: res.redis.exists(reply) == 1, 60, "the probe's answer")
-        return res.redis.get(reply).decode()
-    finally:
-        worker.stop()
+from tests.support.probes import ask_a_job_process
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_workers_jobs_commit_without_waiting_for_the_disk(res, tmp_path, pool) -> None:  # type: ignore[no-untyped-def]
-    assert synchronous_commit_of_the_jobs(res, tmp_path, pool) == "off"
+    assert ask_a_job_process(res, tmp_path, pool) == "off"
 
 
 def test_a_worker_told_to_wait_for_the_disk_does(res, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    waiting = synchronous_commit_of_the_jobs(
-        res, tmp_path, MAILPIPE_WORKER_SYNCHRONOUS_COMMIT="true"
-    )
+    waiting = ask_a_job_process(res, tmp_path, MAILPIPE_WORKER_SYNCHRONOUS_COMMIT="true")
     assert waiting == "on"
 
 

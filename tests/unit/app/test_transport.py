@@ -4,7 +4,10 @@ of its own. This fails when a kombu upgrade stops going through `conn_or_acquire
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,3 +87,39 @@ def test_delivery_and_ack_build_no_client_and_leave_nothing_unacked(
     assert built == [], "kombu built its own client for a command"
     assert raw.hlen(f"{prefix}unacked") == 0
     assert raw.zcard(f"{prefix}unacked_index") == 0
+
+
+_CONNECTION_OF_THE_APP = """
+import json
+from mailpipe.celery import app
+connection = app.connection_for_write()  # lazy: nothing is connected
+ssl = connection.ssl
+print(json.dumps({
+    "transport": type(connection.transport).__module__,
+    "ssl": {key: int(value) for key, value in ssl.items()} if ssl else ssl,
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("url", "expected_ssl"),
+    [
+        ("rediss://:secret@broker.example:6380/0", {"ssl_cert_reqs": 2}),  # CERT_REQUIRED
+        ("rediss://:secret@broker.example:6380/0?ssl_cert_reqs=none", {"ssl_cert_reqs": 0}),
+        ("redis://broker.example:6379/0", None),
+    ],
+)
+def test_a_rediss_url_still_gets_tls_with_the_certificate_verified(
+    url: str, expected_ssl: object
+) -> None:
+    env = {**os.environ, "MAILPIPE_BROKER_URL": url}
+    done = subprocess.run(
+        [sys.executable, "-c", _CONNECTION_OF_THE_APP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"transport": "mailpipe.app.transport", "ssl": expected_ssl}
