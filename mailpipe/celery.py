@@ -7,5 +7,6 @@ and imports no task module. Worker and beat processes load those from its config
 
 from celery import Celery
 
-app = Celery("mailpipe", set_as_current=False)
+# Its broker connections take kombu's Redis transport with one Redis client per channel.
+app = Celery("mailpipe", set_as_current=False, amqp="mailpipe.app.transport:AMQP")
 app.config_from_object("mailpipe.app.config")

@@ -19,9 +19,9 @@ from mailpipe.settings import get_settings as _get_settings
 _settings = _get_settings()
 
 broker_url = _settings.broker_url
-# kombu's Redis transport, sharing one Redis client per channel (mailpipe.app.transport); TLS
-# for a rediss:// URL, which kombu no longer derives from the scheme once the transport is named.
-broker_transport = "mailpipe.app.transport:Transport"
+# A rediss:// broker's certificate is verified, as the app's own Redis clients verify it (kombu
+# alone would not). The transport, kombu's Redis transport with one Redis client per channel, is
+# given to the app in mailpipe.celery (mailpipe.app.transport).
 broker_use_ssl = _broker_ssl(broker_url)
 # Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
 # longest retry backoff (checked at start-up), so Redis never redelivers a job that is still

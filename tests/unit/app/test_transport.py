@@ -33,9 +33,16 @@ def channel(services: None) -> Iterator[Any]:
 
 
 def test_the_app_connects_through_this_transport(channel: Any) -> None:
+    from mailpipe.celery import app
+
     assert kombu.VERSION[:2] == (5, 7), "re-check mailpipe.app.transport against this kombu"
     assert isinstance(channel.connection, Transport)
     assert isinstance(channel, Channel)
+    with app.pool.acquire() as pooled, app.producer_or_acquire() as producer:
+        assert isinstance(pooled.transport, Transport)
+        assert isinstance(producer.connection.transport, Transport)
+    # The URL's own scheme, which Flower reads to pick its broker view.
+    assert app.connection_for_read().as_uri().startswith("redis://")
 
 
 def test_every_call_shares_one_client_and_a_given_client_passes_through(channel: Any) -> None:
@@ -96,6 +103,7 @@ connection = app.connection_for_write()  # lazy: nothing is connected
 ssl = connection.ssl
 print(json.dumps({
     "transport": type(connection.transport).__module__,
+    "scheme": connection.as_uri().split(":")[0],
     "ssl": {key: int(value) for key, value in ssl.items()} if ssl else ssl,
 }))
 """
@@ -122,4 +130,8 @@ def test_a_rediss_url_still_gets_tls_with_the_certificate_verified(
     )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found == {"transport": "mailpipe.app.transport", "ssl": expected_ssl}
+    assert found == {
+        "transport": "mailpipe.app.transport",
+        "scheme": url.split(":")[0],
+        "ssl": expected_ssl,
+    }
