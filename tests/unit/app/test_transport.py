@@ -1,6 +1,8 @@
-"""The broker transport shares one Redis client per channel (mailpipe.app.transport), on the real
-Redis: kombu's commands still reach it under the run's key prefix, and no command builds a client
-of its own. This fails when a kombu upgrade stops going through `conn_or_acquire`."""
+"""The broker transport (mailpipe.app.transport), on the real Redis: every connection of the app
+(its pool's too) takes it and keeps the URL's scheme; it shares one Redis client per channel,
+kombu's commands still reach Redis under the run's key prefix, and none builds a client of its
+own; a `rediss://` URL gets TLS with the certificate verified. This fails when a kombu upgrade
+stops going through the methods the transport overrides."""
 
 from __future__ import annotations
 
