@@ -146,15 +146,18 @@ class S3Server:
 class PrivateRedis:
     """A Redis server of its own: `redis-server` on a free port, bound to 127.0.0.1, keeping
     nothing on disk (`--save "" --appendonly no`). `stop()` then `start()` is a restart on the
-    same port, with every key gone, as a restarted Redis without persistence comes back."""
+    same port, with every key gone, as a restarted Redis without persistence comes back.
+    With `tls` (its certificate, its key, and the CA to check clients against), it speaks TLS only,
+    without asking clients for a certificate."""
 
     log_path: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    tls: tuple[Path, Path, Path] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
         binary = shutil.which("redis-server")
@@ -164,9 +167,21 @@ class PrivateRedis:
                 "to run a Redis of the run's own"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            cert, key, ca = self.tls
+            listen = [
+                "--port", "0",
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(cert),
+                "--tls-key-file", str(key),
+                "--tls-ca-cert-file", str(ca),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
+        else:
+            listen = ["--port", str(self.port)]
         command = [
             binary,
-            "--port", str(self.port),
+            *listen,
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",

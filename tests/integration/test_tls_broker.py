@@ -1,15 +1,12 @@
 """A `rediss://` broker: a real worker runs a job over TLS, and the server's certificate is
-verified. The transport is named in the configuration (mailpipe.app.transport), so TLS comes from
-`broker_use_ssl`, not from the URL's scheme; this fails if a `rediss://` broker is spoken to in
-plain text or without checking whom."""
+verified (`broker_use_ssl`, mailpipe.app.transport); kombu alone would not check it. This fails
+if a `rediss://` broker is spoken to in plain text or without checking whom."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,9 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from mailpipe.harness.services import free_port
+from mailpipe.harness.services import PrivateRedis
 from tests.support.probes import ask_a_job_process
-from tests.support.waits import wait_for
 
 
 def _write_certificates(folder: Path) -> tuple[Path, Path, Path]:
@@ -67,60 +63,33 @@ def _write_certificates(folder: Path) -> tuple[Path, Path, Path]:
 
 
 @pytest.fixture
-def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
-    """A redis-server of the test's own that speaks TLS only; its port and the CA to trust."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server was not found on PATH: install Redis (the redis-server package)"
+def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A redis-server of the test's own that speaks TLS only; its URL and the CA to trust."""
     ca, cert, key = _write_certificates(tmp_path)
-    port = free_port()
-    command = [
-        binary,
-        "--port", "0",
-        "--tls-port", str(port),
-        "--bind", "127.0.0.1",
-        "--tls-cert-file", str(cert),
-        "--tls-key-file", str(key),
-        "--tls-ca-cert-file", str(ca),
-        "--tls-auth-clients", "no",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(tmp_path),
-    ]  # fmt: skip
-    server = subprocess.Popen(
-        command,
-        stdout=(tmp_path / "redis.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    server = PrivateRedis(tmp_path / "redis.log", tls=(cert, key, ca)).start()
     try:
-
-        def listening() -> bool:
-            with socket.socket() as probe:
-                return probe.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_for(listening, 20, "the TLS redis-server")
-        yield port, ca
+        yield server.url, ca
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
 
 def test_a_worker_runs_a_job_over_a_tls_broker(tls_redis, res, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    port, ca = tls_redis
-    url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+    server_url, ca = tls_redis
+    url = f"{server_url}?ssl_cert_reqs=required&ssl_ca_certs={ca}"
     over_tls = redis.Redis.from_url(url)
     answer = ask_a_job_process(res, tmp_path, answers=over_tls, MAILPIPE_BROKER_URL=url)
     assert answer == "off"
 
 
 def test_a_broker_whose_certificate_is_not_trusted_is_refused(tls_redis) -> None:  # type: ignore[no-untyped-def]
-    port, _ = tls_redis
+    server_url, _ = tls_redis
     connect = (
         "from mailpipe.celery import app\n"
         "app.connection_for_write().ensure_connection(max_retries=1)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", connect],
-        env={**os.environ, "MAILPIPE_BROKER_URL": f"rediss://127.0.0.1:{port}/0"},
+        env={**os.environ, "MAILPIPE_BROKER_URL": server_url},
         capture_output=True,
         text=True,
         timeout=60,
