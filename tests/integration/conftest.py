@@ -13,11 +13,17 @@ import pytest
 
 from mailpipe.harness import fleet as localfleet
 from mailpipe.harness.fleet import CeleryProcess
+from tests.support.database import clean
 from tests.support.fleet import Fleet
 
 
 @pytest.fixture(scope="module")
 def worker(services: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryProcess]:
+    from mailpipe.resources import get_resources
+
+    # On an earlier module's leftovers, the worker's start-up sweep would enqueue their emails,
+    # and the jobs would run on the first test's emails of the same ids.
+    clean(get_resources())
     process = localfleet.worker(
         dict(os.environ), tmp_path_factory.mktemp("worker-logs"), concurrency=2, name="shared"
     ).start()
