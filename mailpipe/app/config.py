@@ -20,7 +20,7 @@ _settings = _get_settings()
 
 broker_url = _settings.broker_url
 # A rediss:// broker's certificate is verified, as the app's own Redis clients verify it (kombu
-# alone would not). The transport, kombu's Redis transport with one Redis client per channel, is
+# alone would not). The transport, kombu's Redis transport with fewer round trips per message, is
 # given to the app in mailpipe.celery (mailpipe.app.transport).
 broker_use_ssl = _broker_ssl(broker_url)
 # Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the

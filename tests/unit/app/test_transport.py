@@ -1,8 +1,11 @@
 """The broker transport (mailpipe.app.transport), on the real Redis: every connection of the app
-(its pool's too) takes it and keeps the URL's scheme; it shares one Redis client per channel,
-kombu's commands still reach Redis under the run's key prefix, and none builds a client of its
-own; a `rediss://` URL gets TLS with the certificate verified. This fails when a kombu upgrade
-stops going through the methods the transport overrides."""
+(its pool's too) takes it and keeps the URL's scheme; a fetched message is filed as kombu files it
+(kombu's restore gives it back whole) and comes in queue order; acks made on the event loop go out
+with the next fetch and leave nothing unacknowledged; a fetch refused for memory, or one that meets
+a message it cannot read, pops nothing; it shares one Redis client per channel, kombu's commands
+still reach Redis under the run's key prefix, and none builds a client of its own; a `rediss://`
+URL gets TLS with the certificate verified. This fails when a kombu upgrade stops going through
+the methods the transport overrides."""
 
 from __future__ import annotations
 
@@ -10,14 +13,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kombu
 import pytest
 import redis
+from kombu.asynchronous import Hub
+from kombu.transport import redis as kombu_redis
 
-from mailpipe.app.transport import Channel, Transport
+from mailpipe.app.transport import FETCH, Channel, Transport
+from mailpipe.harness.services import PrivateRedis
 
 QUEUE = "transport-test"
 
@@ -96,6 +104,134 @@ def test_delivery_and_ack_build_no_client_and_leave_nothing_unacked(
     assert built == [], "kombu built its own client for a command"
     assert raw.hlen(f"{prefix}unacked") == 0
     assert raw.zcard(f"{prefix}unacked_index") == 0
+
+
+def _raw() -> tuple[redis.Redis, str]:
+    return redis.Redis.from_url(os.environ["MAILPIPE_BROKER_URL"]), os.environ[
+        "MAILPIPE_REDIS_PREFIX"
+    ]
+
+
+def test_a_fetched_message_is_filed_as_kombu_files_it_and_kombu_restores_it(
+    channel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    filed_by_kombu: list[str] = []
+    kombu_append = kombu_redis.QoS.append
+
+    def append_by_kombu(qos: Any, message: Any, tag: str) -> None:
+        filed_by_kombu.append(tag)
+        kombu_append(qos, message, tag)
+
+    monkeypatch.setattr(kombu_redis.QoS, "append", append_by_kombu)
+    producer = kombu.Producer(channel)
+    for number in range(3):
+        producer.publish({"n": number}, routing_key=QUEUE, serializer="json")
+    received: list[Any] = []
+    consumer = kombu.Consumer(
+        channel, [kombu.Queue(QUEUE)], callbacks=[lambda _, m: received.append(m)]
+    )
+    consumer.consume()
+    connection = channel.connection.client
+    while len(received) < 3:
+        connection.drain_events(timeout=5)
+
+    assert [m.decode()["n"] for m in received] == [0, 1, 2]  # the queue's order
+    assert filed_by_kombu == [], "a message came by BRPOP, not by fetch"
+    raw, prefix = _raw()
+    first = received[0]
+    info = first.delivery_info
+    filed = raw.hget(f"{prefix}unacked", first.delivery_tag)
+    assert filed is not None
+    assert json.loads(filed) == [first._raw, info["exchange"], info["routing_key"]]
+    assert raw.zscore(f"{prefix}unacked_index", first.delivery_tag) is not None
+
+    channel.qos.restore_by_tag(first.delivery_tag)  # what the heartbeat does for a dead worker
+    assert raw.hget(f"{prefix}unacked", first.delivery_tag) is None
+    again = channel.basic_get(QUEUE, no_ack=True)
+    assert again is not None and again.decode() == {"n": 0}
+    consumer.cancel()
+
+
+def test_acks_on_the_event_loop_go_out_with_the_next_fetch(
+    channel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acked_alone: list[str] = []
+    kombu_ack = kombu_redis.QoS.ack
+
+    def ack_alone(qos: Any, tag: str) -> None:
+        acked_alone.append(tag)
+        kombu_ack(qos, tag)
+
+    monkeypatch.setattr(kombu_redis.QoS, "ack", ack_alone)
+    producer = kombu.Producer(channel)
+    for number in range(10):
+        producer.publish({"n": number}, routing_key=QUEUE, serializer="json")
+    channel.basic_qos(0, 1, False)  # one message at a time, as a busy worker's prefetch
+    waiting: list[Any] = []
+    consumer = kombu.Consumer(
+        channel, [kombu.Queue(QUEUE)], callbacks=[lambda _, m: waiting.append(m)]
+    )
+    consumer.consume()
+    hub = Hub()
+    channel.connection.client.register_with_event_loop(hub)
+    seen: list[int] = []
+    deadline = time.monotonic() + 30
+    try:
+        while len(seen) < 10 and time.monotonic() < deadline:
+            hub.run_once()
+            for message in waiting:  # acked after the delivery, as Celery acks a finished job
+                seen.append(message.decode()["n"])
+                message.ack()
+            waiting.clear()
+        for _ in range(5):  # the last ack goes out with a fetch that finds the queue empty
+            hub.run_once()
+    finally:
+        hub.close()
+        consumer.cancel()
+
+    assert seen == list(range(10))
+    assert acked_alone == [], "an ack went out on its own instead of with a fetch"
+    raw, prefix = _raw()
+    assert raw.hlen(f"{prefix}unacked") == 0
+    assert raw.zcard(f"{prefix}unacked_index") == 0
+
+
+def _message(tag: str) -> bytes:
+    return json.dumps(
+        {
+            "body": "e30=",
+            "properties": {
+                "delivery_tag": tag,
+                "delivery_info": {"exchange": "", "routing_key": "q"},
+            },
+        }
+    ).encode()
+
+
+def _fetch(client: redis.Redis) -> Any:
+    return client.eval(FETCH, 3, "unacked_index", "unacked", "q", time.time(), 0)
+
+
+def test_a_fetch_refused_for_memory_or_meeting_an_unreadable_message_pops_nothing(
+    tmp_path: Path,
+) -> None:
+    server = PrivateRedis(tmp_path / "redis.log").start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.lpush("q", _message("t1"))
+        client.config_set("maxmemory", 1)  # every write that needs memory is refused
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            _fetch(client)
+        assert client.llen("q") == 1 and client.hlen("unacked") == 0
+        client.config_set("maxmemory", 0)
+        assert _fetch(client) == [b"q", _message("t1")]
+        assert client.llen("q") == 0 and client.hexists("unacked", "t1")
+
+        client.lpush("q", b"not a kombu message")
+        assert _fetch(client) is None
+        assert client.lrange("q", 0, -1) == [b"not a kombu message"]  # left for kombu's BRPOP
+    finally:
+        server.stop()
 
 
 _CONNECTION_OF_THE_APP = """
