@@ -206,7 +206,7 @@ class Channel(kombu_redis.Channel):
             with self.conn_or_acquire() as client:
                 pipe = client.pipeline()
                 for tag in acks:
-                    pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag)
+                    self.qos._remove_from_indices(tag, pipe)
                 pipe.execute()
         except self.connection_errors:
             log.warning("broker: %d acks could not be sent; those jobs run again", len(acks))
