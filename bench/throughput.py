@@ -2,7 +2,8 @@
 optionally another mailpipe checkout's worker beside them.
 
     .venv/bin/python -m bench.throughput [--jobs 1100] [--repeat 3] [--sweep 1,4] [--no-s3]
-                                         [--publish-during] [--baseline-src DIR] [--json FILE]
+                                         [--publish-during] [--baseline-src DIR] [--job-clock]
+                                         [--json FILE]
                                          [--plot docs/img/throughput.png]
 
 One run, every measurement interleaved (each repetition starts with a different one), on a fresh
@@ -27,6 +28,8 @@ Variants, each over the same emails (tables truncated and the emails stored agai
 - noop: the same number of `bench.noop` tasks (bench/noop_tasks.py, on mailpipe's app, so every
   celeryconfig setting applies) through the same kind of worker; with `--noop-sleep S`, each
   sleeps S seconds first, a task as long as a job with none of its work;
+- with `--job-clock`, limit and mailpipe also report what each job process spends inside
+  `process_email` (bench/job_clock.py): CPU, wall time, waits and preemptions, page faults;
 - baseline, with `--baseline-src DIR`: the mailpipe variant with the code of the checkout in DIR
   (another commit, made with `git worktree add DIR <commit>`), at the main concurrency with local
   blobs. That checkout is only ever run, never imported here, so it may have another layout: its
@@ -67,7 +70,7 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from bench import harness
+from bench import harness, job_clock
 from mailpipe.harness import fleet
 from mailpipe.harness.services import S3Server, delete_prefix
 
@@ -113,6 +116,8 @@ class Measurement:
     # mailpipe, noop: how long publishing the jobs took (the run's first seconds; the worker is
     # already taking them and shares the CPUs with this publisher meanwhile)
     enqueue_s: float | None = None
+    # limit, mailpipe with --job-clock: per job, inside `process_email` (bench/job_clock.py)
+    in_job: dict[str, float] | None = None
 
     @property
     def rate(self) -> float:
@@ -123,13 +128,15 @@ class Measurement:
         return (self.variant, self.blobs, self.concurrency)
 
 
-def _limit_child(overrides, ids, counter, barrier, results) -> None:  # type: ignore[no-untyped-def]
+def _limit_child(overrides, ids, counter, barrier, results, clock) -> None:  # type: ignore[no-untyped-def]
     from mailpipe.pipeline import job
     from mailpipe.resources import Resources
     from mailpipe.settings import Settings
 
     res = Resources.for_jobs(Settings(**overrides))  # committing as a worker's children do
     outcomes: Counter[str] = Counter()
+    if clock:
+        job_clock.install()
     barrier.wait()
     cpu_start = sum(os.times()[:2])
     while True:
@@ -143,6 +150,8 @@ def _limit_child(overrides, ids, counter, barrier, results) -> None:  # type: ig
         except Exception as exc:
             outcomes[f"raised {type(exc).__name__}"] += 1
     res.close()
+    if clock:
+        job_clock.write(clock)
     results.put((dict(outcomes), sum(os.times()[:2]) - cpu_start))
 
 
@@ -196,6 +205,11 @@ class Bench:
         self.busy: float | None = None
         self.enqueue_s: float | None = None
         self.handover: float | None = None
+        # --job-clock: where the limit's processes and the worker's children write their sums
+        self.clock: Path | None = None
+        if args.job_clock:
+            self.clock = WORK / "job-clock"
+            self.clock.mkdir()
         self.url = DATABASE.create().url
         upgrade(self.url)
         self.res = {"local": get_resources()}
@@ -244,7 +258,7 @@ class Bench:
         children = [
             ctx.Process(
                 target=_limit_child,
-                args=(self.overrides[blobs], ids, counter, barrier, results),
+                args=(self.overrides[blobs], ids, counter, barrier, results, self.clock),
             )
             for _ in range(concurrency)
         ]
@@ -360,7 +374,12 @@ class Bench:
     def mailpipe(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], float]:
         from mailpipe.enqueue import enqueue_emails
 
-        worker = self._worker(self.env[blobs], concurrency, self._set_model_calls)
+        env = self.env[blobs]
+        extra: tuple[str, ...] = ()
+        if self.clock:
+            env = {**env, job_clock.FOLDER_ENV: str(self.clock)}
+            extra = ("-I", "bench.job_clock")
+        worker = self._worker(env, concurrency, self._set_model_calls, extra)
         try:
             ids = self._store(blobs)
 
@@ -592,6 +611,39 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
         )
 
 
+def print_job_clock(measurements: list[Measurement]) -> None:
+    """--job-clock: medians per variant of what a job process spends inside `process_email` and
+    around it (its CPU during the run less the job's; for mailpipe, the children's: the job
+    processes' CPU less the main process's)."""
+    groups: dict[tuple[str, str, int], list[Measurement]] = {}
+    for m in measurements:
+        if m.in_job and m.cpu_jobs_s is not None:
+            groups.setdefault(m.key, []).append(m)
+    if not groups:
+        return
+    print(
+        "\n| variant | blobs | -c | CPU ms/job in the job | around it | wall ms in the job | "
+        "waits | preemptions | page faults |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (variant, blobs, c), ms in sorted(groups.items()):
+
+        def med(name: str, ms: list[Measurement] = ms) -> float:
+            return harness.median(m.in_job[name] for m in ms if m.in_job)
+
+        around = harness.median(
+            (m.cpu_jobs_s - (m.worker_main_cpu_s or 0.0)) / m.jobs * 1000
+            - (m.in_job or {})["cpu_ms"]
+            for m in ms
+            if m.cpu_jobs_s is not None
+        )
+        print(
+            f"| {variant} | {blobs} | {c} | {med('cpu_ms'):.2f} | {around:.2f} | "
+            f"{med('wall_ms'):.2f} | {med('voluntary_switches'):.1f} | "
+            f"{med('forced_switches'):.1f} | {med('minor_faults'):.1f} |"
+        )
+
+
 # One line per finished job: its end time (local, to the millisecond), child, and run time.
 _SUCCEEDED = re.compile(
     r"^\[([0-9-]+ [0-9:,]+): INFO/(ForkPoolWorker-\d+)\] Task mailpipe\.process_email\[[^]]+\] "
@@ -764,6 +816,7 @@ def measure(bench: Bench, args: argparse.Namespace) -> list[Measurement]:
                 bench.busy,
                 bench.handover,
                 bench.enqueue_s,
+                job_clock.collect(bench.clock) if bench.clock else None,
             )
             measurements.append(m)
             bench.busy = bench.handover = bench.enqueue_s = None
@@ -784,7 +837,15 @@ def print_measurement(m: Measurement) -> None:
         + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
         + (f", hand-over {m.handover_ms:.1f} ms" if m.handover_ms else "")
         + (f", enqueue {m.enqueue_s:.2f} s" if m.enqueue_s else "")
-        + f") {m.outcomes}",
+        + f") {m.outcomes}"
+        + (
+            f"\n    in the job: CPU {m.in_job['cpu_ms']:.2f} ms, wall {m.in_job['wall_ms']:.2f} ms, "
+            f"{m.in_job['voluntary_switches']:.1f} waits and "
+            f"{m.in_job['forced_switches']:.1f} preemptions, "
+            f"{m.in_job['minor_faults']:.1f} page faults per job"
+            if m.in_job
+            else ""
+        ),
         flush=True,
     )
 
@@ -800,6 +861,12 @@ def main() -> int:
         "--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4]
     )
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument(
+        "--job-clock",
+        action="store_true",
+        help="limit and mailpipe: also the CPU, wall time and context switches per job inside "
+        "process_email (bench/job_clock.py), to tell the job's own cost from what runs around it",
+    )
     parser.add_argument(
         "--publish-during",
         action="store_true",
@@ -863,6 +930,7 @@ def main() -> int:
         print(f"worker logs: {WORK / 'logs'}")
     summary = summarise(measurements)
     print_tables(measurements, summary)
+    print_job_clock(measurements)
     print_baseline(summary)
     if args.json:
         args.json.write_text(
