@@ -127,6 +127,15 @@ class Measurement:
     def key(self) -> tuple[str, str, int]:
         return (self.variant, self.blobs, self.concurrency)
 
+    @property
+    def around_job_ms(self) -> float | None:
+        """--job-clock: CPU ms per job the job processes spent outside `process_email` (for
+        mailpipe, its children: the job processes' CPU less the main process's)."""
+        if not self.in_job or self.cpu_jobs_s is None:
+            return None
+        children_s = self.cpu_jobs_s - (self.worker_main_cpu_s or 0.0)
+        return children_s / self.jobs * 1000 - self.in_job["cpu_ms"]
+
 
 def _limit_child(overrides, ids, counter, barrier, results, clock) -> None:  # type: ignore[no-untyped-def]
     from mailpipe.pipeline import job
@@ -518,6 +527,13 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 Key = tuple[str, str, int]  # variant, blobs, concurrency
 
 
+def _by_key(measurements: list[Measurement]) -> dict[Key, list[Measurement]]:
+    groups: dict[Key, list[Measurement]] = {}
+    for m in measurements:
+        groups.setdefault(m.key, []).append(m)
+    return groups
+
+
 def _paired(groups: dict[Key, list[Measurement]], over: Key, under: Key) -> list[float]:
     """One rate over the other in each repetition: both ran in the same round, so a drift of the
     machine over the run hits them alike."""
@@ -526,9 +542,7 @@ def _paired(groups: dict[Key, list[Measurement]], over: Key, under: Key) -> list
 
 
 def summarise(measurements: list[Measurement]) -> dict[str, object]:
-    groups: dict[tuple[str, str, int], list[Measurement]] = {}
-    for m in measurements:
-        groups.setdefault(m.key, []).append(m)
+    groups = _by_key(measurements)
     rates = {k: harness.median(m.rate for m in ms) for k, ms in groups.items()}
     summary: dict[str, object] = {"rates": {f"{v}/{b}/c{c}": r for (v, b, c), r in rates.items()}}
     comparisons = []
@@ -580,9 +594,7 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
         "CPU ms/job: job processes + PostgreSQL + Redis | children busy | hand-over ms |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    groups: dict[tuple[str, str, int], list[Measurement]] = {}
-    for m in measurements:
-        groups.setdefault(m.key, []).append(m)
+    groups = _by_key(measurements)
     for (variant, blobs, c), ms in sorted(
         groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])
     ):
@@ -613,12 +625,8 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
 
 def print_job_clock(measurements: list[Measurement]) -> None:
     """--job-clock: medians per variant of what a job process spends inside `process_email` and
-    around it (its CPU during the run less the job's; for mailpipe, the children's: the job
-    processes' CPU less the main process's)."""
-    groups: dict[tuple[str, str, int], list[Measurement]] = {}
-    for m in measurements:
-        if m.in_job and m.cpu_jobs_s is not None:
-            groups.setdefault(m.key, []).append(m)
+    around it (`Measurement.around_job_ms`)."""
+    groups = _by_key([m for m in measurements if m.in_job])
     if not groups:
         return
     print(
@@ -627,20 +635,18 @@ def print_job_clock(measurements: list[Measurement]) -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (variant, blobs, c), ms in sorted(groups.items()):
-
-        def med(name: str, ms: list[Measurement] = ms) -> float:
-            return harness.median(m.in_job[name] for m in ms if m.in_job)
-
-        around = harness.median(
-            (m.cpu_jobs_s - (m.worker_main_cpu_s or 0.0)) / m.jobs * 1000
-            - (m.in_job or {})["cpu_ms"]
+        rows = [
+            m.in_job | {"around_ms": around}
             for m in ms
-            if m.cpu_jobs_s is not None
-        )
+            if m.in_job and (around := m.around_job_ms) is not None
+        ]
+        if not rows:
+            continue
+        med = {name: harness.median(row[name] for row in rows) for name in rows[0]}
         print(
-            f"| {variant} | {blobs} | {c} | {med('cpu_ms'):.2f} | {around:.2f} | "
-            f"{med('wall_ms'):.2f} | {med('voluntary_switches'):.1f} | "
-            f"{med('forced_switches'):.1f} | {med('minor_faults'):.1f} |"
+            f"| {variant} | {blobs} | {c} | {med['cpu_ms']:.2f} | {med['around_ms']:.2f} | "
+            f"{med['wall_ms']:.2f} | {med['voluntary_switches']:.1f} | "
+            f"{med['forced_switches']:.1f} | {med['minor_faults']:.1f} |"
         )
 
 
