@@ -31,7 +31,7 @@ TEST_ENV = {
     "MAILPIPE_S3_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}",
     "MAILPIPE_QUEUE": "mailpipe",
     # Every key of this run, kombu's included, lives under this prefix: test runs sharing the
-    # machine's Redis never see each other's jobs.
+    # machine's Redis, and pytest-xdist's processes of one run, never see each other's jobs.
     "MAILPIPE_REDIS_PREFIX": f"test{RUN_ID}:",
     # Short windows so that retries, leases and redeliveries happen within a test.
     "MAILPIPE_TASK_SOFT_TIME_LIMIT": "20",
@@ -51,35 +51,38 @@ TEST_ENV = {
 os.environ.update(TEST_ENV)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        pytest.exit(message, returncode=3)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Redis and PostgreSQL are there, or the run stops with how to start them.
+
+    Checked before pytest-xdist starts its worker processes (in each of them too): a worker
+    that stopped the run itself would leave only xdist's report of a crash.
+    """
+    import psycopg
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL).ping()
+    except redis.RedisError as exc:
+        pytest.exit(
+            f"Redis is not reachable at {REDIS_URL} ({exc}). Start it: redis-server "
+            "--daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' --appendonly no",
+            returncode=3,
+        )
+    try:
+        psycopg.connect(PG_ADMIN_URL, connect_timeout=10).close()
+    except psycopg.OperationalError as exc:
+        pytest.exit(
+            f"PostgreSQL is not reachable at {PG_ADMIN_URL} ({exc}). Start it: "
+            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+            returncode=3,
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Check Redis and PostgreSQL, create and migrate this run's database, start the S3 server."""
-    import psycopg
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        _require(
-            False,
-            f"Redis is not reachable at {REDIS_URL} ({exc}). Start it: redis-server "
-            "--daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' --appendonly no",
-        )
+    """Create and migrate this run's database, start the S3 server, clean up at the end."""
     delete_prefix(REDIS_URL, TEST_ENV["MAILPIPE_REDIS_PREFIX"])
-    try:
-        DATABASE.create()
-    except psycopg.OperationalError as exc:
-        _require(
-            False,
-            f"PostgreSQL is not reachable at {PG_ADMIN_URL} ({exc}). Start it: "
-            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-        )
+    DATABASE.create()
 
     from mailpipe.storage.migrate import upgrade
 
@@ -88,7 +91,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     try:
         s3.start(S3_BUCKET)
     except RuntimeError as exc:
-        _require(False, str(exc))
+        pytest.fail(str(exc), pytrace=False)  # every test of the process errors with it
     try:
         yield
     finally:
