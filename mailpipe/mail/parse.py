@@ -24,6 +24,7 @@ from email.message import EmailMessage, Message
 from typing import Any
 
 from mailpipe.errors import InputRejected
+from mailpipe.mail.headers import plain_value
 from mailpipe.mail.prescan import (
     NESTED_TOO_DEEPLY,
     PARSED_PARTS_PER_PART,
@@ -196,9 +197,11 @@ LONG_HEADER_CHARS = 4096
 def header(message: Message, name: str) -> str:
     """A header's decoded value, or "" when absent; storable (`text.storable`). Never raises.
 
-    The default policy parses a header when it is read and raises on some malformed ones; then the
-    raw value is decoded by hand, and failing that returned as it is. Headers longer than
-    LONG_HEADER_CHARS are always decoded by hand.
+    A plain value (`headers.plain_value`: printable ASCII that needs no decoding) is read as the
+    default policy would read it, without building its header object. The default policy parses
+    every other value when it is read and raises on some malformed ones; then the raw value is
+    decoded by hand, and failing that returned as it is. Headers longer than LONG_HEADER_CHARS are
+    always decoded by hand.
     """
     raw_value = next(
         (value for key, value in message.raw_items() if key.lower() == name.lower()), None
@@ -207,6 +210,9 @@ def header(message: Message, name: str) -> str:
         return ""
     if len(raw_value) > LONG_HEADER_CHARS:
         return _decode_raw_header(str(raw_value))
+    plain = plain_value(name, str(raw_value))
+    if plain is not None:
+        return plain.strip()
     try:
         value = message.get(name)
         return "" if value is None else storable(str(value).strip())
