@@ -86,14 +86,14 @@ MUTANTS = [
     Mutant(
         "fence-ignores-attempt",
         "mailpipe/pipeline/runs.py",
-        "    if attempts != attempt:\n",
-        "    if False:\n",
+        "    if run.attempts != attempt:\n        raise Superseded",
+        "    if False:\n        raise Superseded",
         "a delivery whose attempt was superseded still writes",
     ),
     Mutant(
         "fence-ignores-status",
         "mailpipe/pipeline/runs.py",
-        "    if status is not RunStatus.OPEN:\n        raise Superseded",
+        "    if run.status is not RunStatus.OPEN:\n        raise Superseded",
         "    if False:\n        raise Superseded",
         "a late delivery writes to a closed run",
     ),
