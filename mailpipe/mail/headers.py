@@ -27,7 +27,7 @@ _MESSAGE_ID = re.compile(rf"<{_DOT_ATOM}@{_DOT_ATOM}>")
 _PRINTABLE = re.compile(r"[\t -~]*")
 _FOLDS = re.compile(r"[\r\n]")
 
-_ADDRESS_HEADERS = frozenset({"from", "to", "cc", "bcc", "reply-to", "sender"})
+_ADDRESS_HEADERS = frozenset({"from", "to", "cc"})  # the ones a parsed email keeps
 _UNSTRUCTURED_HEADERS = frozenset({"subject"})
 
 
