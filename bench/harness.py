@@ -56,6 +56,12 @@ def truncate(url: str) -> None:
         conn.execute(f"TRUNCATE {', '.join(DATA_TABLES)} RESTART IDENTITY CASCADE")
 
 
+def env_without_settings() -> dict[str, str]:
+    """This process's environment less every MAILPIPE_ setting: a child started with it reads
+    the settings' defaults, or only what it is given on top, whatever the shell has set."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")}
+
+
 def base_env(*, database_url: str, prefix: str, blob_url: str, **extra: str) -> dict[str, str]:
     """The environment of every process of one benchmark run (this one and its workers)."""
     env = {

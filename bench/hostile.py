@@ -226,7 +226,7 @@ def parser_module(src: Path) -> str:
 def measure(
     src: Path, module: str, path: Path, timeout: float, tracemalloc: bool
 ) -> dict[str, object]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")}
+    env = harness.env_without_settings()
     command = [sys.executable, "-c", CHILD, module, str(path)]
     if tracemalloc:
         command.append("--tracemalloc")

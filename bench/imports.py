@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,7 @@ def main() -> int:
     args = parser.parse_args()
     prefix = f"benchimports{uuid.uuid4().hex[:8]}:"
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")},
+        **harness.env_without_settings(),
         "MAILPIPE_BROKER_URL": harness.REDIS_URL,
         "MAILPIPE_REDIS_PREFIX": prefix,
     }

@@ -118,7 +118,7 @@ class Fleet:
 def environment(
     database: Database, prefix: str, blobs: Path, server: TimedBedrockServer, rate: float
 ) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")}
+    env = harness.env_without_settings()
     # The Procfile's `celery` is this environment's.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(

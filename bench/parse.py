@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,11 +49,7 @@ def probe(src: Path, folder: Path) -> float:
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(folder)],
         cwd=src,
-        # The settings' defaults, whatever this shell has set.
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")},
-            "PYTHONPATH": str(src),
-        },
+        env={**harness.env_without_settings(), "PYTHONPATH": str(src)},  # the defaults
         capture_output=True,
         text=True,
         check=True,
