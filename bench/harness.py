@@ -19,8 +19,13 @@ import sys
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mailpipe.harness.services import Database
+
+if TYPE_CHECKING:
+    import psutil
+    from redis import Redis
 
 PG_ADMIN_URL = os.environ.get(
     "MAILPIPE_BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -181,6 +186,21 @@ class CpuMeter:
 
     def seconds(self) -> float:
         return sum(self.last[pid] - self.first[pid] for pid in self.last)
+
+
+def local_redis_server(client: Redis) -> psutil.Process | None:
+    """The Redis server that `client` talks to, when it runs on this machine (its CPU can then be
+    measured); None, said on stderr, when it does not."""
+    import psutil
+
+    try:
+        server = psutil.Process(int(client.info("server")["process_id"]))
+        if "redis-server" in server.name():
+            return server
+    except (psutil.Error, KeyError, ValueError):
+        pass
+    print("Redis server not found on this machine: its CPU is not measured", file=sys.stderr)
+    return None
 
 
 def postgres_backends(conn, database: str) -> list[int]:  # type: ignore[no-untyped-def]

@@ -222,7 +222,7 @@ class Bench:
         self.url = DATABASE.create().url
         upgrade(self.url)
         self.res = {"local": get_resources()}
-        self.redis_server = _local_redis_server(self.res["local"].redis)
+        self.redis_server = harness.local_redis_server(self.res["local"].redis)
         self.overrides: dict[str, dict[str, str]] = {"local": {}}
         self.env = {"local": dict(os.environ)}
         self.s3: S3Server | None = None
@@ -491,18 +491,6 @@ def _outcomes(db) -> dict[str, int]:  # type: ignore[no-untyped-def]
 def _last_closed(db) -> float:  # type: ignore[no-untyped-def]
     (last,) = db.execute("SELECT max(closed_at) FROM pipeline_run").fetchone()
     return last.replace(tzinfo=UTC).timestamp()
-
-
-def _local_redis_server(redis) -> psutil.Process | None:  # type: ignore[no-untyped-def]
-    """The Redis server process, when it runs on this machine (its CPU is then measured)."""
-    try:
-        server = psutil.Process(int(redis.info("server")["process_id"]))
-        if "redis-server" in server.name():
-            return server
-    except (psutil.Error, KeyError, ValueError):
-        pass
-    print("Redis server not found on this machine: its CPU is not measured", file=sys.stderr)
-    return None
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
