@@ -11,8 +11,8 @@ shuts down, so a stopping worker's last events still go out.
 This is the one place mailpipe reaches into Celery's internals: it overrides the consumer's
 `on_send_event_buffered` hook and calls its private `_flush_events`. Checked against Celery 5.7;
 `tests/unit/app/test_consumer.py` fails if either moves. It stays because it pays on mailpipe's
-own workload: about 3 % of throughput and a quarter of the worker main process's CPU per job
-(docs/benchmarks.md).
+own workload: a third of the worker main process's CPU per job (docs/benchmarks.md, "Task events
+in batches").
 """
 
 from __future__ import annotations
