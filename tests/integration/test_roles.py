@@ -413,8 +413,11 @@ class Image:
                     self.env[name] = self.map(setting)
 
     def map(self, text: str) -> str:
-        for image_path, local in self.paths.items():
-            text = text.replace(image_path, local)
+        # In one pass, longest image path first: a local path that itself holds an image path (a
+        # checkout under /tmp/) must not be mapped a second time.
+        image_paths = sorted(self.paths, key=len, reverse=True)
+        pattern = re.compile("|".join(re.escape(path) for path in image_paths))
+        text = pattern.sub(lambda found: self.paths[found[0]], text)
         # The container's own network namespace has Flower alone on 5555; here it needs a port.
         text = text.replace("--port=5555", f"--port={self.port}")
         return text.replace("127.0.0.1:5555/", f"127.0.0.1:{self.port}/")
