@@ -1,7 +1,11 @@
-"""What can go wrong in a job, sorted by whether trying again can help.
+"""What can go wrong in a job, sorted by what it says is wrong: the email, the fleet, or neither.
 
-The task layer retries only `TransientError` (and the library errors `as_transient` names); every
-other error fails the run at once with its message recorded.
+- `PermanentError` (input rejected): the email itself is at fault. Its run fails at once.
+- `FleetFault`: the fleet is misconfigured. No run fails and no attempt is used; the job defers
+  and enough of them pause the stage (mailpipe.coordination.pauses).
+- `Throttled`: a shared limit said "not now". The job defers without using an attempt.
+- Anything else (a service down, the soft time limit, a bug): a failed attempt, retried with
+  backoff until the attempts are used up.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ class BlobMissing(PermanentError):
     """The row points at a blob key that the store does not have."""
 
 
+class FleetFault(MailpipeError):
+    """The fleet, not the email, is wrong: credentials, permissions or a KMS key refused, a
+    missing bucket, model access denied or an unknown model id, a database role without rights.
+    Every email would fail the same way until an operator fixes it, so none is failed for it."""
+
+
 class RunFailed(MailpipeError):
     """Raised by the task after its run was recorded as failed, so that Flower and task events
     list the job as FAILURE with the run's error (nothing is retried: the message is acked)."""
@@ -72,6 +82,24 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(
         exc, RedisConnectionError | RedisTimeoutError | BotoConnectionError | ReadTimeoutError
     )
+
+
+# SQLSTATE classes and codes of a database that refuses the fleet's role, not one statement:
+# 28 invalid authorization (a wrong password, a role that may not log in), 42501 insufficient
+# privilege (a grant missing after a migration or a role change).
+_FLEET_SQLSTATES = ("28", "42501")
+
+
+def is_fleet_fault(exc: BaseException) -> bool:
+    """True for errors that say the fleet, not the email, is wrong (`FleetFault`)."""
+    if isinstance(exc, FleetFault):
+        return True
+    from sqlalchemy.exc import DBAPIError
+
+    if isinstance(exc, DBAPIError):
+        code = getattr(exc.orig, "sqlstate", None) or ""
+        return any(code.startswith(prefix) for prefix in _FLEET_SQLSTATES)
+    return False
 
 
 def is_soft_time_limit(exc: BaseException) -> bool:

@@ -71,6 +71,19 @@ class Settings(BaseSettings):
     # cannot count the attempt) wait without using an attempt, this long in all before the run is
     # failed with the reason.
     max_deferral: int = Field(3600, ge=1)
+    # A job cut off by the soft-shutdown window (a deploy, a scale-in) goes back to the queue with
+    # its attempt given back; past this many cut-offs it can never fit a window, and its run fails.
+    max_shutdown_cutoffs: int = Field(10, ge=1)
+
+    # Fleet-wide faults (credentials, permissions or a KMS key refused, a missing bucket, model
+    # access denied): a job that hits one defers without using an attempt. Once this many
+    # distinct emails hit one within `pause_window` seconds the stage pauses: its workers stop
+    # taking its work, and one probe every `pause_probe_interval` seconds ends the pause when it
+    # succeeds. Runs fail for the fault only after the stage was paused `max_pause` seconds.
+    pause_after_emails: int = Field(3, ge=1)
+    pause_window: float = Field(60.0, gt=0)
+    pause_probe_interval: float = Field(30.0, gt=0)
+    max_pause: float = Field(24 * 3600.0, gt=0)
 
     # Worker liveness: each worker's main process writes a heartbeat with the messages it holds;
     # a worker silent for `worker_dead_after` seconds is dead, and its messages go back to the

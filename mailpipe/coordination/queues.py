@@ -7,6 +7,13 @@ import enum
 from mailpipe.settings import Settings
 
 
+class Stage(enum.StrEnum):
+    """The two stages of an email's job, each a task on a queue of its own."""
+
+    CPU = "cpu"  # parse, origin, documents (and a local classifier's labels)
+    MODEL = "model"  # the model call, the classification and the labels
+
+
 class TaskName(enum.StrEnum):
     PROCESS_EMAIL = "mailpipe.process_email"  # the CPU stage: parse, origin, documents
     CLASSIFY_EMAIL = "mailpipe.classify_email"  # the model stage: the model call and labels
@@ -37,3 +44,11 @@ def job_queues(settings: Settings) -> list[str]:
 
 def queue_of(task: TaskName, settings: Settings) -> str:
     return model_queue(settings) if task is TaskName.CLASSIFY_EMAIL else email_queue(settings)
+
+
+def stage_queue(stage: Stage, settings: Settings) -> str:
+    return model_queue(settings) if stage is Stage.MODEL else email_queue(settings)
+
+
+def stage_task(stage: Stage) -> TaskName:
+    return TaskName.CLASSIFY_EMAIL if stage is Stage.MODEL else TaskName.PROCESS_EMAIL

@@ -75,6 +75,26 @@ def failed_runs_cursor() -> str:
     return key("metrics:failed-runs-cursor")
 
 
+def pause(stage: str) -> str:
+    """Hash: the stage's pause (error, since, by), present while the stage is paused."""
+    return key(f"pause:{stage}")
+
+
+def faults(stage: str) -> str:
+    """Sorted set: emails that hit a fleet-wide fault at `stage`, scored by when (Redis time)."""
+    return key(f"faults:{stage}")
+
+
+def probe_lock(stage: str) -> str:
+    """Taken by the one worker that probes a paused stage, for one probe interval."""
+    return key(f"pause:{stage}:probe")
+
+
+def cut_off(email_id: int) -> str:
+    """Set by a worker that began to shut down while the email's job was running in it."""
+    return key(f"cutoff:{email_id}")
+
+
 def queue_list(queue: str) -> str:
     """The Redis list kombu keeps a queue's messages in."""
     return f"{get_settings().redis_prefix}{queue}"

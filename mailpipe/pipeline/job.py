@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
 from mailpipe.coordination import leases, redis_keys
 from mailpipe.coordination.leases import LeaseHeld
-from mailpipe.coordination.queues import email_queue, model_queue
+from mailpipe.coordination.queues import Stage, email_queue, model_queue
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import PermanentError, Throttled, is_soft_time_limit, is_transient
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
@@ -101,20 +101,20 @@ def process_email(
     `cut_off`: this delivery replaces one killed by the hard time limit (its seconds).
     `deferred_since`: when the job was first deferred, carried by each deferred delivery.
     """
-    return _deliver(res, email_id, runs.Stage.CONVERT, cut_off, deferred_since)
+    return _deliver(res, email_id, Stage.CPU, cut_off, deferred_since)
 
 
 def classify_email(
     res: Resources, email_id: int, *, deferred_since: float | None = None
 ) -> Outcome:
     """Run one delivery of the email's model stage."""
-    return _deliver(res, email_id, runs.Stage.CLASSIFY, None, deferred_since)
+    return _deliver(res, email_id, Stage.MODEL, None, deferred_since)
 
 
 def _deliver(
     res: Resources,
     email_id: int,
-    stage: runs.Stage,
+    stage: Stage,
     cut_off: float | None,
     deferred_since: float | None,
 ) -> Outcome:
@@ -130,7 +130,7 @@ def _deliver(
             Kind.DEFER, _deferral_delay(settings, deferred_since), f"Redis unavailable: {exc}"
         )
     if outcome.kind is Kind.DEFER:
-        queue = model_queue(settings) if stage is runs.Stage.CLASSIFY else email_queue(settings)
+        queue = model_queue(settings) if stage is Stage.MODEL else email_queue(settings)
         return _bounded_deferral(res, email_id, queue, outcome, deferred_since)
     return outcome
 
@@ -152,7 +152,7 @@ def run_claimed(
     res: Resources,
     email_id: int,
     cut_off: float | None = None,
-    stage: runs.Stage = runs.Stage.CONVERT,
+    stage: Stage = Stage.CPU,
 ) -> Outcome:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
     the attempt, so two of these at once for one email (what a lapsed lease allows) leave the
@@ -196,11 +196,11 @@ def run_claimed(
     return _attempt(res, email_id, claim, stage)
 
 
-def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: runs.Stage) -> Outcome:
+def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stage) -> Outcome:
     settings = res.settings
     attempt = claim.attempt
     try:
-        if stage is runs.Stage.CLASSIFY:
+        if stage is Stage.MODEL:
             return _classify_steps(res, email_id, attempt, claim.classified)
         return _run_steps(res, email_id, claim)
     except runs.Superseded as exc:

@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, bindparam, literal, select, update
 from sqlalchemy.orm import Session
 
+from mailpipe.coordination.queues import Stage
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, table, utcnow
 
@@ -37,13 +38,6 @@ class Claim(enum.Enum):
     CONVERTED = "converted"  # the CPU stage is done: only the classification stage is left
     NOT_CONVERTED = "not_converted"  # the classification stage came before the CPU stage
     NO_EMAIL = "no_email"  # there is no email_message row with this id
-
-
-class Stage(enum.StrEnum):
-    """The two stages of a job: the CPU stage (parse, origin, documents), then the model's."""
-
-    CONVERT = "convert"
-    CLASSIFY = "classify"
 
 
 @dataclass(frozen=True)
@@ -66,7 +60,7 @@ def claim_attempt(
     max_attempts: int,
     *,
     cut_off: float | None = None,
-    stage: Stage = Stage.CONVERT,
+    stage: Stage = Stage.CPU,
 ) -> ClaimResult:
     """Count one attempt of `stage`, or say why it must not run now.
 
@@ -90,9 +84,9 @@ def claim_attempt(
     if run.status is not RunStatus.OPEN:
         return ClaimResult(Claim.CLOSED, run.attempts)
     converted = run.converted_at is not None
-    if stage is Stage.CONVERT and converted:
+    if stage is Stage.CPU and converted:
         return ClaimResult(Claim.CONVERTED, run.attempts)
-    if stage is Stage.CLASSIFY and not converted:
+    if stage is Stage.MODEL and not converted:
         return ClaimResult(Claim.NOT_CONVERTED, run.attempts)
     if run.attempt_started_at is not None:
         run.attempt_started_at = None
@@ -133,7 +127,7 @@ def _count_if_ready(
     model stage; or when there is no such email). For the CPU stage a missing run is created with
     its first attempt counted, and the statement returns the email's blob key with the run."""
     given = {"run_email_id": email_id, "max_attempts": max_attempts, "now": utcnow()}
-    if stage is Stage.CONVERT:
+    if stage is Stage.CPU:
         statement = _count_or_create(session.get_bind().dialect.name)
     else:
         statement = _COUNT_CONVERTED
@@ -141,7 +135,7 @@ def _count_if_ready(
     if row is None:
         return None
     run_id, attempts, classified_at, blob_key = row
-    if stage is Stage.CONVERT and attempts == 1:
+    if stage is Stage.CPU and attempts == 1:
         # Perhaps created just now: the email is flagged as having a run, as `ensure_runs` does.
         session.execute(_FLAG_HAS_RUN, {"flag_email_id": email_id})
     return ClaimResult(
@@ -160,7 +154,7 @@ def _ready(stage: Stage) -> ColumnElement[bool]:
         _RUN.c.attempt_started_at.is_(None),
         _RUN.c.attempts < bindparam("max_attempts"),
         _RUN.c.converted_at.is_(None)
-        if stage is Stage.CONVERT
+        if stage is Stage.CPU
         else _RUN.c.converted_at.is_not(None),
     )
 
@@ -174,7 +168,7 @@ _BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("run_email_
 _CLAIMED = (_RUN.c.id, _RUN.c.attempts, _RUN.c.classified_at, _BLOB_KEY.scalar_subquery())
 _COUNT_CONVERTED = (
     update(_RUN)
-    .where(_RUN.c.email_id == bindparam("run_email_id"), _ready(Stage.CLASSIFY))
+    .where(_RUN.c.email_id == bindparam("run_email_id"), _ready(Stage.MODEL))
     .values(_COUNTED)
     .returning(*_CLAIMED)
 )
@@ -202,7 +196,7 @@ def _count_or_create(dialect: str) -> Any:
         ["email_id", "attempts", "attempt_started_at"], new_run
     )
     return insert.on_conflict_do_update(
-        index_elements=["email_id"], set_=_COUNTED, where=_ready(Stage.CONVERT)
+        index_elements=["email_id"], set_=_COUNTED, where=_ready(Stage.CPU)
     ).returning(*_CLAIMED)
 
 
@@ -361,6 +355,15 @@ def reopen(session: Session, email_id: int) -> bool:
         .values(needs_review=False, review_reason=None)
     )
     return True
+
+
+def mark_for_review(session: Session, email_ids: list[int], reason: str) -> None:
+    """Put the emails on the review list with `reason`; their runs are left as they are."""
+    session.execute(
+        update(EmailMessage)
+        .where(EmailMessage.id.in_(email_ids))
+        .values(needs_review=True, review_reason=_clip(reason))
+    )
 
 
 def _locked_run(session: Session, email_id: int) -> PipelineRun:

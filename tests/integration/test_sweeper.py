@@ -65,7 +65,7 @@ def classify_then_die(res: Resources, email_id: int) -> None:
     set_model_calls(res, model_calls)
     with res.db.transaction() as session:
         attempt = runs.claim_attempt(
-            session, email_id, res.settings.max_attempts, stage=runs.Stage.CLASSIFY
+            session, email_id, res.settings.max_attempts, stage=queues.Stage.MODEL
         ).attempt
     with res.db.transaction() as session:
         run = runs.current(session, email_id, attempt)
