@@ -107,3 +107,8 @@ def is_soft_time_limit(exc: BaseException) -> bool:
     from billiard.exceptions import SoftTimeLimitExceeded
 
     return isinstance(exc, SoftTimeLimitExceeded)
+
+
+def describe(exc: BaseException) -> str:
+    """An error as the run and the log record it."""
+    return f"{type(exc).__name__}: {exc}"

@@ -19,6 +19,7 @@ from mailpipe.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from mailpipe.classifiers import Classifier
+    from mailpipe.coordination.pauses import CachedPauses
     from mailpipe.storage.blobs import BlobStore
     from mailpipe.storage.db import Database
     from mailpipe.storage.flags import CachedModelCalls
@@ -76,6 +77,13 @@ class Resources:
         from mailpipe.storage.flags import CachedModelCalls
 
         return CachedModelCalls(self.settings.model_calls_cache_seconds)
+
+    @cached_property
+    def pauses(self) -> CachedPauses:
+        """The paused stages, read from Redis at most once a second."""
+        from mailpipe.coordination.pauses import CachedPauses
+
+        return CachedPauses(1.0)
 
     @cached_property
     def classifier(self) -> Classifier:

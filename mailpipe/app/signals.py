@@ -28,12 +28,16 @@ from redis import Redis, RedisError
 
 from mailpipe import resources
 from mailpipe.app import logs
+from mailpipe.app.pausing import PauseStep
 from mailpipe.app.tasks import sweep
 from mailpipe.celery import app
 from mailpipe.coordination import heartbeat, redis_keys
 from mailpipe.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
+
+# Workers stop consuming a paused stage's queues and probe it (mailpipe.app.pausing).
+app.steps["consumer"].add(PauseStep)
 
 # The worker main process's threads, between worker_ready and worker_shutdown.
 _heartbeat: heartbeat.WorkerHeartbeat | None = None

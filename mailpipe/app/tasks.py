@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 from celery import Task
 from celery.worker.request import Request
 
 from mailpipe.celery import app
+from mailpipe.coordination import shutdowns
 from mailpipe.coordination.brokerstate import job_headers
 from mailpipe.coordination.queues import TaskName
 from mailpipe.enqueue import enqueue_emails, send_job
@@ -28,11 +30,25 @@ log = logging.getLogger(__name__)
 
 
 class EmailRequest(Request):
-    """Celery's request, except that a delivery killed by the hard time limit is sent again at
-    once, marked as cut off. Celery acknowledges the killed delivery, and its child was killed
-    before it could record anything; the new delivery records the attempt as cut off and waits
-    its backoff, or fails the run when that was the last attempt. Without it the job would be
-    lost until the sweeper found it."""
+    """Celery's request, except that:
+
+    - a delivery killed by the hard time limit is sent again at once, marked as cut off. Celery
+      acknowledges the killed delivery, and its child was killed before it could record
+      anything; the new delivery records the attempt as cut off and waits its backoff, or fails
+      the run when that was the last attempt. Without it the job would be lost until the sweeper
+      found it;
+    - a running delivery cancelled at the end of the soft-shutdown window marks its email as cut
+      off by shutdown before the broker takes the message back, so that its next claim gives the
+      attempt back instead of counting a crash.
+    """
+
+    def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
+        if self.time_start:
+            try:
+                shutdowns.mark_cut_off(get_resources().redis, [self.args[0]])
+            except Exception:
+                log.exception("could not mark email %s as cut off by shutdown", self.args[0])
+        super().cancel(pool, signal=signal, emit_retry=emit_retry)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft:
@@ -77,6 +93,9 @@ class EmailJobTask(Task):
                 kwargs={"deferred_since": outcome.deferred_since},
                 countdown=outcome.delay,
             )
+        elif outcome.kind is Kind.PAUSED:
+            # Back to the queue its workers no longer consume, where it waits out the pause.
+            send_job(email_id, TaskName(self.name))
         elif outcome.kind is Kind.HANDED_OFF:
             send_job(email_id, TaskName.CLASSIFY_EMAIL)
         elif outcome.kind is Kind.FAILED:
@@ -100,10 +119,11 @@ def process_email(
 ) -> str:
     """Process one stored email (docs/architecture.md, "The life of one email").
 
-    Idempotent: every step upserts, and every write is fenced by the attempt, so a second run,
-    or two at once after a lost lease, leaves the same rows. Retries: transient errors up to
-    MAILPIPE_MAX_RETRIES times with backoff and jitter, counted in the database; permanent errors
-    fail the run at once.
+    Idempotent: every step upserts, and every write is fenced by the claim, so a second run, or
+    two at once after a lost lease, leaves the same rows. Retries: every failed attempt (a
+    service down, a time limit, a killed child, a bug) up to MAILPIPE_MAX_RETRIES times with
+    backoff and jitter, counted in the database; rejected input fails the run at once; a
+    fleet-wide fault, a deferral or a shutdown's cut-off uses no attempt.
     """
     outcome = job.process_email(
         get_resources(), email_id, cut_off=cut_off, deferred_since=deferred_since
@@ -124,7 +144,7 @@ def classify_email(self: EmailJobTask, email_id: int, deferred_since: float | No
     role, on threads: it only waits on the model and writes a few rows.
 
     Idempotent: it never calls the model again once the answer is stored, and every write is
-    fenced by the attempt. Retries as `process_email`; a model-call slot is waited for in the
+    fenced by the claim. Retries as `process_email`; a model-call slot is waited for in the
     thread, then the job is deferred (not an attempt).
     """
     outcome = job.classify_email(get_resources(), email_id, deferred_since=deferred_since)

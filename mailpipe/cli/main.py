@@ -247,6 +247,10 @@ def status(as_json: bool) -> None:
     age = data["queue"]["oldest_age_s"]
     table.add_row("oldest job age", "-" if age is None else f"{age:.1f} s")
     table.add_row("model calls", "on" if data["model_calls"] else "off")
+    for stage, pause in data["paused"].items():
+        table.add_row(
+            f"{stage} stage", f"PAUSED since {pause['since']} ({pause['by']}): {pause['error']}"
+        )
     sweep = data["last_sweep"]
     if sweep:
         table.add_row(
@@ -311,23 +315,14 @@ def _retry(res: Resources, email_ids: Sequence[int] | None) -> None:
     The ids without a failed run are named on stderr, and make the exit code NotFound's."""
     from mailpipe.enqueue import enqueue_emails
     from mailpipe.pipeline import runs
-    from mailpipe.storage.models import PipelineRun, RunStatus
+    from mailpipe.storage.models import RunStatus
 
     # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
     res.redis.ping()
-    query = select(PipelineRun.email_id, PipelineRun.status).order_by(PipelineRun.email_id)
-    if email_ids is None:
-        query = query.where(PipelineRun.status == RunStatus.FAILED)
-    else:
-        query = query.where(PipelineRun.email_id.in_(email_ids))
     with res.db.transaction() as session:
-        # Locked, so that the statuses read are those reopen finds.
-        statuses = dict(session.execute(query.with_for_update()).all())
-        reopened = [
-            email_id
-            for email_id, status in statuses.items()
-            if status is RunStatus.FAILED and runs.reopen(session, email_id)
-        ]
+        reopened, statuses = runs.reopen_failed(
+            session, None if email_ids is None else list(email_ids)
+        )
     result = enqueue_emails(reopened, res)
     click.echo(f"reopened {len(reopened)}, enqueued {len(result.sent)}")
     unknown = [i for i in dict.fromkeys(email_ids or ()) if statuses.get(i) is not RunStatus.FAILED]
@@ -385,6 +380,32 @@ def model_calls(state: str | None) -> None:
         # Waiting runs should not wait for the next scheduled sweep.
         sweep.apply_async()
         console.print("sweep enqueued")
+
+
+_STAGES = click.Choice(["cpu", "model"])
+
+
+@main.command()
+@click.argument("stage", type=_STAGES)
+@click.option("--reason", default="paused by an operator", show_default=True)
+def pause(stage: str, reason: str) -> None:
+    """Pause a stage: its workers stop taking its work until `mailpipe resume STAGE`."""
+    from mailpipe.coordination import pauses
+    from mailpipe.coordination.queues import Stage
+
+    held = pauses.pause(get_resources().redis, Stage(stage), reason)
+    console.print(f"{stage} stage paused ({held.by}): {held.error}")
+
+
+@main.command()
+@click.argument("stage", type=_STAGES)
+def resume(stage: str) -> None:
+    """End a stage's pause, an operator's or one a fleet-wide fault caused."""
+    from mailpipe.coordination import pauses
+    from mailpipe.coordination.queues import Stage
+
+    ended = pauses.resume(get_resources().redis, Stage(stage))
+    console.print(f"{stage} stage resumed" if ended else f"{stage} stage was not paused")
 
 
 @main.command()

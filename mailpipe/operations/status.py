@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, not_, select
 from sqlalchemy.orm import Session
 
+from mailpipe.coordination import pauses
 from mailpipe.coordination.brokerstate import queue_stats
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -43,6 +45,14 @@ def fleet_status(res: Resources) -> dict[str, Any]:
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
     stats = queue_stats(res.redis, res.settings.queue)
+    paused = {
+        stage.value: {
+            "error": pause.error,
+            "since": datetime.fromtimestamp(pause.since, UTC).isoformat(),
+            "by": pause.by,
+        }
+        for stage, pause in pauses.paused(res.redis).items()
+    }
     return {
         "emails": emails,
         "no_run": no_run or 0,
@@ -50,6 +60,7 @@ def fleet_status(res: Resources) -> dict[str, Any]:
         "needs_review": needs_review or 0,
         "queue": {"depth": stats.depth, "oldest_age_s": stats.oldest_age_s},
         "model_calls": model_calls,
+        "paused": paused,
         "last_sweep": _sweep_dict(last_sweep),
     }
 

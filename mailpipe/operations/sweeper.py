@@ -8,13 +8,14 @@ small partial indexes:
 
 - an email with no pipeline run whose job is not in the broker is re-added (its run is created,
   swept once);
-- an open run whose job was started or re-added and never finished is re-added, model calls on
-  or off (a lost job stays lost otherwise);
+- an open run whose CPU stage is not done is re-added, model calls on or off (a lost job stays
+  lost otherwise, a reopened one included);
 - with model calls on, an open run is re-added at once when the email was never classified, and
   `MAILPIPE_STALL_AFTER` seconds (default 1800) after its classification was stored when it was;
 - with model calls off, runs waiting for them are left alone;
-- each re-add increments the run's sweep_count; a run already swept `MAILPIPE_MAX_SWEEPS` times
-  (default 3) whose job is lost again is failed and its email marked for review.
+- each re-add increments the run's sweep_count, over both stages; a run already swept
+  `MAILPIPE_MAX_SWEEPS` times (default 3) whose job is lost again is failed and its email marked
+  for review. Every write of a run goes through mailpipe.pipeline.runs.
 
 A job sent after the broker was read is missing from that read; its marker, stamped when it was
 sent, tells the sweep to leave it (`IN_FLIGHT_GRACE_S`). A running job is also known by its
@@ -33,7 +34,7 @@ from datetime import datetime, timedelta
 
 from redis.exceptions import LockError
 from redis.lock import Lock
-from sqlalchemy import Select, and_, not_, or_, select, update
+from sqlalchemy import Select, and_, not_, select
 from sqlalchemy.orm import Session
 
 from mailpipe.coordination import brokerstate, markers, redis_keys
@@ -197,8 +198,8 @@ def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: dateti
     if model_calls:
         stalled = not_(answered_lately)
     else:
-        unfinished = or_(PipelineRun.attempts > 0, PipelineRun.sweep_count > 0)
-        stalled = and_(unfinished, not_(answered_lately))
+        # Runs past their CPU stage wait for model calls; the others need a job either way.
+        stalled = PipelineRun.converted_at.is_(None)
     return (
         select(
             PipelineRun.id,
@@ -245,7 +246,7 @@ def _sweep_emails_without_run(
         if sent:
             with res.db.transaction() as session:
                 runs.ensure_runs(session, sent)
-                _count_sweep(session, sent)
+                runs.count_sweep(session, sent)
         result.readded_no_run += len(sent)
         result.readded_ids.extend(sent)
 
@@ -275,9 +276,13 @@ def _sweep_open_runs(
         exhausted = [i for i in lost if sweeps[i] >= settings.max_sweeps]
         retry = [i for i in lost if sweeps[i] < settings.max_sweeps]
         if exhausted:
+            reason = (
+                f"stalled: its job was lost {settings.max_sweeps + 1} times (re-added "
+                f"{settings.max_sweeps} times by the sweeper)"
+            )
             with res.db.transaction() as session:
-                _mark_for_review(session, exhausted, settings.max_sweeps)
-            result.marked_for_review += len(exhausted)
+                failed = runs.fail_stalled(session, exhausted, reason)
+            result.marked_for_review += len(failed)
         # A run past its CPU stage needs only its model stage: no parse, no conversion again.
         sent = (
             [
@@ -289,31 +294,6 @@ def _sweep_open_runs(
         )
         if sent:
             with res.db.transaction() as session:
-                _count_sweep(session, sent)
+                runs.count_sweep(session, sent)
         result.readded_stalled += len(sent)
         result.readded_ids.extend(sent)
-
-
-def _count_sweep(session: Session, email_ids: list[int]) -> None:
-    session.execute(
-        update(PipelineRun)
-        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-        .values(sweep_count=PipelineRun.sweep_count + 1, last_swept_at=utcnow())
-    )
-
-
-def _mark_for_review(session: Session, email_ids: list[int], max_sweeps: int) -> None:
-    reason = f"stalled: its job was lost {max_sweeps + 1} times (re-added {max_sweeps} times by the sweeper)"
-    now = utcnow()
-    failed = session.scalars(
-        update(PipelineRun)
-        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-        .values(status=RunStatus.FAILED, error=reason, closed_at=now, attempt_started_at=None)
-        .returning(PipelineRun.email_id)
-    ).all()
-    if failed:
-        session.execute(
-            update(EmailMessage)
-            .where(EmailMessage.id.in_(failed))
-            .values(needs_review=True, review_reason=reason)
-        )

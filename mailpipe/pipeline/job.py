@@ -10,13 +10,19 @@ attempt, runs its steps and returns an `Outcome`: what happened, and for a retry
 hand-off what comes next. It raises nothing the task shell has to interpret; the shell maps the
 outcome to Celery's actions in one place.
 
-- A transient error (a service down or busy) is recorded on the run and retried after an
-  exponential backoff with full jitter, until the attempts are used up.
+- Rejected input (`PermanentError`: no such email, not an email, over a limit, no blob) fails
+  the run at once.
+- Any other failed attempt (a service down, the soft time limit, a bug no one foresaw) is
+  recorded on the run and retried after an exponential backoff with full jitter, until the
+  attempts are used up; the hard time limit and a killed child count the same way at the next
+  claim.
+- A fleet-wide fault (`FleetFault`) gives the attempt back and is recorded in Redis; enough of
+  them pause the stage (mailpipe.coordination.pauses), and a job of a paused stage goes back to
+  its queue untouched. Runs fail for it only once the stage was paused `MAILPIPE_MAX_PAUSE`.
 - A deferral (the lease held by a live delivery, the fleet's rate limit, the provider's
   throttling, a database that cannot count the attempt) waits without using an attempt, never
   longer than `MAILPIPE_RETRY_BACKOFF_MAX` at a time (so never past the visibility timeout), and
   fails the run once it has waited `MAILPIPE_MAX_DEFERRAL` in all.
-- A permanent error, the soft time limit and anything unforeseen fail the run at once.
 """
 
 from __future__ import annotations
@@ -31,11 +37,18 @@ from redis import RedisError
 from sqlalchemy.orm import Session
 
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
-from mailpipe.coordination import leases, redis_keys
+from mailpipe.coordination import leases, pauses, redis_keys, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
-from mailpipe.coordination.queues import Stage, email_queue, model_queue
+from mailpipe.coordination.queues import Stage, stage_queue
 from mailpipe.coordination.ratelimit import FleetRateLimiter
-from mailpipe.errors import PermanentError, Throttled, is_soft_time_limit, is_transient
+from mailpipe.errors import (
+    PermanentError,
+    Throttled,
+    describe,
+    is_fleet_fault,
+    is_soft_time_limit,
+    is_transient,
+)
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
 from mailpipe.pipeline import runs
 from mailpipe.pipeline.classify import (
@@ -69,10 +82,11 @@ class Kind(enum.StrEnum):
     SUCCEEDED = "succeeded"
     DUPLICATE = "duplicate"
     WAITING = "waiting"  # open: the documents are stored, model calls are off
-    CLOSED = "already_closed"  # nothing done: the run was closed, or a later attempt holds it
+    CLOSED = "already_closed"  # nothing done: the run was closed, or a later claim holds it
     FAILED = "failed"
     RETRY = "retry"  # an attempt failed and attempts remain: send again after `delay`
     DEFER = "deferred"  # not an attempt: send again after `delay`
+    PAUSED = "paused"  # not an attempt: the stage is paused, the job goes back to its queue
     HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
 
 
@@ -80,13 +94,13 @@ class Kind(enum.StrEnum):
 class Outcome:
     kind: Kind
     delay: float = 0.0  # RETRY, DEFER: seconds before the next delivery
-    error: str | None = None  # why, for FAILED, RETRY and DEFER
+    error: str | None = None  # why, for FAILED, RETRY, DEFER and PAUSED
     deferred_since: float | None = None  # DEFER: when this job was first deferred (unix time)
 
     @property
     def follows_up(self) -> bool:
         """Another delivery of the job is to be sent."""
-        return self.kind in (Kind.RETRY, Kind.DEFER, Kind.HANDED_OFF)
+        return self.kind in (Kind.RETRY, Kind.DEFER, Kind.PAUSED, Kind.HANDED_OFF)
 
 
 def process_email(
@@ -119,6 +133,10 @@ def _deliver(
     deferred_since: float | None,
 ) -> Outcome:
     settings = res.settings
+    pause = _pause_in_force(res, stage)
+    if pause is not None:
+        # Taken before its worker stopped consuming the stage: back to the queue, untouched.
+        return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
     try:
         with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
             outcome = run_claimed(res, email_id, cut_off, stage)
@@ -130,9 +148,20 @@ def _deliver(
             Kind.DEFER, _deferral_delay(settings, deferred_since), f"Redis unavailable: {exc}"
         )
     if outcome.kind is Kind.DEFER:
-        queue = model_queue(settings) if stage is Stage.MODEL else email_queue(settings)
-        return _bounded_deferral(res, email_id, queue, outcome, deferred_since)
+        return _bounded_deferral(res, email_id, stage_queue(stage, settings), outcome, deferred_since)
     return outcome
+
+
+def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
+    """The stage's pause, unless it has lasted past MAILPIPE_MAX_PAUSE: from then on jobs run
+    again, and those that hit the fault fail their runs with it."""
+    try:
+        pause = res.pauses(res.redis).get(stage)
+    except RedisError:
+        return None  # the lease cannot be taken either: the job defers below
+    if pause is None or time.time() - pause.since > res.settings.max_pause:
+        return None
+    return pause
 
 
 def retry_delay(settings: Settings, attempt: int, retry_after: float | None = None) -> float:
@@ -155,14 +184,20 @@ def run_claimed(
     stage: Stage = Stage.CPU,
 ) -> Outcome:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
-    the attempt, so two of these at once for one email (what a lapsed lease allows) leave the
+    the claim, so two of these at once for one email (what a lapsed lease allows) leave the
     rows one would."""
     settings = res.settings
 
     def claim_in_a_transaction() -> tuple[runs.ClaimResult, bool]:
         with res.db.transaction() as session:
             result = runs.claim_attempt(
-                session, email_id, settings.max_attempts, cut_off=cut_off, stage=stage
+                session,
+                email_id,
+                settings.max_attempts,
+                cut_off=cut_off,
+                stage=stage,
+                cut_by_shutdown=lambda: shutdowns.take_cut_off(res.redis, email_id),
+                max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
             )
             model_calls = result.claim is runs.Claim.CONVERTED and res.model_calls(session)
             return result, model_calls
@@ -170,11 +205,13 @@ def run_claimed(
     try:
         claimed = once_more_if_disconnected(claim_in_a_transaction)
     except Exception as exc:
+        if is_fleet_fault(exc):
+            return _after_fleet_fault(res, email_id, stage, exc)
         if not is_transient(exc):
             raise
         # Nothing was counted: wait like a deferral, bounded the same way.
         return Outcome(
-            Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {_describe(exc)}"
+            Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {describe(exc)}"
         )
     claim, model_calls = claimed
     if claim.claim is runs.Claim.NO_EMAIL:
@@ -189,8 +226,8 @@ def run_claimed(
     if claim.claim is runs.Claim.NOT_CONVERTED:
         return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
     if claim.claim is runs.Claim.EXHAUSTED:
-        log.error("email %s: failed after %s attempts: %s", email_id, claim.attempt, claim.error)
-        return Outcome(Kind.FAILED, error=f"gave up after {claim.attempt} attempts: {claim.error}")
+        log.error("email %s: failed: %s", email_id, claim.error)
+        return Outcome(Kind.FAILED, error=claim.error)
     if claim.claim is runs.Claim.BACK_OFF:
         return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
     return _attempt(res, email_id, claim, stage)
@@ -198,53 +235,60 @@ def run_claimed(
 
 def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stage) -> Outcome:
     settings = res.settings
-    attempt = claim.attempt
+    token = claim.token
     try:
         if stage is Stage.MODEL:
-            return _classify_steps(res, email_id, attempt, claim.classified)
+            return _classify_steps(res, email_id, token, claim.classified)
         return _run_steps(res, email_id, claim)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
     except Throttled as exc:
-        if _write(res, lambda session: runs.give_back_attempt(session, email_id, attempt)) is None:
+        if _write(res, lambda session: runs.give_back_attempt(session, email_id, token)) is None:
             return Outcome(Kind.CLOSED, error="superseded")
         return Outcome(Kind.DEFER, exc.retry_after or 1.0, str(exc))
     except Exception as exc:
-        if is_transient(exc):
-            return _after_transient(res, email_id, attempt, exc)
-        if isinstance(exc, PermanentError):
-            error = _describe(exc)
-            log.warning("email %s: failed: %s", email_id, exc)
-        elif is_soft_time_limit(exc):
-            error = (
-                f"soft time limit ({settings.task_soft_time_limit} s) exceeded: the job is too "
-                "slow for its budget, and would be again"
-            )
-            log.warning("email %s: %s", email_id, error)
-        else:
-            # A bug or an input no check foresaw: retrying cannot help. The run records it for
-            # the failed list; the traceback goes to the log.
-            error = f"unexpected {_describe(exc)}"
-            log.exception("email %s: unexpected error", email_id)
-        closed = _write(res, lambda s: runs.close(s, email_id, attempt, RunStatus.FAILED, error))
+        if is_fleet_fault(exc):
+            if _write(res, lambda session: runs.give_back_attempt(session, email_id, token)) is None:
+                return Outcome(Kind.CLOSED, error="superseded")
+            return _after_fleet_fault(res, email_id, stage, exc)
+        if not isinstance(exc, PermanentError):
+            return _after_failed_attempt(res, email_id, claim, exc)
+        # Rejected input: trying again cannot help.
+        error = describe(exc)
+        log.warning("email %s: rejected: %s", email_id, error)
+        closed = _write(res, lambda session: runs.fail(session, email_id, error, token))
         if closed is None:
             return Outcome(Kind.CLOSED, error="superseded")
         if closed is False:
             # The database is out: the attempt stays counted, the next one records how it ended.
-            return Outcome(Kind.RETRY, retry_delay(settings, attempt), error)
+            return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), error)
         return Outcome(Kind.FAILED, error=error)
 
 
-def _after_transient(res: Resources, email_id: int, attempt: int, exc: Exception) -> Outcome:
+def _after_failed_attempt(
+    res: Resources, email_id: int, claim: runs.ClaimResult, exc: Exception
+) -> Outcome:
+    """A failed attempt that is not the email's fault: recorded, and retried while attempts
+    remain."""
     settings = res.settings
-    error = _describe(exc)
+    attempt = claim.attempt
+    if is_soft_time_limit(exc):
+        error = f"soft time limit ({settings.task_soft_time_limit} s) exceeded"
+        log.warning("email %s: attempt %s: %s", email_id, attempt, error)
+    elif is_transient(exc):
+        error = describe(exc)
+    else:
+        # A bug or a library error no one classified: the traceback goes to the log, the
+        # run records what it was.
+        error = f"unexpected {describe(exc)}"
+        log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
     delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
     outcome: dict[str, bool] = {}
 
     def record(session: Session) -> None:
         outcome["may_retry"] = runs.record_failed_attempt(
-            session, email_id, attempt, error, settings.max_attempts
+            session, email_id, claim.token, error, settings.max_attempts
         )
 
     written = _write(res, record)
@@ -256,6 +300,38 @@ def _after_transient(res: Resources, email_id: int, attempt: int, exc: Exception
     # Retried, whether or not the error could be recorded: the attempt was counted at the claim.
     log.info("email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error)
     return Outcome(Kind.RETRY, delay, error)
+
+
+def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Exception) -> Outcome:
+    """A fault of the fleet, not of the email (its attempt already given back): counted toward
+    the stage's pause; the job goes back to its queue when the stage is paused, and defers like
+    a throttled job until then."""
+    settings = res.settings
+    error = describe(exc)
+    try:
+        pause = pauses.record_fault(
+            res.redis,
+            stage,
+            email_id,
+            error,
+            threshold=settings.pause_after_emails,
+            window=settings.pause_window,
+        )
+    except RedisError:
+        pause = None
+    if pause is None:
+        log.warning("email %s: fleet-wide fault at the %s stage: %s", email_id, stage, error)
+        return Outcome(Kind.DEFER, settings.retry_backoff_base, error)
+    paused_for = time.time() - pause.since
+    if paused_for > settings.max_pause:
+        failure = (
+            f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
+            f"({settings.max_pause:g} s), by a fleet-wide fault: {error}"
+        )
+        _write(res, lambda session: runs.fail(session, email_id, failure))
+        log.error("email %s: %s", email_id, failure)
+        return Outcome(Kind.FAILED, error=failure)
+    return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
 
 
 def _write(res: Resources, write) -> bool | None:
@@ -271,7 +347,7 @@ def _write(res: Resources, write) -> bool | None:
     except Exception as exc:
         if not is_transient(exc):
             raise
-        log.warning("could not record the outcome: %s", _describe(exc))
+        log.warning("could not record the outcome: %s", describe(exc))
         return False
 
 
@@ -287,7 +363,7 @@ def _bounded_deferral(
             f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
             f"({settings.max_deferral} s): {outcome.error}"
         )
-        failed = _write(res, lambda session: runs.fail_open_run(session, email_id, error))
+        failed = _write(res, lambda session: runs.fail(session, email_id, error))
         log.error(
             "email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)"
         )
@@ -311,15 +387,15 @@ def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
 
 def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcome:
     """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
-    Every write is fenced by the attempt: the run's update in each transaction finds the run
-    still open at this attempt, or raises Superseded and rolls back the whole transaction
+    Every write is fenced by the claim: the run's update in each transaction finds the run
+    still open at this claim, or raises Superseded and rolls back the whole transaction
     (`runs.current`, `runs.end_attempt`, `runs.converted`).
 
     An email without attachments takes one transaction for all of it. With attachments, the
     origin is recorded in a transaction of its own first, so that a copy stops before its
     documents are converted."""
     settings = res.settings
-    attempt = claim.attempt
+    token = claim.token
     assert claim.blob_key is not None  # a claim that lets the CPU stage go says where the email is
     raw = res.blobs.get(claim.blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
@@ -336,10 +412,10 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
     origin = None  # found in the steps' transaction below, when it was not recorded before
     if parsed.attachments:
         with res.db.transaction() as session:
-            run = runs.current(session, email_id, attempt)
+            run = runs.current(session, email_id, token)
             if record_origin(session, email_id, parsed).duplicate_of is not None:
                 runs.end_attempt(
-                    session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects
+                    session, email_id, token, RunStatus.DUPLICATE, parse_defects=defects
                 )
                 return Outcome(Kind.DUPLICATE)
             if defects is not None:
@@ -358,7 +434,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
             origin = find_origin(session, email_id, parsed)
             if origin.duplicate_of is not None:
                 runs.end_attempt(
-                    session, email_id, attempt, RunStatus.DUPLICATE, parse_defects=defects
+                    session, email_id, token, RunStatus.DUPLICATE, parse_defects=defects
                 )
                 link_to_origin(session, email_id, parsed, origin)
                 return Outcome(Kind.DUPLICATE)
@@ -372,7 +448,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
             runs.end_attempt(
                 session,
                 email_id,
-                attempt,
+                token,
                 RunStatus.SUCCEEDED,
                 classified=True,
                 parse_defects=defects,
@@ -381,7 +457,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
             store_classification(session, claim.run_id, email_id, result)
             sync_model_labels(session, email_id, result.labels)
         else:
-            runs.converted(session, email_id, attempt, defects)
+            runs.converted(session, email_id, token, defects)
             # What the model will read is kept, so that its stage never parses the email again.
             upsert(
                 session,
@@ -413,13 +489,13 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
     }
 
 
-def _classify_steps(res: Resources, email_id: int, attempt: int, classified: bool) -> Outcome:
+def _classify_steps(res: Resources, email_id: int, token: int, classified: bool) -> Outcome:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, attempt)
+        run = runs.current(session, email_id, token)
         if not res.model_calls(session):
-            runs.leave_open(session, email_id, attempt)
+            runs.give_back_attempt(session, email_id, token)
             return Outcome(Kind.WAITING)
         if classified:
             # An earlier attempt stored the model's answer and died before the labels: no
@@ -442,10 +518,10 @@ def _classify_steps(res: Resources, email_id: int, attempt: int, classified: boo
     # The answer is kept before anything else: a job that dies after the call never pays for it
     # twice (the sweeper re-adds such a run after MAILPIPE_STALL_AFTER).
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, attempt)
+        run = runs.current(session, email_id, token)
         _store_classification(session, run, email_id, result)
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, attempt)
+        run = runs.current(session, email_id, token)
         _sync_and_close(session, run, email_id, result)
     return Outcome(Kind.SUCCEEDED)
 
@@ -462,7 +538,3 @@ def _sync_and_close(
 ) -> None:
     sync_model_labels(session, email_id, result.labels)
     runs.finish(run, RunStatus.SUCCEEDED)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

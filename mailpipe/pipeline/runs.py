@@ -1,18 +1,25 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
-delivery's attempt, in one of two ways: it starts with `current`, which locks the run and checks
-that it is still open and still at this attempt; or its update of the run (`end_attempt`,
-`converted`) is one UPDATE on the same two conditions, which raises Superseded, rolling back the
-whole transaction, when it finds no such row. A delivery whose lease lapsed while a later one
-claimed the run, or one that finishes after the run was closed (by another delivery, by the
-sweeper), is thereby fenced off: it writes nothing more. Either way the run is locked before the
-email row, the order of every transaction that locks both.
+delivery's claim, a token that grows by one at every claim and is never reset (`claims`), so a
+stale delivery can never pass for a later one. It is fenced in one of two ways: it starts with
+`current`, which locks the run and checks that it is still open and still at this claim; or its
+update of the run (`end_attempt`, `converted`) is one UPDATE on the same two conditions, which
+raises Superseded, rolling back the whole transaction, when it finds no such row. A delivery
+whose lease lapsed while a later one claimed the run, or one that finishes after the run was
+closed (by another delivery, by the sweeper), is thereby fenced off: it writes nothing more.
+Either way the run is locked before the email row, the order of every transaction that locks
+both.
+
+`attempts` is apart from the fence: the attempts of the current stage that count toward
+MAILPIPE_MAX_RETRIES. A deferral and a shutdown's cut-off give theirs back; the model stage
+starts with a fresh budget. `sweep_count` covers both stages and only a reopen resets it.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -31,7 +38,7 @@ MAX_ERROR_CHARS = 2000
 class Claim(enum.Enum):
     GO = "go"  # this delivery runs the job
     CLOSED = "closed"  # the run is already closed: stop without touching anything
-    EXHAUSTED = "exhausted"  # every attempt is used: the run was failed just now
+    EXHAUSTED = "exhausted"  # every attempt is used, or every shutdown window: failed just now
     BACK_OFF = (
         "back_off"  # the last attempt was cut off; it is recorded, the next waits its backoff
     )
@@ -43,15 +50,16 @@ class Claim(enum.Enum):
 @dataclass(frozen=True)
 class ClaimResult:
     claim: Claim
-    attempt: int
+    attempt: int  # the stage's attempts, this one included
     error: str | None = None
     classified: bool = False  # the run holds the model's answer from an earlier attempt
     run_id: int | None = None  # GO: the run's id
     blob_key: str | None = None  # GO at the CPU stage: where the raw email is stored
+    token: int = 0  # GO: the fence every later write of this delivery is checked against
 
 
 class Superseded(Exception):
-    """The run is closed, or a later attempt has claimed it: this delivery must write nothing."""
+    """The run is closed, or a later claim holds it: this delivery must write nothing."""
 
 
 def claim_attempt(
@@ -61,12 +69,16 @@ def claim_attempt(
     *,
     cut_off: float | None = None,
     stage: Stage = Stage.CPU,
+    cut_by_shutdown: Callable[[], bool] = lambda: False,
+    max_shutdown_cutoffs: int = 10,
 ) -> ClaimResult:
     """Count one attempt of `stage`, or say why it must not run now.
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
     `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
+    `cut_by_shutdown`: asked when the last attempt ended without a result; True when its worker
+    cut it off at the end of its shutdown window, which gives the attempt back.
 
     The usual case, a run that is new or open and ready for this stage, is counted in one
     statement (`_count_if_ready`), which also reads where the email is stored; every other case
@@ -96,6 +108,21 @@ def claim_attempt(
             )
             if run.attempts < max_attempts:
                 return ClaimResult(Claim.BACK_OFF, run.attempts, run.error)
+        elif cut_by_shutdown():
+            run.attempts = max(0, run.attempts - 1)
+            run.cutoffs += 1
+            run.error = _clip(
+                f"cut off by shutdown ({run.cutoffs} of at most {max_shutdown_cutoffs}): its "
+                "worker stopped before the job ended; the attempt was given back"
+            )
+            if run.cutoffs >= max_shutdown_cutoffs:
+                _close(
+                    run,
+                    RunStatus.FAILED,
+                    f"cut off by shutdown {run.cutoffs} times: the job runs longer than any "
+                    "worker's soft-shutdown window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it",
+                )
+                return ClaimResult(Claim.EXHAUSTED, run.attempts, run.error)
         else:
             run.error = _clip(
                 f"attempt {run.attempts} ended without a result: its worker process died or was "
@@ -109,6 +136,7 @@ def claim_attempt(
         )
         return ClaimResult(Claim.EXHAUSTED, run.attempts, run.error)
     run.attempts += 1
+    run.claims += 1
     run.attempt_started_at = utcnow()
     return ClaimResult(
         Claim.GO,
@@ -116,6 +144,7 @@ def claim_attempt(
         classified=run.classified_at is not None,
         run_id=run.id,
         blob_key=blob_key,
+        token=run.claims,
     )
 
 
@@ -134,12 +163,17 @@ def _count_if_ready(
     row = session.execute(statement, given).one_or_none()
     if row is None:
         return None
-    run_id, attempts, classified_at, blob_key = row
-    if stage is Stage.CPU and attempts == 1:
-        # Perhaps created just now: the email is flagged as having a run, as `ensure_runs` does.
+    run_id, attempts, claims, classified_at, blob_key = row
+    if stage is Stage.CPU and claims == 1:
+        # Created just now: the email is flagged as having a run, as `ensure_runs` does.
         session.execute(_FLAG_HAS_RUN, {"flag_email_id": email_id})
     return ClaimResult(
-        Claim.GO, attempts, classified=classified_at is not None, run_id=run_id, blob_key=blob_key
+        Claim.GO,
+        attempts,
+        classified=classified_at is not None,
+        run_id=run_id,
+        blob_key=blob_key,
+        token=claims,
     )
 
 
@@ -153,19 +187,24 @@ def _ready(stage: Stage) -> ColumnElement[bool]:
         _RUN.c.status == RunStatus.OPEN,
         _RUN.c.attempt_started_at.is_(None),
         _RUN.c.attempts < bindparam("max_attempts"),
-        _RUN.c.converted_at.is_(None)
-        if stage is Stage.CPU
-        else _RUN.c.converted_at.is_not(None),
+        _RUN.c.converted_at.is_(None) if stage is Stage.CPU else _RUN.c.converted_at.is_not(None),
     )
 
 
 _COUNTED = {
     "attempts": _RUN.c.attempts + 1,
+    "claims": _RUN.c.claims + 1,
     "attempt_started_at": bindparam("now"),
     "updated_at": bindparam("now"),
 }
 _BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("run_email_id"))
-_CLAIMED = (_RUN.c.id, _RUN.c.attempts, _RUN.c.classified_at, _BLOB_KEY.scalar_subquery())
+_CLAIMED = (
+    _RUN.c.id,
+    _RUN.c.attempts,
+    _RUN.c.claims,
+    _RUN.c.classified_at,
+    _BLOB_KEY.scalar_subquery(),
+)
 _COUNT_CONVERTED = (
     update(_RUN)
     .where(_RUN.c.email_id == bindparam("run_email_id"), _ready(Stage.MODEL))
@@ -178,10 +217,10 @@ _FLAG_HAS_RUN = (
     .values(has_run=True)
 )
 # The columns to SET come from the parameters given with it.
-_UPDATE_IF_AT_ATTEMPT = update(_RUN).where(
+_UPDATE_IF_AT_CLAIM = update(_RUN).where(
     _RUN.c.email_id == bindparam("fence_email_id"),
     _RUN.c.status == RunStatus.OPEN,
-    _RUN.c.attempts == bindparam("fence_attempt"),
+    _RUN.c.claims == bindparam("fence_token"),
 )
 
 
@@ -190,10 +229,13 @@ def _count_or_create(dialect: str) -> Any:
     # INSERT ... SELECT from the email row: no row for an unknown email id, instead of a foreign
     # key error that would abort the transaction.
     new_run = select(
-        _EMAIL.c.id, literal(1), bindparam("now", type_=_RUN.c.attempt_started_at.type)
+        _EMAIL.c.id,
+        literal(1),
+        literal(1),
+        bindparam("now", type_=_RUN.c.attempt_started_at.type),
     ).where(_EMAIL.c.id == bindparam("run_email_id"))
     insert = dialect_insert(dialect)(_RUN).from_select(
-        ["email_id", "attempts", "attempt_started_at"], new_run
+        ["email_id", "attempts", "claims", "attempt_started_at"], new_run
     )
     return insert.on_conflict_do_update(
         index_elements=["email_id"], set_=_COUNTED, where=_ready(Stage.CPU)
@@ -215,43 +257,45 @@ def ensure_runs(session: Session, email_ids: list[int]) -> None:
         )
 
 
-def current(session: Session, email_id: int, attempt: int) -> PipelineRun:
-    """The run, locked, if it is still open at `attempt`; raises Superseded otherwise."""
+def current(session: Session, email_id: int, token: int) -> PipelineRun:
+    """The run, locked, if it is still open at claim `token`; raises Superseded otherwise."""
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
         raise Superseded(f"email {email_id}: the run is {run.status.value} already")
-    if run.attempts != attempt:
-        raise Superseded(f"email {email_id}: attempt {run.attempts} has claimed the run")
+    if run.claims != token:
+        raise Superseded(f"email {email_id}: claim {run.claims} holds the run, not {token}")
     return run
 
 
-def give_back_attempt(session: Session, email_id: int, attempt: int) -> None:
-    """Undo the count of an attempt that did not run (deferred: throttled, rate-limited)."""
-    run = current(session, email_id, attempt)
+def give_back_attempt(session: Session, email_id: int, token: int) -> None:
+    """Undo the count of an attempt that did no work worth counting (deferred: throttled,
+    rate-limited, a fleet-wide fault, model calls switched off)."""
+    run = current(session, email_id, token)
     run.attempts = max(0, run.attempts - 1)
     run.attempt_started_at = None
 
 
 def converted(
-    session: Session, email_id: int, attempt: int, parse_defects: dict[str, Any] | None = None
+    session: Session, email_id: int, token: int, parse_defects: dict[str, Any] | None = None
 ) -> None:
     """The CPU stage is done (the documents and the model's input are stored): the run waits
-    for its classification stage, with a fresh attempt budget for it. Fenced as `end_attempt`."""
-    values = {"converted_at": utcnow(), **_FRESH_BUDGET}
-    _update_fenced(session, email_id, attempt, values, parse_defects)
+    for its classification stage, with a fresh attempt budget for it (its sweeps go on counting
+    over both stages). Fenced as `end_attempt`."""
+    values = {"converted_at": utcnow(), "attempts": 0, "attempt_started_at": None, "error": None}
+    _update_fenced(session, email_id, token, values, parse_defects)
 
 
 def end_attempt(
     session: Session,
     email_id: int,
-    attempt: int,
+    token: int,
     status: RunStatus,
     *,
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
     """Close the run in this attempt's transaction, in one UPDATE fenced like `current`: when the
-    run is closed already or a later attempt holds it, it updates nothing and raises Superseded,
+    run is closed already or a later claim holds it, it updates nothing and raises Superseded,
     and the transaction rolls back every write the delivery made in it. It locks the run, so it
     comes before any write to the email row. `classified`: the model's answer is stored in this
     transaction."""
@@ -259,51 +303,28 @@ def end_attempt(
     values = {"status": status, "error": None, "attempt_started_at": None, "closed_at": now}
     if classified:
         values["classified_at"] = now
-    _update_fenced(session, email_id, attempt, values, parse_defects)
-
-
-# The run stays open for a stage to come: that stage starts with every attempt and sweep.
-_FRESH_BUDGET: dict[str, Any] = {
-    "attempts": 0,
-    "sweep_count": 0,
-    "attempt_started_at": None,
-    "error": None,
-}
+    _update_fenced(session, email_id, token, values, parse_defects)
 
 
 def _update_fenced(
     session: Session,
     email_id: int,
-    attempt: int,
+    token: int,
     values: dict[str, Any],
     parse_defects: dict[str, Any] | None,
 ) -> None:
-    """Set `values` on the run if it is open at `attempt`; raises Superseded otherwise."""
+    """Set `values` on the run if it is open at claim `token`; raises Superseded otherwise."""
     if parse_defects is not None:
         values["parse_defects"] = parse_defects
-    fence = {"fence_email_id": email_id, "fence_attempt": attempt}
-    if session.connection().execute(_UPDATE_IF_AT_ATTEMPT, {**values, **fence}).rowcount != 1:
-        current(session, email_id, attempt)  # raises Superseded, saying why
-        raise Superseded(f"email {email_id}: the run is not at attempt {attempt}")
-
-
-def leave_open(session: Session, email_id: int, attempt: int) -> None:
-    """The classification stage found model calls off: the run waits for them, attempts reset."""
-    _update_fenced(session, email_id, attempt, dict(_FRESH_BUDGET), None)
+    fence = {"fence_email_id": email_id, "fence_token": token}
+    if session.connection().execute(_UPDATE_IF_AT_CLAIM, {**values, **fence}).rowcount != 1:
+        current(session, email_id, token)  # raises Superseded, saying why
+        raise Superseded(f"email {email_id}: the run is not at claim {token}")
 
 
 def mark_classified(run: PipelineRun) -> None:
     """The model's answer is stored: a later attempt syncs labels from it, never calls again."""
     run.classified_at = utcnow()
-
-
-def close(
-    session: Session, email_id: int, attempt: int, status: RunStatus, error: str | None = None
-) -> PipelineRun:
-    """Close the run this attempt holds."""
-    run = current(session, email_id, attempt)
-    _close(run, status, error)
-    return run
 
 
 def finish(run: PipelineRun, status: RunStatus, error: str | None = None) -> None:
@@ -312,10 +333,10 @@ def finish(run: PipelineRun, status: RunStatus, error: str | None = None) -> Non
 
 
 def record_failed_attempt(
-    session: Session, email_id: int, attempt: int, error: str, max_attempts: int
+    session: Session, email_id: int, token: int, error: str, max_attempts: int
 ) -> bool:
-    """Record a transient error; True when attempts remain, False when the run failed for good."""
-    run = current(session, email_id, attempt)
+    """Record a failed attempt; True when attempts remain, False when the run failed for good."""
+    run = current(session, email_id, token)
     run.attempt_started_at = None
     if run.attempts >= max_attempts:
         _close(run, RunStatus.FAILED, f"gave up after {run.attempts} attempts: {error}")
@@ -324,26 +345,63 @@ def record_failed_attempt(
     return True
 
 
-def fail_open_run(session: Session, email_id: int, error: str) -> bool:
-    """Fail an open run whatever its attempt (a job deferred past its bound); False if closed."""
-    run = _locked_run(session, email_id)
-    if run.status is not RunStatus.OPEN:
-        return False
+def fail(session: Session, email_id: int, error: str, token: int | None = None) -> bool:
+    """Fail the open run: the one at claim `token` (Superseded otherwise), or with None whatever
+    its claim (a job deferred past its bound, rejected input found before any claim); False if it
+    is closed already."""
+    if token is not None:
+        run = current(session, email_id, token)
+    else:
+        run = _locked_run(session, email_id)
+        if run.status is not RunStatus.OPEN:
+            return False
     _close(run, RunStatus.FAILED, error)
     return True
+
+
+def count_sweep(session: Session, email_ids: list[int]) -> None:
+    """The sweeper re-added the jobs of these open runs."""
+    session.execute(
+        update(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
+        .values(sweep_count=PipelineRun.sweep_count + 1, last_swept_at=utcnow())
+    )
+
+
+def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[int]:
+    """Fail the open runs among `email_ids` and put their emails on the review list: their jobs
+    were lost more often than the sweeper re-adds one. Returns the emails failed."""
+    failed = list(
+        session.scalars(
+            update(PipelineRun)
+            .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
+            .values(
+                status=RunStatus.FAILED,
+                error=_clip(reason),
+                closed_at=utcnow(),
+                attempt_started_at=None,
+            )
+            .returning(PipelineRun.email_id)
+        )
+    )
+    if failed:
+        mark_for_review(session, failed, reason)
+    return failed
 
 
 def reopen(session: Session, email_id: int) -> bool:
     """Put a failed run back to open with a fresh attempt budget (`mailpipe failed --retry`).
     Its classification is kept but no longer counts: the reopened run calls the model again.
     The email leaves the review list in the same transaction: the operator's retry answers the
-    review, and a run that stalls again is marked again by the sweeper."""
+    review, and a run that stalls again is marked again by the sweeper. Its claims go on growing:
+    a delivery of before the reopen stays fenced off."""
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.FAILED:
         return False
     run.status = RunStatus.OPEN
     run.attempts = 0
     run.sweep_count = 0
+    run.cutoffs = 0
     run.attempt_started_at = None
     run.classified_at = None
     # A manual retry runs the whole job again, the CPU stage included.
@@ -355,6 +413,26 @@ def reopen(session: Session, email_id: int) -> bool:
         .values(needs_review=False, review_reason=None)
     )
     return True
+
+
+def reopen_failed(
+    session: Session, email_ids: list[int] | None
+) -> tuple[list[int], dict[int, RunStatus]]:
+    """Reopen the failed runs among `email_ids` (None: every failed run). Returns the emails
+    reopened and the status each asked-for email's run had (no entry: it has no run)."""
+    query = select(PipelineRun.email_id, PipelineRun.status).order_by(PipelineRun.email_id)
+    if email_ids is None:
+        query = query.where(PipelineRun.status == RunStatus.FAILED)
+    else:
+        query = query.where(PipelineRun.email_id.in_(email_ids))
+    # Locked, so that the statuses read are those reopen finds.
+    statuses = dict(session.execute(query.with_for_update()).tuples().all())
+    reopened = [
+        email_id
+        for email_id, status in statuses.items()
+        if status is RunStatus.FAILED and reopen(session, email_id)
+    ]
+    return reopened, statuses
 
 
 def mark_for_review(session: Session, email_ids: list[int], reason: str) -> None:

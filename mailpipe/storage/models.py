@@ -132,7 +132,14 @@ class PipelineRun(Base):
     status: Mapped[RunStatus] = mapped_column(
         _enum(RunStatus, "run_status"), default=RunStatus.OPEN
     )
+    # Attempts of the current stage that count toward MAILPIPE_MAX_RETRIES; a new stage, a
+    # deferral and a shutdown's cut-off give theirs back.
     attempts: Mapped[int] = mapped_column(default=0)
+    # The fence: one more at every claim, never less. A delivery writes only while the run is
+    # still at its claim, so a stale delivery can never pass for a later one.
+    claims: Mapped[int] = mapped_column(default=0, server_default=text("0"))
+    # Attempts cut off by a worker's shutdown window (a deploy, a scale-in).
+    cutoffs: Mapped[int] = mapped_column(default=0, server_default=text("0"))
     # Set when an attempt starts, cleared when it ends in any way the job itself controls; still
     # set at the next attempt means the last one died with its process.
     attempt_started_at: Mapped[datetime | None]

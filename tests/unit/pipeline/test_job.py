@@ -11,6 +11,7 @@ from sqlalchemy import select, update
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
+from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
@@ -101,10 +102,10 @@ def test_model_calls_off_leaves_the_run_open_after_the_documents(res) -> None:  
     assert rows(res) == before  # a delivery of a closed run changes no row
 
 
-def test_a_run_left_waiting_starts_its_next_stage_with_every_sweep(res) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_left_waiting_keeps_its_sweeps_for_the_next_stage(res) -> None:  # type: ignore[no-untyped-def]
     """A run the sweeper re-added (its job had been lost), whose CPU stage then ran with model
-    calls off, waits with its sweep count back at 0: sweeps from before model calls were switched
-    on do not count against the stage to come."""
+    calls off, waits with a fresh attempt budget but its sweep count kept: at most
+    MAILPIPE_MAX_SWEEPS re-adds over both stages."""
     [email_id] = store_emails(res, [INVOICE])
     result = sweeper.sweep(
         res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent, in_flight_grace=0.0
@@ -113,7 +114,7 @@ def test_a_run_left_waiting_starts_its_next_stage_with_every_sweep(res) -> None:
     assert run_of(res, email_id).sweep_count == 1
     assert job.process_email(res, email_id).kind is Kind.WAITING
     run = run_of(res, email_id)
-    assert (run.status.value, run.attempts, run.sweep_count) == ("open", 0, 0)
+    assert (run.status.value, run.attempts, run.sweep_count) == ("open", 0, 1)
 
 
 def test_transient_errors_retry_with_backoff_then_fail_after_max_attempts(res) -> None:  # type: ignore[no-untyped-def]
@@ -224,21 +225,95 @@ def test_an_attempt_cut_off_by_the_hard_time_limit_waits_its_backoff_then_the_la
     )
 
 
-def test_the_soft_time_limit_fails_the_run_at_once(res) -> None:  # type: ignore[no-untyped-def]
+class RaisingBlobs:
+    """A blob store whose reads raise what `errors` hands out, one per read, then read for real."""
+
+    def __init__(self, real, errors: list[BaseException]) -> None:  # type: ignore[no-untyped-def]
+        self.real = real
+        self.errors = errors
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.real.get(key, max_bytes=max_bytes)
+
+
+@pytest.mark.parametrize(
+    ("error", "recorded"),
+    [
+        ("soft", "soft time limit (20 s) exceeded"),
+        ("bug", "unexpected KeyError: 'a bug'"),
+    ],
+)
+def test_the_soft_time_limit_and_a_bug_are_failed_attempts_that_are_retried(  # type: ignore[no-untyped-def]
+    res, error: str, recorded: str
+) -> None:
     from billiard.exceptions import SoftTimeLimitExceeded
 
-    class SlowBlobs:
-        def get(self, key: str, max_bytes: int | None = None) -> bytes:
-            raise SoftTimeLimitExceeded()
+    def raised() -> BaseException:
+        return SoftTimeLimitExceeded() if error == "soft" else KeyError("a bug")
 
     [email_id] = store_emails(res, [INVOICE])
-    slow = Resources(res.settings)
-    slow.__dict__["blobs"] = SlowBlobs()
-    outcome = job.process_email(slow, email_id)
-    assert outcome.kind is Kind.FAILED
+    flaky = Resources(res.settings)
+    flaky.__dict__["blobs"] = RaisingBlobs(res.blobs, [raised(), raised()])
+    for attempt in (1, 2):
+        outcome = job.process_email(flaky, email_id)
+        assert outcome.kind is Kind.RETRY
+        run = run_of(res, email_id)
+        assert (run.status.value, run.attempts, run.error) == ("open", attempt, recorded)
+    assert job.process_email(flaky, email_id).kind is Kind.WAITING
+    assert (run_of(res, email_id).status.value, run_of(res, email_id).claims) == ("open", 3)
+
+    [doomed] = store_emails(res, [PLAIN])
+    always = Resources(res.settings)
+    always.__dict__["blobs"] = RaisingBlobs(res.blobs, [raised() for _ in range(4)])
+    kinds = [job.process_email(always, doomed).kind for _ in range(4)]
+    assert kinds == [Kind.RETRY, Kind.RETRY, Kind.RETRY, Kind.FAILED]
+    run = run_of(res, doomed)
+    assert (run.status.value, run.attempts) == ("failed", 4)
+    assert run.error == f"gave up after 4 attempts: {recorded}"
+
+
+def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: ignore[no-untyped-def]
+    """A claims and stalls; B claims, converts and the stage's attempts go back to 0; the model
+    stage's C claims. A's late write must be fenced off, and C's accepted: the fence is the
+    claim, which only grows, not the attempts, which a new stage resets."""
+    [email_id] = store_emails(res, [INVOICE])
+    with res.db.transaction() as session:
+        a = runs.claim_attempt(session, email_id, 4)
+    with res.db.transaction() as session:
+        b = runs.claim_attempt(session, email_id, 4)  # finds A unfinished: A's process died
+    with res.db.transaction() as session:
+        runs.converted(session, email_id, b.token)
+    with res.db.transaction() as session:
+        c = runs.claim_attempt(session, email_id, 4, stage=Stage.MODEL)
+    assert (a.attempt, b.attempt, c.attempt) == (1, 2, 1)
+    assert (a.token, b.token, c.token) == (1, 2, 3)
+    with pytest.raises(runs.Superseded), res.db.transaction() as session:
+        runs.converted(session, email_id, a.token)
+    with res.db.transaction() as session:
+        runs.end_attempt(session, email_id, c.token, RunStatus.SUCCEEDED)
+    assert run_of(res, email_id).status is RunStatus.SUCCEEDED
+
+
+def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [INVOICE])
+    start_attempt(res, email_id)
+    for cut in (1, 2):
+        with res.db.transaction() as session:
+            claim = runs.claim_attempt(
+                session, email_id, 4, cut_by_shutdown=lambda: True, max_shutdown_cutoffs=3
+            )
+        run = run_of(res, email_id)
+        assert (claim.claim, run.attempts, run.cutoffs) == (runs.Claim.GO, 1, cut)
+        assert run.error.startswith(f"cut off by shutdown ({cut} of at most 3)")
+    with res.db.transaction() as session:
+        claim = runs.claim_attempt(
+            session, email_id, 4, cut_by_shutdown=lambda: True, max_shutdown_cutoffs=3
+        )
     run = run_of(res, email_id)
-    assert (run.status.value, run.attempts) == ("failed", 1)
-    assert run.error.startswith("soft time limit (20 s) exceeded")
+    assert (claim.claim, run.status, run.cutoffs) == (runs.Claim.EXHAUSTED, RunStatus.FAILED, 3)
+    assert run.error.startswith("cut off by shutdown 3 times")
 
 
 def test_permanent_errors_fail_at_once(res) -> None:  # type: ignore[no-untyped-def]
@@ -410,8 +485,8 @@ def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(
 def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  # type: ignore[no-untyped-def]
     res, raw, written
 ) -> None:
-    """The fence is the attempt, not only the run's status: the first delivery wakes while the
-    second, which claimed attempt 2, is still inside its steps and the run still open. With
+    """The fence is the claim, not only the run's status: the first delivery wakes while the
+    second, which made claim 2, is still inside its steps and the run still open. With
     attachments the origin's transaction finds the run at another attempt; without, the one
     transaction of the steps does."""
     [email_id] = store_emails(res, [raw])
@@ -435,7 +510,7 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  
     first_blobs.go.set()
     first.join(30)
     assert outcomes["first"].kind is Kind.CLOSED
-    assert outcomes["first"].error == f"email {email_id}: attempt 2 has claimed the run"
+    assert outcomes["first"].error == f"email {email_id}: claim 2 holds the run, not 1"
     with res.db.session() as session:
         assert session.scalars(select(written)).all() == []  # nothing of the first's
         assert session.scalars(select(EmailLabel)).all() == []
@@ -527,3 +602,60 @@ def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-un
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
     assert classifier.calls == 2
+
+
+def test_a_fleet_wide_fault_uses_no_attempt_and_pauses_the_stage(res) -> None:  # type: ignore[no-untyped-def]
+    from mailpipe.coordination import pauses
+    from mailpipe.errors import FleetFault
+    from mailpipe.operations.probes import ProbeResult, probe
+    from mailpipe.operations.status import fleet_status
+
+    ids = store_emails(res, [INVOICE, PLAIN, INVOICE.replace(b"j12@", b"j14@")])
+    denied = Resources(res.settings.model_copy(update={"pause_after_emails": 3}))
+    denied.__dict__["blobs"] = RaisingBlobs(
+        res.blobs, [FleetFault("S3 refused blobs/x: AccessDenied") for _ in range(4)]
+    )
+    kinds = [job.process_email(denied, email_id).kind for email_id in ids]
+    # Two emails are not yet a pattern: they defer; the third pauses the stage.
+    assert kinds == [Kind.DEFER, Kind.DEFER, Kind.PAUSED]
+    assert [run_of(res, i).attempts for i in ids] == [0, 0, 0]
+    assert [run_of(res, i).status for i in ids] == [RunStatus.OPEN] * 3
+    paused = fleet_status(res)["paused"]
+    assert set(paused) == {"cpu"}
+    assert paused["cpu"]["error"] == "FleetFault: S3 refused blobs/x: AccessDenied"
+    assert paused["cpu"]["by"] == "auto"
+    # While paused, a delivery goes back to its queue without a claim (once its process has
+    # read the pause: it reads the pauses at most once a second).
+    denied.__dict__.pop("pauses")
+    claims_before = run_of(res, ids[0]).claims
+    assert job.process_email(denied, ids[0]).kind is Kind.PAUSED
+    assert run_of(res, ids[0]).claims == claims_before
+
+    # The probe is refused while the fault lasts, and ends the pause once access is back.
+    assert probe(denied, Stage.CPU) is ProbeResult.REFUSED
+    assert pauses.paused(res.redis)
+    assert probe(denied, Stage.CPU) is ProbeResult.PASSED
+    assert pauses.paused(res.redis) == {}
+    denied.__dict__.pop("pauses")
+    for email_id in ids:
+        job.process_email(denied, email_id)
+    assert [run_of(res, i).attempts for i in ids] == [0, 0, 0]  # converted: a fresh budget
+    assert [run_of(res, i).claims for i in ids] == [2, 2, 2]
+    assert {run_of(res, i).converted_at is not None for i in ids} == {True}
+
+
+def test_a_stage_paused_past_its_bound_fails_the_runs_that_hit_the_fault(res) -> None:  # type: ignore[no-untyped-def]
+    from mailpipe.coordination import pauses
+    from mailpipe.errors import FleetFault
+
+    [email_id] = store_emails(res, [INVOICE])
+    pauses.pause(res.redis, Stage.CPU, "FleetFault: S3 refused", by=pauses.AUTO)
+    res.redis.hset(redis_keys.pause(Stage.CPU), "since", time.time() - 100)
+    denied = Resources(res.settings.model_copy(update={"max_pause": 50}))
+    denied.__dict__["blobs"] = RaisingBlobs(res.blobs, [FleetFault("S3 refused: AccessDenied")])
+    outcome = job.process_email(denied, email_id)
+    assert outcome.kind is Kind.FAILED
+    run = run_of(res, email_id)
+    assert run.status is RunStatus.FAILED
+    assert run.error.startswith("the cpu stage has been paused for 10")
+    assert run.error.endswith("by a fleet-wide fault: FleetFault: S3 refused: AccessDenied")
