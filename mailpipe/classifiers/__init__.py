@@ -74,6 +74,9 @@ class ClassificationResult:
     input_tokens: int | None = None
     output_tokens: int | None = None
     latency_ms: int = 0
+    # Entries of the answer left out of `labels` (a label outside MAILPIPE_LABELS, a confidence
+    # outside 0 to 1): the email is put up for review when its classification is stored.
+    dropped_labels: int = 0
 
 
 class Classifier(Protocol):

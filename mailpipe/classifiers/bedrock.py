@@ -1,9 +1,10 @@
 """The `bedrock` classifier: Amazon Bedrock's `converse` API with labels as forced tool use.
 
 The model must answer by calling one tool whose input schema lists the configured labels, so the
-answer is structured data checked against that list, not prose to be scraped. Errors are sorted
-for the task layer: throttling, outages and timeouts are `TransientError` (retried with backoff);
-requests Bedrock rejects and answers we cannot use are `PermanentError` (the run fails at once).
+answer is structured data checked against that list, not prose to be scraped; entries outside it
+are dropped and counted. Errors are sorted for the task layer: throttling, outages and timeouts
+are `TransientError` (retried with backoff); requests Bedrock rejects and answers we cannot use at
+all are `PermanentError` (the run fails at once).
 
 Nothing here logs the email: not the body, not the prompt, not the model's text. Keep the
 `botocore` logger above DEBUG in production, because botocore logs request bodies at DEBUG.
@@ -133,7 +134,7 @@ class BedrockClassifier:
         measured_ms = round((time.monotonic() - started) * 1000)
 
         tool_input = _tool_input(response)
-        labels = _labels(tool_input, self._labels)
+        labels, dropped = _labels(tool_input, self._labels)
         usage = response.get("usage", {})
         latency_ms = response.get("metrics", {}).get("latencyMs")
         result = ClassificationResult(
@@ -144,13 +145,15 @@ class BedrockClassifier:
             input_tokens=usage.get("inputTokens"),
             output_tokens=usage.get("outputTokens"),
             latency_ms=latency_ms if isinstance(latency_ms, int) else measured_ms,
+            dropped_labels=dropped,
         )
         log.debug(
-            "classified with %s (prompt %s%s): %d labels, %s in / %s out tokens, %d ms",
+            "classified with %s (prompt %s%s): %d labels, %d dropped, %s in / %s out tokens, %d ms",
             self.model_id,
             PROMPT_VERSION,
             ", truncated" if prompt.truncated else "",
             len(labels),
+            dropped,
             result.input_tokens,
             result.output_tokens,
             result.latency_ms,
@@ -210,31 +213,39 @@ def _tool_input(response: Mapping[str, Any]) -> dict[str, Any]:
     return tool_input
 
 
-def _labels(tool_input: Mapping[str, Any], allowed: Sequence[str]) -> tuple[LabelScore, ...]:
-    """The label scores in the tool input, checked against the configured labels.
+def _labels(
+    tool_input: Mapping[str, Any], allowed: Sequence[str]
+) -> tuple[tuple[LabelScore, ...], int]:
+    """The usable label scores in the tool input, and how many entries were left out.
 
-    Keys the schema does not name are ignored rather than rejected: they do not change the answer.
-    A label given twice keeps its highest confidence, for the same reason.
+    An entry naming a label outside the configured ones, or without a confidence from 0 to 1, is
+    dropped and counted rather than failing the answer: the email steers the model, so a hostile
+    email could otherwise fail its own classification and escape the labels that fit it. The
+    caller puts an email with dropped entries up for review. Keys the schema does not name are
+    ignored; a label given twice keeps its highest confidence.
     """
     items = tool_input.get("labels")
     if not isinstance(items, list):
         raise PermanentError("unusable model output: 'labels' is not a list")
     scores: dict[str, float] = {}
+    dropped = 0
     for item in items:
-        if not isinstance(item, dict):
-            raise PermanentError("unusable model output: a labels item is not an object")
-        label, confidence = item.get("label"), item.get("confidence")
-        if not isinstance(label, str) or label not in allowed:
-            raise PermanentError(
-                f"unusable model output: label {str(label)[:40]!r} is not a configured label"
-            )
-        if (
-            isinstance(confidence, bool)
-            or not isinstance(confidence, int | float)
-            or not 0 <= confidence <= 1
-        ):
-            raise PermanentError(
-                f"unusable model output: confidence of {label!r} is not a number from 0 to 1"
-            )
-        scores[label] = max(float(confidence), scores.get(label, 0.0))
-    return tuple(LabelScore(label, confidence) for label, confidence in scores.items())
+        if not _usable(item, allowed):
+            dropped += 1
+            continue
+        label: str = item["label"]
+        scores[label] = max(float(item["confidence"]), scores.get(label, 0.0))
+    return tuple(LabelScore(label, confidence) for label, confidence in scores.items()), dropped
+
+
+def _usable(item: object, allowed: Sequence[str]) -> bool:
+    """An entry that names a configured label, with a confidence from 0 to 1."""
+    if not isinstance(item, dict):
+        return False
+    confidence = item.get("confidence")
+    return (
+        item.get("label") in allowed
+        and not isinstance(confidence, bool)
+        and isinstance(confidence, int | float)
+        and 0 <= confidence <= 1
+    )

@@ -18,6 +18,7 @@ from mailpipe.classifiers import (
 )
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.mail.parse import ParsedEmail
+from mailpipe.pipeline import runs
 from mailpipe.storage.db import upsert
 from mailpipe.storage.models import Classification, utcnow
 
@@ -54,7 +55,12 @@ def classify_remote(
 def store_classification(
     session: Session, run_id: int, email_id: int, result: ClassificationResult
 ) -> None:
-    """One row per run: a re-run replaces the answer instead of adding a second one."""
+    """One row per run: a re-run replaces the answer instead of adding a second one.
+
+    An answer with entries left out (`dropped_labels`) puts the email up for review in the same
+    transaction: the labels kept may miss one that fits. The reason gives the count, not the
+    labels, which the email may have dictated; the row's `output` holds the answer as given.
+    """
     upsert(
         session,
         Classification,
@@ -74,10 +80,18 @@ def store_classification(
         ],
         ["run_id"],
     )
+    if result.dropped_labels:
+        runs.mark_for_review(
+            session,
+            [email_id],
+            f"the model answered {result.dropped_labels} labels outside MAILPIPE_LABELS or "
+            "without a confidence from 0 to 1; they were dropped and the rest kept",
+        )
 
 
 def stored_result(session: Session, run_id: int) -> ClassificationResult:
-    """The answer an earlier attempt of the run stored, as the classifier gave it."""
+    """The answer an earlier attempt of the run stored, as the classifier gave it. Its count of
+    dropped labels is not kept: the email was put up for review when the answer was stored."""
     row = session.scalars(select(Classification).where(Classification.run_id == run_id)).one()
     return ClassificationResult(
         labels=tuple(LabelScore(label, confidence) for label, confidence in row.labels or ()),

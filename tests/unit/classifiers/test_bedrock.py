@@ -223,6 +223,7 @@ def test_tool_use_becomes_the_result(server: BedrockServer) -> None:
     assert result.input_tokens is not None and result.input_tokens > 0
     assert result.output_tokens is not None and result.output_tokens > 0
     assert result.latency_ms >= 0
+    assert result.dropped_labels == 0
 
 
 def test_default_server_mode_labels_by_keyword(server: BedrockServer) -> None:
@@ -311,8 +312,6 @@ def test_unreachable_endpoint_is_transient() -> None:
     [
         (text("This email is an invoice."), "0 calls of record_labels"),
         (labels({"invoice": 0.9}, tool_name="other_tool"), "0 calls of record_labels"),
-        (labels({"receipts": 0.9}), "label 'receipts' is not a configured label"),
-        (labels({"invoice": 1.5}), "confidence of 'invoice' is not a number from 0 to 1"),
     ],
 )
 def test_unusable_output_is_permanent(
@@ -322,6 +321,24 @@ def test_unusable_output_is_permanent(
 
     with pytest.raises(PermanentError, match=re.escape(f"unusable model output: {reason}")):
         make_classifier(server).classify(make_email())
+
+
+def test_labels_outside_the_allowed_set_are_dropped_and_counted(server: BedrockServer) -> None:
+    # What a model told by the email to answer "trusted-sender" instead of "spam" may say.
+    server.enqueue(
+        labels({"spam": 0.7, "trusted-sender": 1.0}),
+        labels({"trusted-sender": 1.0, "security": 1.5}),
+    )
+    classifier = make_classifier(server)
+
+    partly = classifier.classify(make_email())
+    wholly = classifier.classify(make_email())
+
+    assert partly.labels == (LabelScore("spam", 0.7),)
+    assert partly.dropped_labels == 1
+    assert partly.output["labels"][1] == {"label": "trusted-sender", "confidence": 1.0}
+    assert wholly.labels == ()
+    assert wholly.dropped_labels == 2  # an unlisted label, and a confidence above 1
 
 
 def test_email_text_is_never_logged(
