@@ -2,7 +2,8 @@
 
 Two interchangeable backends behind one small interface, chosen by ``MAILPIPE_MODEL_BACKEND``:
 ``rules`` (local keyword, regex and sender rules) and ``bedrock`` (Amazon Bedrock ``converse``).
-A classifier raises `mailpipe.errors.TransientError` for throttling and outages and
+A classifier raises `mailpipe.errors.TransientError` for throttling and outages,
+`mailpipe.errors.FleetFault` for credentials, permissions or a model it cannot use, and
 `mailpipe.errors.PermanentError` for input or output it cannot use.
 """
 

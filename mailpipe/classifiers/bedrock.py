@@ -3,8 +3,9 @@
 The model must answer by calling one tool whose input schema lists the configured labels, so the
 answer is structured data checked against that list, not prose to be scraped; entries outside it
 are dropped and counted. Errors are sorted for the task layer: throttling, outages and timeouts
-are `TransientError` (retried with backoff); requests Bedrock rejects and answers we cannot use at
-all are `PermanentError` (the run fails at once).
+are `TransientError` (retried with backoff); credentials, permissions, an unknown model id and the
+like are `FleetFault` (no email is failed for them); a request Bedrock rejects and an answer we
+cannot use at all are `PermanentError` (the run fails at once).
 
 Nothing here logs the email: not the body, not the prompt, not the model's text. Keep the
 `botocore` logger above DEBUG in production, because botocore logs request bodies at DEBUG.
@@ -14,18 +15,26 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import (
+    ClientError,
+    CredentialRetrievalError,
+    HTTPClientError,
+    NoAuthTokenError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME, build_prompt, tool_config
-from mailpipe.errors import PermanentError, Throttled, TransientError
+from mailpipe.errors import FleetFault, PermanentError, Throttled, TransientError
 
 if TYPE_CHECKING:
     from mailpipe.settings import Settings
@@ -45,6 +54,40 @@ _TRANSIENT_CODES = frozenset(
         # retry cap bounds the cost if it is not.
         "ModelErrorException",
     }
+)
+# Error codes that say the fleet, not the email, is wrong: every email would fail the same way
+# until an operator acts. From the service model: model access not granted in this region or an
+# IAM policy without the model (AccessDenied), a model id unknown in the region or retired
+# (ResourceNotFound), an account quota (ServiceQuotaExceeded, lifted by a quota increase). From
+# AWS's front end for every service: credentials it does not know, a wrong secret, an expired
+# session token.
+_FLEET_CODES = frozenset(
+    {
+        "AccessDeniedException",
+        "ResourceNotFoundException",
+        "ServiceQuotaExceededException",
+        "UnrecognizedClientException",
+        "InvalidSignatureException",
+        "IncompleteSignatureException",
+        "MissingAuthenticationTokenException",
+        "ExpiredTokenException",
+    }
+)
+# ValidationException covers both one bad request (input too long) and a fleet's configuration
+# that no request can pass; these messages are the second kind: an unknown model id, a model that
+# needs an inference profile, a retired model, a model without (forced) tool use. AWS writes
+# "isn't" with a typographic apostrophe, hence the patterns' dots.
+_FLEET_VALIDATION = re.compile(
+    r"model identifier is invalid|on-demand throughput is|end of its life"
+    r"|doesn.t support (?:tool use|the toolconfig)",
+    re.IGNORECASE,
+)
+# Botocore's errors for credentials it cannot find or fetch: the call never left the process.
+_CREDENTIAL_ERRORS = (
+    NoCredentialsError,
+    PartialCredentialsError,
+    CredentialRetrievalError,
+    NoAuthTokenError,
 )
 # When throttled without a Retry-After header: long enough for a per-minute quota window to move
 # on noticeably, short enough that a brief burst does not stall the email for minutes.
@@ -128,6 +171,8 @@ class BedrockClassifier:
             )
         except ClientError as error:
             raise _classify_client_error(error) from error
+        except _CREDENTIAL_ERRORS as error:
+            raise FleetFault(f"bedrock credentials: {type(error).__name__}: {error}") from error
         except (BotoConnectionError, HTTPClientError) as error:
             # Connection refused or reset, connect or read timeout: the service, not the email.
             raise TransientError(f"bedrock unreachable: {error}") from error
@@ -161,8 +206,9 @@ class BedrockClassifier:
         return result
 
 
-def _classify_client_error(error: ClientError) -> TransientError | PermanentError:
-    """The mailpipe error for an error response from Bedrock."""
+def _classify_client_error(error: ClientError) -> TransientError | PermanentError | FleetFault:
+    """The mailpipe error for an error response from Bedrock. The messages name the code and
+    Bedrock's message, which names the model or the role, never the email."""
     details = error.response.get("Error", {})
     code = details.get("Code", "")
     message = details.get("Message", "")
@@ -173,9 +219,12 @@ def _classify_client_error(error: ClientError) -> TransientError | PermanentErro
         return Throttled(f"bedrock throttled the call: {message}", retry_after=retry_after)
     if code in _TRANSIENT_CODES or status >= 500:
         return TransientError(f"bedrock unavailable ({code or status}): {message}")
-    # ValidationException (bad request, input too long), AccessDeniedException (no model access
-    # granted or IAM), ResourceNotFoundException (wrong model id or region), and any other 4xx:
-    # the same request fails the same way next time.
+    if code in _FLEET_CODES or (
+        code == "ValidationException" and _FLEET_VALIDATION.search(message)
+    ):
+        return FleetFault(f"bedrock refused the fleet ({code}): {message}")
+    # Any other ValidationException (input too long) or 4xx: the same request fails the same way
+    # next time, and other requests need not.
     return PermanentError(f"bedrock rejected the request ({code or status}): {message}")
 
 
