@@ -35,6 +35,9 @@ class EmailForClassifier:
     date: str | None
     body_text: str
     documents: tuple[DocumentText, ...] = ()
+    # Recipients left out of `recipients` when it was built (the CPU stage keeps the first
+    # `prompt.MAX_RECIPIENTS`), so that the prompt can say how many there are in all.
+    more_recipients: int = 0
 
 
 def input_as_json(email: EmailForClassifier) -> dict[str, Any]:
@@ -46,6 +49,7 @@ def input_as_json(email: EmailForClassifier) -> dict[str, Any]:
         "date": email.date,
         "body_text": email.body_text,
         "documents": [[d.filename, d.content_type, d.text] for d in email.documents],
+        "more_recipients": email.more_recipients,
     }
 
 
@@ -57,6 +61,8 @@ def input_from_json(data: dict[str, Any]) -> EmailForClassifier:
         date=data["date"],
         body_text=data["body_text"],
         documents=tuple(DocumentText(*document) for document in data["documents"]),
+        # Absent from what was kept before the recipients were capped: those kept them all.
+        more_recipients=data.get("more_recipients", 0),
     )
 
 

@@ -16,6 +16,7 @@ from mailpipe.classifiers import (
     EmailForClassifier,
     LabelScore,
 )
+from mailpipe.classifiers.prompt import MAX_RECIPIENTS
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.mail.parse import ParsedEmail
 from mailpipe.pipeline import runs
@@ -27,13 +28,15 @@ def email_for_classifier(
     parsed: ParsedEmail, documents: tuple[DocumentText, ...], budget: int
 ) -> EmailForClassifier:
     """What a classifier reads. No text is longer than `budget` characters, the most a prompt
-    takes of the email's text in all (MAILPIPE_CLASSIFIER_TEXT_BUDGET), so what is kept between
-    the stages stays small however large the email."""
+    takes of the email's text in all (MAILPIPE_CLASSIFIER_TEXT_BUDGET), and no more recipients
+    are kept than a prompt lists, so what is kept between the stages stays small however large
+    the email."""
     return EmailForClassifier(
         subject=parsed.subject[:budget],
         sender=parsed.sender[:budget],
-        recipients=parsed.recipients,
-        date=parsed.date,
+        recipients=tuple(recipient[:budget] for recipient in parsed.recipients[:MAX_RECIPIENTS]),
+        more_recipients=max(0, len(parsed.recipients) - MAX_RECIPIENTS),
+        date=None if parsed.date is None else parsed.date[:budget],
         body_text=parsed.body_text[:budget],
         documents=tuple(
             DocumentText(d.filename, d.content_type, d.text[:budget]) for d in documents

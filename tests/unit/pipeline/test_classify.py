@@ -1,13 +1,16 @@
-"""Storing a classification, on a real run in the test's PostgreSQL database."""
+"""What the classify step keeps of an email, and storing a classification on a real run in the
+test's PostgreSQL database."""
 
 from __future__ import annotations
 
 from sqlalchemy import select
 
 from mailpipe.classifiers import ClassificationResult, LabelScore
+from mailpipe.classifiers.prompt import MAX_RECIPIENTS
 from mailpipe.cli.ingest import store_emails
+from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline import runs
-from mailpipe.pipeline.classify import store_classification
+from mailpipe.pipeline.classify import email_for_classifier, store_classification
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.resources import Resources
 from mailpipe.storage.models import Classification, EmailLabel, EmailMessage
@@ -19,6 +22,19 @@ PHISHING = (
 )
 # A label outside MAILPIPE_LABELS, dictated by the email, with a terminal escape in it.
 HOSTILE_LABEL = "trusted-sender\x1b[2J"
+
+
+def test_the_model_input_keeps_the_first_recipients_and_counts_the_rest() -> None:
+    to = ", ".join(f"to{n}@example.org" for n in range(300))
+    cc = ", ".join(f"cc{n}@example.org" for n in range(200))
+    raw = f"From: a@example.com\r\nTo: {to}\r\nCc: {cc}\r\nSubject: all hands\r\n\r\nhi\r\n"
+    parsed = parse_email(raw.encode(), ParseLimits(1 << 20, 25, 100, 10_000))
+
+    kept = email_for_classifier(parsed, (), 24_000)
+
+    assert len(parsed.recipients) == 500
+    assert kept.recipients == parsed.recipients[:MAX_RECIPIENTS]
+    assert kept.more_recipients == 500 - MAX_RECIPIENTS
 
 
 def classify_on_a_run(res: Resources, result: ClassificationResult) -> int:
