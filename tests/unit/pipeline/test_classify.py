@@ -6,14 +6,18 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from mailpipe.classifiers import ClassificationResult, LabelScore
+from mailpipe.classifiers.bedrock import BedrockClassifier
 from mailpipe.classifiers.prompt import MAX_RECIPIENTS
 from mailpipe.cli.ingest import store_emails
 from mailpipe.mail.parse import ParseLimits, parse_email
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import email_for_classifier, store_classification
+from mailpipe.pipeline.job import Kind
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.resources import Resources
-from mailpipe.storage.models import Classification, EmailLabel, EmailMessage
+from mailpipe.storage import flags
+from mailpipe.storage.models import Classification, EmailLabel, EmailMessage, PipelineRun, RunStatus
+from tests.support.bedrock_server import BedrockServer, labels
 
 PHISHING = (
     b"From: it-desk@examp1e.com\r\nTo: staff@example.org\r\nSubject: Verify your password\r\n"
@@ -90,3 +94,33 @@ def test_an_answer_with_nothing_dropped_leaves_the_email_off_the_review_list(res
     with res.db.session() as session:
         email = session.get_one(EmailMessage, email_id)
         assert (email.needs_review, email.review_reason) == (False, None)
+
+
+def test_the_model_stage_keeps_the_valid_labels_of_an_answer_the_email_steered(res) -> None:  # type: ignore[no-untyped-def]
+    [email_id] = store_emails(res, [PHISHING])
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    with BedrockServer() as server:
+        server.enqueue(labels({"security": 0.9, HOSTILE_LABEL: 1.0}))
+        remote = Resources(res.settings)
+        remote.__dict__["classifier"] = BedrockClassifier(
+            model_id="m", labels=res.settings.labels, region="us-east-1", endpoint_url=server.url
+        )
+
+        assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
+        assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
+        assert len(server.requests) == 1
+
+    with res.db.session() as session:
+        email = session.get_one(EmailMessage, email_id)
+        run = session.scalars(select(PipelineRun).where(PipelineRun.email_id == email_id)).one()
+        labels_kept = session.scalars(
+            select(EmailLabel.label).where(EmailLabel.email_id == email_id)
+        )
+        assert run.status is RunStatus.SUCCEEDED
+        assert list(labels_kept) == ["security"]
+        assert email.needs_review
+        assert email.review_reason is not None and email.review_reason.startswith(
+            "the model answered 1 labels outside MAILPIPE_LABELS"
+        )
+        assert "trusted-sender" not in email.review_reason
