@@ -2,7 +2,8 @@
 
 Two interchangeable backends behind one small interface, chosen by ``MAILPIPE_MODEL_BACKEND``:
 ``rules`` (local keyword, regex and sender rules) and ``bedrock`` (Amazon Bedrock ``converse``).
-A classifier raises `mailpipe.errors.TransientError` for throttling and outages and
+A classifier raises `mailpipe.errors.TransientError` for throttling and outages,
+`mailpipe.errors.FleetFault` for credentials, permissions or a model it cannot use, and
 `mailpipe.errors.PermanentError` for input or output it cannot use.
 """
 
@@ -34,6 +35,9 @@ class EmailForClassifier:
     date: str | None
     body_text: str
     documents: tuple[DocumentText, ...] = ()
+    # Recipients left out of `recipients` when it was built (the CPU stage keeps the first
+    # `prompt.MAX_RECIPIENTS`), so that the prompt can say how many there are in all.
+    more_recipients: int = 0
 
 
 def input_as_json(email: EmailForClassifier) -> dict[str, Any]:
@@ -45,6 +49,7 @@ def input_as_json(email: EmailForClassifier) -> dict[str, Any]:
         "date": email.date,
         "body_text": email.body_text,
         "documents": [[d.filename, d.content_type, d.text] for d in email.documents],
+        "more_recipients": email.more_recipients,
     }
 
 
@@ -56,6 +61,8 @@ def input_from_json(data: dict[str, Any]) -> EmailForClassifier:
         date=data["date"],
         body_text=data["body_text"],
         documents=tuple(DocumentText(*document) for document in data["documents"]),
+        # Absent from what was kept before the recipients were capped: those kept them all.
+        more_recipients=data.get("more_recipients", 0),
     )
 
 
@@ -74,6 +81,9 @@ class ClassificationResult:
     input_tokens: int | None = None
     output_tokens: int | None = None
     latency_ms: int = 0
+    # Entries of the answer left out of `labels` (a label outside MAILPIPE_LABELS, a confidence
+    # outside 0 to 1): the email is put up for review when its classification is stored.
+    dropped_labels: int = 0
 
 
 class Classifier(Protocol):

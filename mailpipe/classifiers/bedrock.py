@@ -1,9 +1,11 @@
 """The `bedrock` classifier: Amazon Bedrock's `converse` API with labels as forced tool use.
 
 The model must answer by calling one tool whose input schema lists the configured labels, so the
-answer is structured data checked against that list, not prose to be scraped. Errors are sorted
-for the task layer: throttling, outages and timeouts are `TransientError` (retried with backoff);
-requests Bedrock rejects and answers we cannot use are `PermanentError` (the run fails at once).
+answer is structured data checked against that list, not prose to be scraped; entries outside it
+are dropped and counted. Errors are sorted for the task layer: throttling, outages and timeouts
+are `TransientError` (retried with backoff); credentials, permissions, an unknown model id and the
+like are `FleetFault` (no email is failed for them); a request Bedrock rejects and an answer we
+cannot use at all are `PermanentError` (the run fails at once).
 
 Nothing here logs the email: not the body, not the prompt, not the model's text. Keep the
 `botocore` logger above DEBUG in production, because botocore logs request bodies at DEBUG.
@@ -13,18 +15,26 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import (
+    ClientError,
+    CredentialRetrievalError,
+    HTTPClientError,
+    NoAuthTokenError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME, build_prompt, tool_config
-from mailpipe.errors import PermanentError, Throttled, TransientError
+from mailpipe.errors import FleetFault, PermanentError, Throttled, TransientError
 
 if TYPE_CHECKING:
     from mailpipe.settings import Settings
@@ -44,6 +54,40 @@ _TRANSIENT_CODES = frozenset(
         # retry cap bounds the cost if it is not.
         "ModelErrorException",
     }
+)
+# Error codes that say the fleet, not the email, is wrong: every email would fail the same way
+# until an operator acts. From the service model: model access not granted in this region or an
+# IAM policy without the model (AccessDenied), a model id unknown in the region or retired
+# (ResourceNotFound), an account quota (ServiceQuotaExceeded, lifted by a quota increase). From
+# AWS's front end for every service: credentials it does not know, a wrong secret, an expired
+# session token.
+_FLEET_CODES = frozenset(
+    {
+        "AccessDeniedException",
+        "ResourceNotFoundException",
+        "ServiceQuotaExceededException",
+        "UnrecognizedClientException",
+        "InvalidSignatureException",
+        "IncompleteSignatureException",
+        "MissingAuthenticationTokenException",
+        "ExpiredTokenException",
+    }
+)
+# ValidationException covers both one bad request (input too long) and a fleet's configuration
+# that no request can pass; these messages are the second kind: an unknown model id, a model that
+# needs an inference profile, a retired model, a model without (forced) tool use. AWS writes
+# "isn't" with a typographic apostrophe, hence the patterns' dots.
+_FLEET_VALIDATION = re.compile(
+    r"model identifier is invalid|on-demand throughput is|end of its life"
+    r"|doesn.t support (?:tool use|the toolconfig)",
+    re.IGNORECASE,
+)
+# Botocore's errors for credentials it cannot find or fetch: the call never left the process.
+_CREDENTIAL_ERRORS = (
+    NoCredentialsError,
+    PartialCredentialsError,
+    CredentialRetrievalError,
+    NoAuthTokenError,
 )
 # When throttled without a Retry-After header: long enough for a per-minute quota window to move
 # on noticeably, short enough that a brief burst does not stall the email for minutes.
@@ -127,13 +171,15 @@ class BedrockClassifier:
             )
         except ClientError as error:
             raise _classify_client_error(error) from error
+        except _CREDENTIAL_ERRORS as error:
+            raise FleetFault(f"bedrock credentials: {type(error).__name__}: {error}") from error
         except (BotoConnectionError, HTTPClientError) as error:
             # Connection refused or reset, connect or read timeout: the service, not the email.
             raise TransientError(f"bedrock unreachable: {error}") from error
         measured_ms = round((time.monotonic() - started) * 1000)
 
         tool_input = _tool_input(response)
-        labels = _labels(tool_input, self._labels)
+        labels, dropped = _labels(tool_input, self._labels)
         usage = response.get("usage", {})
         latency_ms = response.get("metrics", {}).get("latencyMs")
         result = ClassificationResult(
@@ -144,13 +190,15 @@ class BedrockClassifier:
             input_tokens=usage.get("inputTokens"),
             output_tokens=usage.get("outputTokens"),
             latency_ms=latency_ms if isinstance(latency_ms, int) else measured_ms,
+            dropped_labels=dropped,
         )
         log.debug(
-            "classified with %s (prompt %s%s): %d labels, %s in / %s out tokens, %d ms",
+            "classified with %s (prompt %s%s): %d labels, %d dropped, %s in / %s out tokens, %d ms",
             self.model_id,
             PROMPT_VERSION,
             ", truncated" if prompt.truncated else "",
             len(labels),
+            dropped,
             result.input_tokens,
             result.output_tokens,
             result.latency_ms,
@@ -158,8 +206,9 @@ class BedrockClassifier:
         return result
 
 
-def _classify_client_error(error: ClientError) -> TransientError | PermanentError:
-    """The mailpipe error for an error response from Bedrock."""
+def _classify_client_error(error: ClientError) -> TransientError | PermanentError | FleetFault:
+    """The mailpipe error for an error response from Bedrock. The messages name the code and
+    Bedrock's message, which names the model or the role, never the email."""
     details = error.response.get("Error", {})
     code = details.get("Code", "")
     message = details.get("Message", "")
@@ -170,9 +219,12 @@ def _classify_client_error(error: ClientError) -> TransientError | PermanentErro
         return Throttled(f"bedrock throttled the call: {message}", retry_after=retry_after)
     if code in _TRANSIENT_CODES or status >= 500:
         return TransientError(f"bedrock unavailable ({code or status}): {message}")
-    # ValidationException (bad request, input too long), AccessDeniedException (no model access
-    # granted or IAM), ResourceNotFoundException (wrong model id or region), and any other 4xx:
-    # the same request fails the same way next time.
+    if code in _FLEET_CODES or (
+        code == "ValidationException" and _FLEET_VALIDATION.search(message)
+    ):
+        return FleetFault(f"bedrock refused the fleet ({code}): {message}")
+    # Any other ValidationException (input too long) or 4xx: the same request fails the same way
+    # next time, and other requests need not.
     return PermanentError(f"bedrock rejected the request ({code or status}): {message}")
 
 
@@ -210,31 +262,39 @@ def _tool_input(response: Mapping[str, Any]) -> dict[str, Any]:
     return tool_input
 
 
-def _labels(tool_input: Mapping[str, Any], allowed: Sequence[str]) -> tuple[LabelScore, ...]:
-    """The label scores in the tool input, checked against the configured labels.
+def _labels(
+    tool_input: Mapping[str, Any], allowed: Sequence[str]
+) -> tuple[tuple[LabelScore, ...], int]:
+    """The usable label scores in the tool input, and how many entries were left out.
 
-    Keys the schema does not name are ignored rather than rejected: they do not change the answer.
-    A label given twice keeps its highest confidence, for the same reason.
+    An entry naming a label outside the configured ones, or without a confidence from 0 to 1, is
+    dropped and counted rather than failing the answer: the email steers the model, so a hostile
+    email could otherwise fail its own classification and escape the labels that fit it. The
+    caller puts an email with dropped entries up for review. Keys the schema does not name are
+    ignored; a label given twice keeps its highest confidence.
     """
     items = tool_input.get("labels")
     if not isinstance(items, list):
         raise PermanentError("unusable model output: 'labels' is not a list")
     scores: dict[str, float] = {}
+    dropped = 0
     for item in items:
-        if not isinstance(item, dict):
-            raise PermanentError("unusable model output: a labels item is not an object")
-        label, confidence = item.get("label"), item.get("confidence")
-        if not isinstance(label, str) or label not in allowed:
-            raise PermanentError(
-                f"unusable model output: label {str(label)[:40]!r} is not a configured label"
-            )
-        if (
-            isinstance(confidence, bool)
-            or not isinstance(confidence, int | float)
-            or not 0 <= confidence <= 1
-        ):
-            raise PermanentError(
-                f"unusable model output: confidence of {label!r} is not a number from 0 to 1"
-            )
-        scores[label] = max(float(confidence), scores.get(label, 0.0))
-    return tuple(LabelScore(label, confidence) for label, confidence in scores.items())
+        if not _usable(item, allowed):
+            dropped += 1
+            continue
+        label: str = item["label"]
+        scores[label] = max(float(item["confidence"]), scores.get(label, 0.0))
+    return tuple(LabelScore(label, confidence) for label, confidence in scores.items()), dropped
+
+
+def _usable(item: object, allowed: Sequence[str]) -> bool:
+    """An entry that names a configured label, with a confidence from 0 to 1."""
+    if not isinstance(item, dict):
+        return False
+    confidence = item.get("confidence")
+    return (
+        item.get("label") in allowed
+        and not isinstance(confidence, bool)
+        and isinstance(confidence, int | float)
+        and 0 <= confidence <= 1
+    )

@@ -20,7 +20,7 @@ from typing import Any
 
 from mailpipe.classifiers import DocumentText, EmailForClassifier
 
-PROMPT_VERSION = "2026-11-30.1"
+PROMPT_VERSION = "2026-12-03.1"
 TOOL_NAME = "record_labels"
 
 # Headers are short by nature; these caps keep a hostile header from eating the budget. They sum
@@ -32,6 +32,11 @@ _RECIPIENTS_MAX = 300
 _DATE_MAX = 64
 _FILENAME_MAX = 120
 _CONTENT_TYPE_MAX = 80
+# A prompt lists at most this many recipients (To and Cc), each cut to _RECIPIENT_MAX and all
+# within _RECIPIENTS_MAX, and says outside the fence how many there are: a list of thousands says
+# no more about what an email is than its first few. The CPU stage keeps no more for the prompt.
+MAX_RECIPIENTS = 20
+_RECIPIENT_MAX = 100
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
@@ -117,26 +122,28 @@ def build_prompt(email: EmailForClassifier, labels: Sequence[str], budget: int) 
     """
     if budget < MIN_TEXT_BUDGET:
         raise ValueError(f"text budget must be at least {MIN_TEXT_BUDGET} characters")
+    recipients = _recipients(email.recipients)
     headers = "\n".join(
         [
             f"Subject: {_header(email.subject, _SUBJECT_MAX)}",
             f"From: {_header(email.sender, _SENDER_MAX)}",
-            f"To: {_header(', '.join(email.recipients), _RECIPIENTS_MAX)}",
+            f"To: {', '.join(recipients)}",
             f"Date: {_header(email.date or 'unknown', _DATE_MAX)}",
         ]
     )
+    cuts = []
+    all_recipients = len(email.recipients) + email.more_recipients
+    if len(recipients) < all_recipients:
+        cuts.append(f"To lists the first {len(recipients)} of its {all_recipients} recipients")
     available = budget - len(headers)
     body = email.body_text
     doc_budget = max(0, available - len(body))
     doc_parts, docs_truncated = _document_parts(email.documents, doc_budget)
     body_room = available - sum(len(part.data) for part in doc_parts)
-    body_note = "The email's headers and body:"
     if len(body) > body_room:
-        body_note = (
-            f"The email's headers and body; the body is shortened to its first {body_room} of "
-            f"{len(body)} characters:"
-        )
+        cuts.append(f"the body is shortened to its first {body_room} of {len(body)} characters")
         body = body[:body_room]
+    body_note = "".join(["The email's headers and body", *(f"; {cut}" for cut in cuts), ":"])
     parts = [_Part(body_note, f"{headers}\n\n{body}"), *doc_parts]
 
     nonce = secrets.token_hex(16)
@@ -151,7 +158,7 @@ def build_prompt(email: EmailForClassifier, labels: Sequence[str], budget: int) 
         blocks.append(
             f"{omitted} of the email's {len(email.documents)} attachments are left out for length."
         )
-    truncated = docs_truncated or omitted > 0 or len(body) < len(email.body_text)
+    truncated = docs_truncated or omitted > 0 or bool(cuts)
     return Prompt(system=system, user="\n\n".join(blocks), nonce=nonce, truncated=truncated)
 
 
@@ -159,6 +166,20 @@ def _header(value: str, limit: int) -> str:
     """A header value on one line (a stranger's newline must not forge another header line)."""
     flat = _CONTROL.sub(" ", value).strip()
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _recipients(recipients: Sequence[str]) -> list[str]:
+    """The first recipients, each on one line and cut short, while they fit in _RECIPIENTS_MAX
+    characters joined."""
+    shown: list[str] = []
+    room = _RECIPIENTS_MAX
+    for recipient in recipients[:MAX_RECIPIENTS]:
+        value = _header(recipient, _RECIPIENT_MAX)
+        room -= len(value) + (2 if shown else 0)
+        if room < 0:
+            break
+        shown.append(value)
+    return shown
 
 
 def _document_parts(documents: Sequence[DocumentText], budget: int) -> tuple[list[_Part], bool]:

@@ -16,8 +16,10 @@ from mailpipe.classifiers import (
     EmailForClassifier,
     LabelScore,
 )
+from mailpipe.classifiers.prompt import MAX_RECIPIENTS
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.mail.parse import ParsedEmail
+from mailpipe.pipeline import runs
 from mailpipe.storage.db import upsert
 from mailpipe.storage.models import Classification, utcnow
 
@@ -26,13 +28,15 @@ def email_for_classifier(
     parsed: ParsedEmail, documents: tuple[DocumentText, ...], budget: int
 ) -> EmailForClassifier:
     """What a classifier reads. No text is longer than `budget` characters, the most a prompt
-    takes of the email's text in all (MAILPIPE_CLASSIFIER_TEXT_BUDGET), so what is kept between
-    the stages stays small however large the email."""
+    takes of the email's text in all (MAILPIPE_CLASSIFIER_TEXT_BUDGET), and no more recipients
+    are kept than a prompt lists, so what is kept between the stages stays small however large
+    the email."""
     return EmailForClassifier(
         subject=parsed.subject[:budget],
         sender=parsed.sender[:budget],
-        recipients=parsed.recipients,
-        date=parsed.date,
+        recipients=tuple(recipient[:budget] for recipient in parsed.recipients[:MAX_RECIPIENTS]),
+        more_recipients=max(0, len(parsed.recipients) - MAX_RECIPIENTS),
+        date=None if parsed.date is None else parsed.date[:budget],
         body_text=parsed.body_text[:budget],
         documents=tuple(
             DocumentText(d.filename, d.content_type, d.text[:budget]) for d in documents
@@ -54,7 +58,12 @@ def classify_remote(
 def store_classification(
     session: Session, run_id: int, email_id: int, result: ClassificationResult
 ) -> None:
-    """One row per run: a re-run replaces the answer instead of adding a second one."""
+    """One row per run: a re-run replaces the answer instead of adding a second one.
+
+    An answer with entries left out (`dropped_labels`) puts the email up for review in the same
+    transaction: the labels kept may miss one that fits. The reason gives the count, not the
+    labels, which the email may have dictated; the row's `output` holds the answer as given.
+    """
     upsert(
         session,
         Classification,
@@ -74,10 +83,18 @@ def store_classification(
         ],
         ["run_id"],
     )
+    if result.dropped_labels:
+        runs.mark_for_review(
+            session,
+            [email_id],
+            f"the model answered {result.dropped_labels} labels outside MAILPIPE_LABELS or "
+            "without a confidence from 0 to 1; they were dropped and the rest kept",
+        )
 
 
 def stored_result(session: Session, run_id: int) -> ClassificationResult:
-    """The answer an earlier attempt of the run stored, as the classifier gave it."""
+    """The answer an earlier attempt of the run stored, as the classifier gave it. Its count of
+    dropped labels is not kept: the email was put up for review when the answer was stored."""
     row = session.scalars(select(Classification).where(Classification.run_id == run_id)).one()
     return ClassificationResult(
         labels=tuple(LabelScore(label, confidence) for label, confidence in row.labels or ()),

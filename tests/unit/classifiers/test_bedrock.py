@@ -15,7 +15,7 @@ import pytest
 from mailpipe.classifiers import DocumentText, EmailForClassifier, LabelScore
 from mailpipe.classifiers.bedrock import THROTTLE_RETRY_AFTER_S, BedrockClassifier
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME
-from mailpipe.errors import PermanentError, TransientError
+from mailpipe.errors import FleetFault, PermanentError, TransientError
 from mailpipe.settings import DEFAULT_LABELS, Settings
 from tests.support.bedrock_server import (
     BedrockServer,
@@ -223,6 +223,7 @@ def test_tool_use_becomes_the_result(server: BedrockServer) -> None:
     assert result.input_tokens is not None and result.input_tokens > 0
     assert result.output_tokens is not None and result.output_tokens > 0
     assert result.latency_ms >= 0
+    assert result.dropped_labels == 0
 
 
 def test_default_server_mode_labels_by_keyword(server: BedrockServer) -> None:
@@ -262,8 +263,11 @@ def test_throttling_beyond_retries_is_transient_with_a_hint(server: BedrockServe
         ("InternalServerException", 500, TransientError),
         ("ModelTimeoutException", 408, TransientError),
         ("ValidationException", 400, PermanentError),
-        ("AccessDeniedException", 403, PermanentError),
-        ("ResourceNotFoundException", 404, PermanentError),
+        ("AccessDeniedException", 403, FleetFault),
+        ("ResourceNotFoundException", 404, FleetFault),
+        ("ServiceQuotaExceededException", 400, FleetFault),
+        ("UnrecognizedClientException", 403, FleetFault),
+        ("ExpiredTokenException", 403, FleetFault),
     ],
 )
 def test_error_responses_are_sorted(
@@ -277,6 +281,48 @@ def test_error_responses_are_sorted(
     assert error_type in str(raised.value)
     assert f"{error_type} from the test server" in str(raised.value)
     assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "The provided model identifier is invalid.",
+        f"Invocation of model ID {MODEL_ID} with on-demand throughput isn\u2019t supported. Retry "
+        "your request with the ID or ARN of an inference profile that contains this model.",
+        "This model version has reached the end of its life. Please refer to the AWS "
+        "documentation for more details.",
+        "This model doesn't support the toolConfig.toolChoice.tool field. Remove "
+        "toolConfig.toolChoice.tool and try again.",
+    ],
+)
+def test_validation_errors_of_the_fleets_configuration_are_fleet_faults(
+    server: BedrockServer, message: str
+) -> None:
+    server.enqueue(error("ValidationException", 400, message))
+
+    with pytest.raises(FleetFault) as raised:
+        make_classifier(server).classify(make_email())
+
+    assert str(raised.value) == f"bedrock refused the fleet (ValidationException): {message}"
+
+
+def test_missing_credentials_are_a_fleet_fault(
+    server: BedrockServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    for name in (
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+    with pytest.raises(FleetFault, match="bedrock credentials: NoCredentialsError"):
+        make_classifier(server).classify(make_email())
+
+    assert server.requests == []  # the call never left the process
 
 
 def test_validation_error_is_not_retried_by_botocore(server: BedrockServer) -> None:
@@ -311,8 +357,6 @@ def test_unreachable_endpoint_is_transient() -> None:
     [
         (text("This email is an invoice."), "0 calls of record_labels"),
         (labels({"invoice": 0.9}, tool_name="other_tool"), "0 calls of record_labels"),
-        (labels({"receipts": 0.9}), "label 'receipts' is not a configured label"),
-        (labels({"invoice": 1.5}), "confidence of 'invoice' is not a number from 0 to 1"),
     ],
 )
 def test_unusable_output_is_permanent(
@@ -322,6 +366,24 @@ def test_unusable_output_is_permanent(
 
     with pytest.raises(PermanentError, match=re.escape(f"unusable model output: {reason}")):
         make_classifier(server).classify(make_email())
+
+
+def test_labels_outside_the_allowed_set_are_dropped_and_counted(server: BedrockServer) -> None:
+    # What a model told by the email to answer "trusted-sender" instead of "spam" may say.
+    server.enqueue(
+        labels({"spam": 0.7, "trusted-sender": 1.0}),
+        labels({"trusted-sender": 1.0, "security": 1.5}),
+    )
+    classifier = make_classifier(server)
+
+    partly = classifier.classify(make_email())
+    wholly = classifier.classify(make_email())
+
+    assert partly.labels == (LabelScore("spam", 0.7),)
+    assert partly.dropped_labels == 1
+    assert partly.output["labels"][1] == {"label": "trusted-sender", "confidence": 1.0}
+    assert wholly.labels == ()
+    assert wholly.dropped_labels == 2  # an unlisted label, and a confidence above 1
 
 
 def test_email_text_is_never_logged(
