@@ -45,7 +45,9 @@ class PauseStep(bootsteps.StartStopStep):
 
     def start(self, c: Any) -> None:
         settings = get_settings()
-        self._redis = Redis.from_url(settings.broker_url, socket_timeout=5, socket_connect_timeout=5)
+        self._redis = Redis.from_url(
+            settings.broker_url, socket_timeout=5, socket_connect_timeout=5
+        )
         consumed = {queue.name for queue in c.task_consumer.queues} | self._cancelled
         self._stages = {
             stage: stage_queue(stage, settings)

@@ -101,13 +101,17 @@ def paused(redis: Redis) -> dict[Stage, Pause]:
     pipe = redis.pipeline(transaction=False)
     for stage in Stage:
         pipe.hgetall(redis_keys.pause(stage))
-    found = {stage: _from_fields(stage, fields) for stage, fields in zip(Stage, pipe.execute())}
+    found = {
+        stage: _from_fields(stage, fields)
+        for stage, fields in zip(Stage, pipe.execute(), strict=True)
+    }
     return {stage: pause for stage, pause in found.items() if pause is not None}
 
 
 def faulted_emails(redis: Redis, stage: Stage, count: int = 1) -> list[int]:
     """The emails that hit a fault at `stage` most lately: what a probe tries."""
-    return [int(i) for i in redis.zrevrange(redis_keys.faults(stage), 0, count - 1)]
+    found: list[bytes] = redis.zrevrange(redis_keys.faults(stage), 0, count - 1)  # type: ignore[assignment]
+    return [int(i) for i in found]
 
 
 def take_probe(redis: Redis, stage: Stage, interval: float) -> bool:
@@ -135,12 +139,13 @@ class CachedPauses:
 def _from_fields(stage: Stage, fields: object) -> Pause | None:
     if not fields:
         return None
+    # HGETALL answers a dict; the same reply from a script is a flat list of fields and values.
     if isinstance(fields, dict):
-        items = fields
+        items = list(fields.items())
     else:
         values = list(fields)  # type: ignore[call-overload]
-        items = dict(zip(values[::2], values[1::2]))
-    text = {_str(k): _str(v) for k, v in items.items()}
+        items = list(zip(values[::2], values[1::2], strict=True))
+    text = {_str(k): _str(v) for k, v in items}
     return Pause(stage, text.get("error", ""), float(text.get("since", "0")), text.get("by", AUTO))
 
 

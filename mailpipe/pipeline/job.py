@@ -148,7 +148,9 @@ def _deliver(
             Kind.DEFER, _deferral_delay(settings, deferred_since), f"Redis unavailable: {exc}"
         )
     if outcome.kind is Kind.DEFER:
-        return _bounded_deferral(res, email_id, stage_queue(stage, settings), outcome, deferred_since)
+        return _bounded_deferral(
+            res, email_id, stage_queue(stage, settings), outcome, deferred_since
+        )
     return outcome
 
 
@@ -249,7 +251,10 @@ def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stag
         return Outcome(Kind.DEFER, exc.retry_after or 1.0, str(exc))
     except Exception as exc:
         if is_fleet_fault(exc):
-            if _write(res, lambda session: runs.give_back_attempt(session, email_id, token)) is None:
+            if (
+                _write(res, lambda session: runs.give_back_attempt(session, email_id, token))
+                is None
+            ):
                 return Outcome(Kind.CLOSED, error="superseded")
             return _after_fleet_fault(res, email_id, stage, exc)
         if not isinstance(exc, PermanentError):
