@@ -752,11 +752,25 @@ def test_metrics_are_limited_to_the_mailpipe_namespace():
 
 def test_worker_reaches_only_its_blob_prefix():
     by_sid = {s["Sid"]: s for s in iam_document("worker-task-policy")["Statement"]}
-    assert set(by_sid) == {"ReadWriteBlobs", "PutMetrics"}
+    assert set(by_sid) == {"ReadWriteBlobs", "ListBlobPrefix", "PutMetrics"}
     blobs = by_sid["ReadWriteBlobs"]
     assert sorted(as_list(blobs["Action"])) == ["s3:GetObject", "s3:PutObject"]
     bucket, prefix = env("worker")["MAILPIPE_BLOB_URL"].removeprefix("s3://").split("/", 1)
     assert as_list(blobs["Resource"]) == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+    listing = by_sid["ListBlobPrefix"]
+    assert as_list(listing["Action"]) == ["s3:ListBucket"]
+    assert as_list(listing["Resource"]) == [f"arn:aws:s3:::{bucket}"]
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{prefix}/*"]}}
+
+
+def test_the_worker_task_role_lists_only_its_blob_prefix(template):
+    """ListBucket makes S3 answer a missing key with 404 (BlobMissing) instead of 403, which
+    mailpipe reads as a fault of the whole fleet; the condition keeps the listing to the prefix."""
+    (policy,) = template["Resources"]["WorkerTaskRole"]["Properties"]["Policies"]
+    by_sid = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
+    listing = by_sid["ListBlobPrefix"]
+    assert listing["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BlobBucketName}"}
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": [{"Fn::Sub": "${BlobPrefix}/*"}]}}
 
 
 def test_model_role_reaches_only_its_model():
