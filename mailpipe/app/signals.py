@@ -78,8 +78,10 @@ def _build_the_classifier(**_: Any) -> None:
 
 
 @worker_init.connect
-def _warn_of_windows_that_defeat_a_mechanism(**_: Any) -> None:
-    for warning in get_settings().window_warnings():
+def _warn_of_settings_that_defeat_a_mechanism(**_: Any) -> None:
+    """Windows that defeat one another, a database reached without TLS: warned of, not refused."""
+    settings = get_settings()
+    for warning in [*settings.window_warnings(), *settings.database_tls_warnings()]:
         log.warning("settings: %s", warning)
 
 
