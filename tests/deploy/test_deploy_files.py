@@ -538,7 +538,8 @@ def test_dockerfile_uses_slim_python_311():
     args = dict(v.split("=", 1) for k, v in dockerfile_instructions() if k == "ARG" and "=" in v)
     bases = [v.split()[0] for k, v in dockerfile_instructions() if k == "FROM"]
     resolved = {args.get(b.strip("${}"), b) for b in bases}
-    assert resolved and all(re.fullmatch(r"python:3\.11-slim(-\w+)?", b) for b in resolved)
+    base = r"python:3\.11-slim(-\w+)?(@sha256:[0-9a-f]{64})?"  # a tag, pinned by digest or not
+    assert resolved and all(re.fullmatch(base, b) for b in resolved)
 
 
 def test_dockerfile_runs_as_a_non_root_user():
