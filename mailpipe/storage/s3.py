@@ -20,7 +20,7 @@ _S3_CONFIG = Config(
 
 # Codes with which S3 refuses the fleet, not one blob: credentials, the bucket's policy or account,
 # the bucket itself. Every blob would fail the same way until an operator fixes it. With
-# s3:ListBucket granted (deploy/iam), a missing key is a 404, so a 403 is never one email's fault.
+# s3:ListBucket granted (deploy/iam), a missing key is a 404, so AccessDenied is never one email's.
 _FLEET_CODES = frozenset(
     {
         "AccessDenied",
