@@ -110,5 +110,16 @@ def is_soft_time_limit(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    """An error as the run and the log record it."""
+    """`exc` in one line that holds nothing of an email, for logs and a run's error.
+
+    A database error is named by its classes and its SQLSTATE alone: its statement, its
+    parameters and the server's message (a DETAIL quotes the values of a key) can hold an email's
+    subject, sender or text. SQLite's errors have no SQLSTATE.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    if isinstance(exc, DBAPIError):
+        sqlstate = getattr(exc.orig, "sqlstate", None)
+        where = f" (SQLSTATE {sqlstate})" if sqlstate else ""
+        return f"{type(exc).__name__}: {type(exc.orig).__name__}{where}"
     return f"{type(exc).__name__}: {exc}"

@@ -7,9 +7,11 @@ secret has a default here.
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,6 +26,18 @@ DEFAULT_LABELS = (
     "support",
     "calendar",
 )
+# The sslmodes under which libpq refuses a server that does not speak TLS.
+TLS_SSLMODES = ("require", "verify-ca", "verify-full")
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address; a host name or "" (all interfaces) is not known to be."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
@@ -234,6 +248,25 @@ class Settings(BaseSettings):
                 "redelivers finds the dead delivery's lease still held"
             )
         return warnings
+
+    def database_tls_warnings(self) -> list[str]:
+        """A PostgreSQL server off this machine reached without TLS required: the emails would
+        cross the network in clear, and nothing checks who answers. A worker and `mailpipe db
+        upgrade` print it at start."""
+        url = urlsplit(self.database_url)
+        if url.scheme.split("+")[0] not in ("postgresql", "postgres"):
+            return []
+        host = url.hostname or ""
+        if not host or host.startswith("/") or is_loopback(host):  # a Unix socket, or loopback
+            return []
+        sslmode = parse_qs(url.query).get("sslmode", [""])[-1]
+        if sslmode in TLS_SSLMODES:
+            return []
+        return [
+            f"MAILPIPE_DATABASE_URL reaches PostgreSQL at {host} with sslmode={sslmode or 'prefer'}:"
+            " the connection may be unencrypted. Add sslmode=verify-full and sslrootcert=<the "
+            "server's CA bundle> (deploy/README.md), or at least sslmode=require"
+        ]
 
     @property
     def max_attempts(self) -> int:

@@ -24,13 +24,13 @@ below, still win over this file.
 
 from __future__ import annotations
 
-import ipaddress as _ipaddress
 import logging as _logging
 
 from tornado.options import options as _options
 
 from mailpipe.app import logs as _logs
 from mailpipe.settings import get_settings as _get_settings
+from mailpipe.settings import is_loopback as _is_loopback
 
 _settings = _get_settings()
 _credentials = _settings.flower_basic_auth
@@ -46,15 +46,6 @@ if _options.purge_offline_workers is None:  # not given on the command line or i
 # A run the pipeline failed ends its task normally with the result 'failed' (search
 # "result:failed"); only a task that raised (an unknown email id, a bug) is a FAILURE.
 tasks_columns = "name,args,state,exception,result,worker,received,runtime"
-
-
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return _ipaddress.ip_address(address).is_loopback
-    except ValueError:  # "" (all interfaces) or a host name: not known to be loopback
-        return False
 
 
 def _malformed(entries: list[str]) -> str | None:

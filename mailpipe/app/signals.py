@@ -42,10 +42,6 @@ app.steps["consumer"].add(PauseStep)
 # The worker main process's threads, between worker_ready and worker_shutdown.
 _heartbeat: heartbeat.WorkerHeartbeat | None = None
 
-# Eviction policies under which Redis may drop the broker's own keys (queues, unacked messages)
-# when it runs out of memory: jobs would vanish without a trace.
-_EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
-
 
 @after_setup_logger.connect
 def _json_logs(logger: logging.Logger | None = None, **_: Any) -> None:
@@ -86,19 +82,24 @@ def _build_the_classifier(**_: Any) -> None:
 
 
 @worker_init.connect
-def _warn_of_windows_that_defeat_a_mechanism(**_: Any) -> None:
-    for warning in get_settings().window_warnings():
+def _warn_of_settings_that_defeat_a_mechanism(**_: Any) -> None:
+    """Windows that defeat one another, a database reached without TLS: warned of, not refused."""
+    settings = get_settings()
+    for warning in [*settings.window_warnings(), *settings.database_tls_warnings()]:
         log.warning("settings: %s", warning)
 
 
 @worker_init.connect
 def _refuse_an_evicting_redis(**_: Any) -> None:
-    """A Redis that may evict the broker's keys loses jobs silently: refuse to start on one."""
+    """A Redis that may evict keys loses them silently: allkeys-* the queued jobs, volatile-* the
+    coordination keys, which all have a TTL. Refuse to start on anything but noeviction."""
     policy = _maxmemory_policy(get_settings().broker_url)
-    if policy in _EVICTING_POLICIES:
+    if policy is not None and policy != "noeviction":
         raise SystemExit(
-            f"Redis maxmemory-policy is {policy}: it may evict queued jobs. Set it to noeviction "
-            "(or a volatile-* policy, which evicts only keys with a TTL) before starting workers."
+            f"Redis maxmemory-policy is {policy}: it may evict keys mailpipe needs (allkeys-* "
+            "evicts queued jobs; volatile-* evicts leases, dedup markers and heartbeats first, "
+            "as they have a TTL). Set it to noeviction before starting workers (on ElastiCache, "
+            "in a custom parameter group: the default one uses volatile-lru)."
         )
 
 
@@ -224,10 +225,15 @@ def _redis(url: str) -> Redis:
 
 
 def _maxmemory_policy(url: str) -> str | None:
-    """The server's eviction policy; None when Redis cannot be asked (down at start: kombu's own
-    retries handle that) or hides CONFIG, as managed services do (INFO still tells)."""
+    """The server's eviction policy (INFO tells it where managed services hide CONFIG); None,
+    with a warning, when Redis cannot be asked (down at start: kombu's own retries handle that)
+    or does not say."""
     try:
-        return str(_redis(url).info("memory").get("maxmemory_policy"))
+        policy = _redis(url).info("memory").get("maxmemory_policy")
     except RedisError:
         log.warning("could not read Redis's maxmemory-policy", exc_info=True)
         return None
+    if policy is None:
+        log.warning("Redis does not tell its maxmemory-policy; it must be noeviction")
+        return None
+    return str(policy)

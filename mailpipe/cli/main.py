@@ -167,7 +167,10 @@ def db_upgrade(revision: str) -> None:
     """Create or upgrade the schema (Alembic); the release role runs this before a rollout."""
     from mailpipe.storage.migrate import shown_url, upgrade
 
-    database_url = get_resources().settings.database_url
+    settings = get_resources().settings
+    for warning in settings.database_tls_warnings():
+        click.echo(f"warning: {warning}", err=True)
+    database_url = settings.database_url
     upgrade(database_url, revision)
     click.echo(f"database at {revision}: {shown_url(database_url)}")
 

@@ -73,7 +73,10 @@ def make_engine(
 ) -> Engine:
     """`synchronous_commit=False`: PostgreSQL answers a COMMIT before the commit is on disk
     (its `synchronous_commit = off`). A crash of the server, not of this process, can then undo
-    the last fraction of a second of commits, never part of one; SQLite ignores it."""
+    the last fraction of a second of commits, never part of one; SQLite ignores it.
+
+    Statement parameters are left out of every error's message (`hide_parameters`): they hold
+    the emails' subjects, senders and texts, and errors end up in logs and on runs."""
     url = normalise_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
@@ -83,6 +86,7 @@ def make_engine(
             connect_args["options"] += " -c synchronous_commit=off"
         engine = create_engine(
             url,
+            hide_parameters=True,
             pool_size=limits.pool_size,
             max_overflow=limits.pool_size,
             connect_args=connect_args,
@@ -92,7 +96,9 @@ def make_engine(
         return engine
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    engine = create_engine(
+        url, hide_parameters=True, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    )
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
     return engine

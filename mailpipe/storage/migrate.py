@@ -69,7 +69,9 @@ def _sqlite_revision(path: str, database_url: str) -> str | None:
     if not Path(path).is_file():
         raise SchemaMissing(f"no database at {shown_url(database_url)} (no such file); {FIX}")
     uri = Path(path).resolve().as_uri() + "?mode=ro"
-    engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True))
+    engine = create_engine(
+        "sqlite://", creator=lambda: sqlite3.connect(uri, uri=True), hide_parameters=True
+    )
     try:
         with engine.connect() as connection:
             return _revision(connection)

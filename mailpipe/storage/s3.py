@@ -4,14 +4,37 @@ from __future__ import annotations
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 
-from mailpipe.errors import BlobMissing, InputRejected, PermanentError, TransientError
+from mailpipe.errors import BlobMissing, FleetFault, InputRejected, PermanentError, TransientError
 from mailpipe.storage.blobs import check_key
 
 _S3_CONFIG = Config(
     retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=30
 )
+
+# Codes with which S3 refuses the fleet, not one blob: credentials, the bucket's policy or account,
+# the bucket itself. Every blob would fail the same way until an operator fixes it. With
+# s3:ListBucket granted (deploy/iam), a missing key is a 404, so AccessDenied is never one email's.
+_FLEET_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "NoSuchBucket",
+    }
+)
+_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_BUSY_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling"})
 
 
 class S3BlobStore:
@@ -21,10 +44,14 @@ class S3BlobStore:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}"
-        # endpoint_url None lets boto3 apply AWS_ENDPOINT_URL_S3 and the usual credential chain.
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url, config=_S3_CONFIG
-        )
+        # endpoint_url None lets boto3 apply AWS_ENDPOINT_URL_S3 and the usual credential chain,
+        # which reads the environment's credentials here (the rest when a call is signed).
+        try:
+            self.client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, config=_S3_CONFIG
+            )
+        except BotoCoreError as exc:
+            raise _s3_error(exc, "client creation", self.url) from exc
 
     def _key(self, key: str) -> str:
         check_key(key)
@@ -34,7 +61,7 @@ class S3BlobStore:
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
         except (BotoCoreError, ClientError) as exc:
-            raise _s3_error(exc, key) from exc
+            raise _s3_error(exc, "PutObject", key) from exc
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         try:
@@ -45,15 +72,27 @@ class S3BlobStore:
                 raise InputRejected(f"blob is {size} bytes, over the limit of {max_bytes}")
             return response["Body"].read()
         except (BotoCoreError, ClientError) as exc:
-            raise _s3_error(exc, key) from exc
+            raise _s3_error(exc, "GetObject", key) from exc
 
 
-def _s3_error(exc: Exception, key: str) -> Exception:
+def _s3_error(exc: Exception, operation: str, key: str) -> Exception:
+    """The taxonomy's error for a failed S3 call: its message names the operation, the key (a
+    hash, nothing of the email) and S3's code."""
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        return FleetFault(f"S3 {operation} of {key}: {type(exc).__name__} (no usable credentials)")
     if isinstance(exc, ClientError):
-        code = exc.response.get("Error", {}).get("Code", "")
+        error = exc.response.get("Error", {})
+        code = error.get("Code", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        if code in ("NoSuchKey", "404", "NotFound"):
+        if code in _FLEET_CODES or code.startswith("KMS.") or _names_kms(status, error):
+            return FleetFault(f"S3 refused the fleet: {operation} of {key}: {code} ({status})")
+        if code in _MISSING_CODES:
             return BlobMissing(f"blob {key} not found")
-        if status < 500 and code not in ("SlowDown", "RequestTimeout", "Throttling"):
-            return PermanentError(f"S3 refused {key}: {code}")
-    return TransientError(f"S3 unavailable for {key}: {exc}")
+        if status < 500 and code not in _BUSY_CODES:
+            return PermanentError(f"S3 refused {operation} of {key}: {code} ({status})")
+    return TransientError(f"S3 unavailable for {operation} of {key}: {exc}")
+
+
+def _names_kms(status: int, error: dict) -> bool:
+    """A 403 about the bucket's KMS key (its key disabled, deleted or not granted to the role)."""
+    return status == 403 and "KMS" in f"{error.get('Code', '')} {error.get('Message', '')}"

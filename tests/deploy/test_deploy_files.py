@@ -140,6 +140,13 @@ def test_container_runs_as_the_image_user_with_a_read_only_root(role):
 
 
 @pytest.mark.parametrize("role", ROLES)
+def test_container_drops_every_linux_capability(role):
+    # None of the roles needs one: they run as uid 10001, bind no port below 1024, and tini only
+    # forwards signals to its own children.
+    assert container(role)["linuxParameters"]["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize("role", ROLES)
 def test_logs_go_to_awslogs_in_the_stack_log_group(role, template):
     log = container(role)["logConfiguration"]
     assert log["logDriver"] == "awslogs"
@@ -531,7 +538,8 @@ def test_dockerfile_uses_slim_python_311():
     args = dict(v.split("=", 1) for k, v in dockerfile_instructions() if k == "ARG" and "=" in v)
     bases = [v.split()[0] for k, v in dockerfile_instructions() if k == "FROM"]
     resolved = {args.get(b.strip("${}"), b) for b in bases}
-    assert resolved and all(re.fullmatch(r"python:3\.11-slim(-\w+)?", b) for b in resolved)
+    base = r"python:3\.11-slim(-\w+)?(@sha256:[0-9a-f]{64})?"  # a tag, pinned by digest or not
+    assert resolved and all(re.fullmatch(base, b) for b in resolved)
 
 
 def test_dockerfile_runs_as_a_non_root_user():
@@ -745,11 +753,25 @@ def test_metrics_are_limited_to_the_mailpipe_namespace():
 
 def test_worker_reaches_only_its_blob_prefix():
     by_sid = {s["Sid"]: s for s in iam_document("worker-task-policy")["Statement"]}
-    assert set(by_sid) == {"ReadWriteBlobs", "PutMetrics"}
+    assert set(by_sid) == {"ReadWriteBlobs", "ListBlobPrefix", "PutMetrics"}
     blobs = by_sid["ReadWriteBlobs"]
     assert sorted(as_list(blobs["Action"])) == ["s3:GetObject", "s3:PutObject"]
     bucket, prefix = env("worker")["MAILPIPE_BLOB_URL"].removeprefix("s3://").split("/", 1)
     assert as_list(blobs["Resource"]) == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+    listing = by_sid["ListBlobPrefix"]
+    assert as_list(listing["Action"]) == ["s3:ListBucket"]
+    assert as_list(listing["Resource"]) == [f"arn:aws:s3:::{bucket}"]
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{prefix}/*"]}}
+
+
+def test_the_worker_task_role_lists_only_its_blob_prefix(template):
+    """ListBucket makes S3 answer a missing key with 404 (BlobMissing) instead of 403, which
+    mailpipe reads as a fault of the whole fleet; the condition keeps the listing to the prefix."""
+    (policy,) = template["Resources"]["WorkerTaskRole"]["Properties"]["Policies"]
+    by_sid = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
+    listing = by_sid["ListBlobPrefix"]
+    assert listing["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BlobBucketName}"}
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": [{"Fn::Sub": "${BlobPrefix}/*"}]}}
 
 
 def test_model_role_reaches_only_its_model():

@@ -1,7 +1,9 @@
-"""An HTTP proxy on loopback that can be told to answer 503 for a while.
+"""An HTTP proxy on loopback that can be told to answer 503 for a while, or 403 until told not to.
 
-Put in front of the S3 server (moto) to give the chaos run "the S3 server answering 5xx for a
-while": the blob store sees real HTTP errors through botocore, exactly as from a sick S3.
+Put in front of the S3 server (moto): `fail_for` gives the chaos run "the S3 server answering 5xx
+for a while", `deny` an S3 that refuses the fleet's credentials (AccessDenied, or another code)
+until the test restores them. The blob store sees real HTTP errors through botocore, exactly as
+from a sick or misconfigured S3.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ import threading
 import time
 from urllib.parse import urlparse
 
-_ERROR = (
-    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
-    b"<Message>injected fault</Message></Error>"
-)
+
+def _s3_error_body(code: str) -> bytes:
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        "<Message>injected fault</Message></Error>"
+    ).encode()
 
 
 class FlakyProxy:
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0) -> None:
         target = urlparse(upstream)
         self._failing_until = 0.0
+        self._denied_with: str | None = None  # the S3 error code of a 403, while denying
         self._lock = threading.Lock()
-        self.failed_requests = 0  # answered 503 (each request has a thread of its own)
+        self.failed_requests = 0  # answered with an injected error (a thread per request)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -32,14 +37,14 @@ class FlakyProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if time.monotonic() < proxy._failing_until:
-                    with proxy._lock:
-                        proxy.failed_requests += 1
-                    self.send_response(503)
+                injected = proxy._injected_error()
+                if injected is not None:
+                    status, error = injected
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_ERROR)))
+                    self.send_header("Content-Length", str(len(error)))
                     self.end_headers()
-                    self.wfile.write(_ERROR)
+                    self.wfile.write(error)
                     return
                 upstream_conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
                 try:
@@ -81,6 +86,22 @@ class FlakyProxy:
     def fail_for(self, seconds: float) -> None:
         """Answer every request with 503 for the next `seconds`."""
         self._failing_until = time.monotonic() + seconds
+
+    def deny(self, on: bool = True, code: str = "AccessDenied") -> None:
+        """From now on answer every request with 403 and S3's error `code`, until `deny(False)`."""
+        self._denied_with = code if on else None
+
+    def _injected_error(self) -> tuple[int, bytes] | None:
+        denied_with = self._denied_with
+        if denied_with is not None:
+            answer = (403, _s3_error_body(denied_with))
+        elif time.monotonic() < self._failing_until:
+            answer = (503, _s3_error_body("ServiceUnavailable"))
+        else:
+            return None
+        with self._lock:
+            self.failed_requests += 1
+        return answer
 
     def stop(self) -> None:
         self._server.shutdown()

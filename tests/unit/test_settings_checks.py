@@ -25,6 +25,7 @@ def _defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_defaults_pass_every_check_and_warn_of_nothing() -> None:
     settings = Settings()
     assert settings.window_warnings() == []
+    assert settings.database_tls_warnings() == []
     assert settings.log_format == "text"
     assert settings.worker_health_file == Path("/tmp/mailpipe-worker.health")
     assert settings.beat_health_file == Path("/tmp/mailpipe-beat.health")
@@ -88,6 +89,37 @@ def test_a_contradiction_in_the_environment_is_refused(monkeypatch: pytest.Monke
 def test_windows_that_defeat_a_mechanism_are_warned_of(values: dict, named: list[str]) -> None:
     warnings = Settings(**values).window_warnings()
     assert [w.split(":")[0] for w in warnings] == named
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://mailpipe@db.internal:5432/mailpipe",
+        "postgresql+psycopg://mailpipe:secret@10.0.3.7/mailpipe?sslmode=prefer",
+        "postgres://mailpipe@mailpipe.abc123.us-east-1.rds.amazonaws.com/mailpipe?sslmode=allow",
+    ],
+)
+def test_a_remote_postgresql_without_tls_required_is_warned_of(url: str) -> None:
+    (warning,) = Settings(database_url=url).database_tls_warnings()
+    assert warning.startswith("MAILPIPE_DATABASE_URL reaches PostgreSQL at ")
+    assert "sslmode=verify-full" in warning and "secret" not in warning
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://mailpipe@db.internal/mailpipe?sslmode=require",
+        "postgresql://mailpipe@db.internal/mailpipe?sslmode=verify-ca&sslrootcert=/ca.pem",
+        "postgresql://mailpipe@db.internal/mailpipe?sslrootcert=/ca.pem&sslmode=verify-full",
+        "postgresql://postgres@127.0.0.1:5432/mailpipe",
+        "postgresql://postgres@localhost/mailpipe",
+        "postgresql://postgres@[::1]/mailpipe",
+        "postgresql:///mailpipe?host=/var/run/postgresql",
+        "sqlite:///var/mailpipe.db",
+    ],
+)
+def test_tls_required_loopback_or_a_socket_is_not_warned_of(url: str) -> None:
+    assert Settings(database_url=url).database_tls_warnings() == []
 
 
 def test_log_format_and_health_files_come_from_the_environment(

@@ -1,18 +1,20 @@
-"""Connections the server closed: no ping per checkout, and no job or attempt lost to them."""
+"""Connections the server closed: no ping per checkout, and no job or attempt lost to them.
+Database errors that quote nothing of the email they were about."""
 
 from __future__ import annotations
 
 import psycopg
 import pytest
-from sqlalchemy import select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import insert, select, text
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from mailpipe.cli.ingest import store_emails
+from mailpipe.errors import describe
 from mailpipe.pipeline import job
 from mailpipe.pipeline.job import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import db, flags
-from mailpipe.storage.models import PipelineRun
+from mailpipe.storage.models import EmailMessage, EmailOrigin, PipelineRun
 from tests.conftest import DATABASE, PG_ADMIN_URL
 
 PLAIN = b"From: a@example.org\r\nSubject: note {n}\r\nMessage-ID: <c{n}@example.org>\r\n\r\nhello {n}\r\n"
@@ -66,3 +68,41 @@ def test_without_the_retry_a_closed_connection_is_an_error(res, monkeypatch) -> 
     assert close_connections_from_the_server(res) >= 1
     with pytest.raises(OperationalError, match=r"terminat|closed"), busy.db.session() as session:
         session.execute(text("SELECT 1"))
+
+
+# What an email puts in a row, and must never reach an error's message: logs and runs keep those.
+SUBJECT = "Salary review for Jane Roe"
+MESSAGE_ID = "<jane-roe-salary@example.org>"
+
+
+def test_a_statement_s_parameters_are_in_no_database_error(res) -> None:  # type: ignore[no-untyped-def]
+    overlong_key = "raw/" + "k" * 300  # blob_key is a varchar(255)
+    row = {"blob_key": overlong_key, "size": 1, "sha256": "0" * 64, "subject": SUBJECT}
+    with pytest.raises(DBAPIError) as refused, res.db.transaction() as session:
+        session.execute(insert(EmailMessage), [row])
+    for said in (str(refused.value), describe(refused.value)):
+        assert SUBJECT not in said and overlong_key not in said
+    assert describe(refused.value) == "DataError: StringDataRightTruncation (SQLSTATE 22001)"
+
+
+def test_describe_names_a_unique_violation_by_its_sqlstate_alone(res) -> None:  # type: ignore[no-untyped-def]
+    (email_id,) = store_emails(res, [PLAIN.replace(b"{n}", b"1")])
+    origin = {"fingerprint": "f" * 64, "message_id": MESSAGE_ID, "first_email_id": email_id}
+    with res.db.transaction() as session:
+        session.execute(insert(EmailOrigin), [origin])
+    with pytest.raises(DBAPIError) as refused, res.db.transaction() as session:
+        session.execute(insert(EmailOrigin), [origin])
+    assert MESSAGE_ID not in str(refused.value)
+    assert describe(refused.value) == "IntegrityError: UniqueViolation (SQLSTATE 23505)"
+
+
+def test_a_sqlite_error_has_no_sqlstate_and_no_parameters(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'one.db'}")
+    with engine.begin() as connection:
+        connection.execute(text("CREATE TABLE origin (message_id TEXT UNIQUE)"))
+        connection.execute(text("INSERT INTO origin VALUES (:m)"), {"m": MESSAGE_ID})
+    with pytest.raises(DBAPIError) as refused, engine.begin() as connection:
+        connection.execute(text("INSERT INTO origin VALUES (:m)"), {"m": MESSAGE_ID})
+    engine.dispose()
+    assert MESSAGE_ID not in str(refused.value)
+    assert describe(refused.value) == "IntegrityError: IntegrityError"
