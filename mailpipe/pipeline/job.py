@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from redis import RedisError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
@@ -284,10 +285,13 @@ def _after_failed_attempt(
     elif is_transient(exc):
         error = describe(exc)
     else:
-        # A bug or a library error no one classified: the traceback goes to the log, the
-        # run records what it was.
+        # A bug or a library error no one classified: the run records what it was, the log its
+        # traceback, except a database error's, whose text can quote an email's values.
         error = f"unexpected {describe(exc)}"
-        log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
+        if isinstance(exc, DBAPIError):
+            log.error("email %s: attempt %s: %s", email_id, attempt, error)
+        else:
+            log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
     delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
     outcome: dict[str, bool] = {}
 

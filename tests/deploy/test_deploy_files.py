@@ -761,7 +761,7 @@ def test_worker_reaches_only_its_blob_prefix():
     listing = by_sid["ListBlobPrefix"]
     assert as_list(listing["Action"]) == ["s3:ListBucket"]
     assert as_list(listing["Resource"]) == [f"arn:aws:s3:::{bucket}"]
-    assert listing["Condition"] == {"StringLike": {"s3:prefix": [f"{prefix}/*"]}}
+    assert listing["Condition"] == {"StringLikeIfExists": {"s3:prefix": [f"{prefix}/*"]}}
 
 
 def test_the_worker_task_role_lists_only_its_blob_prefix(template):
@@ -771,7 +771,7 @@ def test_the_worker_task_role_lists_only_its_blob_prefix(template):
     by_sid = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
     listing = by_sid["ListBlobPrefix"]
     assert listing["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BlobBucketName}"}
-    assert listing["Condition"] == {"StringLike": {"s3:prefix": [{"Fn::Sub": "${BlobPrefix}/*"}]}}
+    assert listing["Condition"] == {"StringLikeIfExists": {"s3:prefix": [{"Fn::Sub": "${BlobPrefix}/*"}]}}
 
 
 def test_model_role_reaches_only_its_model():
