@@ -15,10 +15,12 @@ With the email queue's dimension only:
 - `FailedRuns`: runs that failed since the previous report;
 - `Deferrals`: deferrals since the previous report, of either stage.
 
-One reporter sends them for the whole fleet: the `mailpipe.report_metrics` task, which beat sends
-to the control queue every `MAILPIPE_METRICS_INTERVAL` seconds and one worker runs. A report is
-one reading of Redis, one indexed count in the database and one batched PutMetricData, whatever
-the fleet's size. The sweeper reads the same backlog for its own report, and sends nothing.
+One reporter sends them for the whole fleet: the `Reporter` of the beat that holds the beat lock
+(mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
+runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
+A report is one reading of Redis, one indexed count in the database and one batched
+PutMetricData, whatever the fleet's size. The sweeper reads the same backlog for its own report,
+and sends nothing.
 
 One small interface with two sinks: CloudWatch when `MAILPIPE_METRICS_NAMESPACE` is set, the log
 otherwise. This module never imports Celery.
@@ -27,6 +29,7 @@ otherwise. This module never imports Celery.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -198,6 +201,43 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     return [replace(email, failed_runs=failed, deferrals=deferrals), *others]
 
 
+class Reporter:
+    """The fleet's report every `interval` seconds, each on a thread of its own: a slow
+    CloudWatch or database never delays the caller (beat's ticks), and at most one report is in
+    flight. A report still running when the next is due costs that one, with a warning."""
+
+    def __init__(self, res: Resources, sink: MetricsSink, interval: float) -> None:
+        self._res = res
+        self._sink = sink
+        self._interval = interval
+        self._due = -float("inf")  # the first report at once
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> float:
+        """Start the report that is due, if any; the seconds until the next one is due."""
+        now = time.monotonic()
+        if now >= self._due:
+            # On the beat of the interval; from now if a whole interval was missed (the first
+            # report, a standby that has just taken the lock).
+            next_due = self._due + self._interval
+            self._due = next_due if next_due > now else now + self._interval
+            if self._thread is not None and self._thread.is_alive():
+                log.warning("the previous metrics report is still running: this one is skipped")
+            else:
+                self._thread = threading.Thread(
+                    target=self._report, name="mailpipe-metrics", daemon=True
+                )
+                self._thread.start()
+        return self._due - now
+
+    def _report(self) -> None:
+        try:
+            self._sink.send(collect(self._res))
+        except Exception:
+            # Redis unreachable, mostly; the next report is a fresh reading.
+            log.warning("the metrics report failed, these figures are dropped", exc_info=True)
+
+
 def read_backlog(res: Resources, queue: str, now: float | None = None) -> BacklogMetrics:
     """The backlog of one queue now, from Redis alone; counts nothing, so any caller may read it.
     A deferred entry whose delivery never came (lost with a worker past the visibility timeout,
@@ -222,12 +262,13 @@ def claim_failed_runs(res: Resources, lookback: float) -> int | None:
     """Runs that failed since the last report, or None if another report has counted up to now
     already.
 
-    Reports run on whichever worker takes the task, so "since my last report" is no one's to
-    keep. A cursor in Redis holds the end of the last counted window instead: a report counts the
-    runs failed in (cursor, now - settle] and moves the cursor with a compare-and-set; if another
-    report moved it first (two beats for a moment, a late delivery), its count is dropped. Each
-    failure is thus counted once (at most once: a report lost on its way to CloudWatch loses its
-    count). With no cursor yet (a new fleet, a flushed Redis) the first window is `lookback` long.
+    Reports come from whichever beat holds the lock, and the holder changes (a deploy, a beat
+    that died), so "since my last report" is no one's to keep. A cursor in Redis holds the end of
+    the last counted window instead: a report counts the runs failed in (cursor, now - settle]
+    and moves the cursor with a compare-and-set; if another report moved it first (the old
+    holder's last report still in flight), its count is dropped. Each failure is thus counted
+    once (at most once: a report lost on its way to CloudWatch loses its count). With no cursor
+    yet (a new fleet, a flushed Redis) the first window is `lookback` long.
 
     The count is a range scan of the partial index on failed runs' `closed_at`.
     """
