@@ -15,6 +15,10 @@ With the email queue's dimension only:
 - `FailedRuns`: runs that failed since the previous report;
 - `Deferrals`: deferrals since the previous report, of either stage.
 
+Per stage (dimension `Stage`: `cpu`, `model`):
+
+- `StagePaused`: 1 while the stage is paused (mailpipe.coordination.pauses), else 0.
+
 One reporter sends them for the whole fleet: the `Reporter` of the beat that holds the beat lock
 (mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
 runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
@@ -38,10 +42,10 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select
 
-from mailpipe.coordination import redis_keys
+from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.brokerstate import queue_stats
 from mailpipe.coordination.heartbeat import live_workers
-from mailpipe.coordination.queues import job_queues
+from mailpipe.coordination.queues import Stage, job_queues
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import PipelineRun, RunStatus
@@ -70,6 +74,8 @@ class BacklogMetrics:
     # Runs failed since the last report; None when another reporter counted this window.
     failed_runs: int | None = None
     deferrals: int | None = None
+    # The stages paused now; None on the readings that do not carry the fleet's figures.
+    paused_stages: frozenset[Stage] | None = None
     measured_at: float = field(default_factory=time.time)
 
     @property
@@ -93,6 +99,7 @@ class LogMetricsSink:
             for name, value in (
                 ("FailedRuns", metrics.failed_runs),
                 ("Deferrals", metrics.deferrals),
+                ("StagePaused", _names(metrics.paused_stages)),
             )
             if value is not None
         )
@@ -110,8 +117,8 @@ class LogMetricsSink:
 
 
 class CloudWatchSink:
-    """One batched PutMetricData per report (every queue's figures: 12 entries, well within the
-    API's 1,000).
+    """One batched PutMetricData per report (every queue's figures and the stages' pauses: at
+    most 14 entries, well within the API's 1,000).
 
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
@@ -153,20 +160,31 @@ class CloudWatchSink:
 
 
 def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
-    """The PutMetricData entries of one report, all with the dimension `Queue`."""
-    figures: list[tuple[str, float, str]] = [
-        ("QueueDepth", metrics.queue_depth, "Count"),
-        ("OldestJobAgeSeconds", metrics.oldest_job_age_s, "Seconds"),
-        ("DeferredJobs", metrics.deferred_jobs, "Count"),
-        ("BacklogPerTask", metrics.backlog_per_task, "Count"),
-        ("RunningTasks", metrics.running_tasks, "Count"),
+    """The PutMetricData entries of one reading: its queue's figures (dimension `Queue`), and
+    each stage's pause (dimension `Stage`) when the reading carries them."""
+    queue = [{"Name": "Queue", "Value": metrics.queue}]
+    figures: list[tuple[str, float, str, list[dict[str, str]]]] = [
+        ("QueueDepth", metrics.queue_depth, "Count", queue),
+        ("OldestJobAgeSeconds", metrics.oldest_job_age_s, "Seconds", queue),
+        ("DeferredJobs", metrics.deferred_jobs, "Count", queue),
+        ("BacklogPerTask", metrics.backlog_per_task, "Count", queue),
+        ("RunningTasks", metrics.running_tasks, "Count", queue),
     ]
     if metrics.failed_runs is not None:
-        figures.append(("FailedRuns", metrics.failed_runs, "Count"))
+        figures.append(("FailedRuns", metrics.failed_runs, "Count", queue))
     if metrics.deferrals is not None:
-        figures.append(("Deferrals", metrics.deferrals, "Count"))
+        figures.append(("Deferrals", metrics.deferrals, "Count", queue))
+    if metrics.paused_stages is not None:
+        figures.extend(
+            (
+                "StagePaused",
+                stage in metrics.paused_stages,
+                "None",
+                [{"Name": "Stage", "Value": stage}],
+            )
+            for stage in Stage
+        )
     timestamp = datetime.fromtimestamp(metrics.measured_at, UTC)
-    dimensions = [{"Name": "Queue", "Value": metrics.queue}]
     return [
         {
             "MetricName": name,
@@ -175,7 +193,7 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
             "Value": float(value),
             "Unit": unit,
         }
-        for name, value, unit in figures
+        for name, value, unit, dimensions in figures
     ]
 
 
@@ -198,7 +216,11 @@ def collect(res: Resources) -> list[BacklogMetrics]:
         log.warning("could not count failed runs for FailedRuns", exc_info=True)
         failed = None
     deferrals = int(counted) if counted is not None else None
-    return [replace(email, failed_runs=failed, deferrals=deferrals), *others]
+    paused = frozenset(pauses.paused(res.redis))
+    return [
+        replace(email, failed_runs=failed, deferrals=deferrals, paused_stages=paused),
+        *others,
+    ]
 
 
 class Reporter:
@@ -291,6 +313,10 @@ def claim_failed_runs(res: Resources, lookback: float) -> int | None:
     if not res.redis.eval(_ADVANCE_CURSOR, 1, key, cursor or b"", repr(end)):
         return None
     return count or 0
+
+
+def _names(stages: frozenset[Stage] | None) -> str | None:
+    return None if stages is None else ",".join(sorted(stages)) or "none"
 
 
 def _naive_utc(timestamp: float) -> datetime:

@@ -25,6 +25,7 @@ import pytest
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.brokerstate import ENQUEUED_AT_HEADER
+from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.harness import fleet as localfleet
 from mailpipe.operations import metrics, sweeper
@@ -48,6 +49,10 @@ BACKLOG = NAMES - {"FailedRuns"}
 
 def dimension(queue: str) -> list[dict[str, str]]:
     return [{"Name": "Queue", "Value": queue}]
+
+
+def stage_dimension(stage: Stage) -> list[dict[str, str]]:
+    return [{"Name": "Stage", "Value": stage.value}]
 
 
 def good_email(i: int) -> bytes:
@@ -141,8 +146,24 @@ def report(env: dict[str, str]) -> None:
     )
 
 
+def pause(env: dict[str, str], stage: Stage) -> None:
+    in_fleet(
+        env,
+        "from mailpipe.coordination import pauses; from mailpipe.coordination.queues import Stage; "
+        "from mailpipe.resources import get_resources; "
+        f"pauses.pause(get_resources().redis, Stage({stage.value!r}), 'test')",
+    )
+
+
 def reports_sent(namespace: str) -> float:
     return stats(namespace, "QueueDepth", time.time() - 3600, time.time() + 60)["SampleCount"]
+
+
+def stage_paused(
+    namespace: str, stage: Stage, start: float, end: float | None = None
+) -> dict[str, float]:
+    end = time.time() + 1 if end is None else end
+    return stats(namespace, "StagePaused", start, end, dimensions=stage_dimension(stage))
 
 
 def report_seconds(namespace: str, start: float, end: float) -> list[float]:
@@ -208,14 +229,19 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
         for queue in ("mailpipe", "mailpipe.model")
     }
     assert by_queue == {"mailpipe": NAMES, "mailpipe.model": BACKLOG}
-    assert len(listed) == len(NAMES) + len(BACKLOG)
-    # One report's datapoints: five per queue and FailedRuns (no Deferrals: nothing was
-    # deferred).
+    by_stage = {
+        stage: {m["MetricName"] for m in listed if m["Dimensions"] == stage_dimension(stage)}
+        for stage in Stage
+    }
+    assert by_stage == {stage: {"StagePaused"} for stage in Stage}
+    assert len(listed) == len(NAMES) + len(BACKLOG) + len(Stage)
+    # One report's datapoints: five per queue, FailedRuns, one StagePaused per stage (and no
+    # Deferrals: nothing was deferred).
     first_report = [
         stats(namespace, m["MetricName"], waiting_from, waiting_until, dimensions=m["Dimensions"])
         for m in listed
     ]
-    assert sum(figures["SampleCount"] for figures in first_report) == 11
+    assert sum(figures["SampleCount"] for figures in first_report) == 13
 
     # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}
@@ -228,6 +254,9 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     assert waiting["DeferredJobs"]["Maximum"] == 0  # nothing was deferred
     assert 0 < waiting["OldestJobAgeSeconds"]["Maximum"] <= waiting_until - started
     assert waiting["FailedRuns"]["Sum"] == 0
+    for stage in Stage:  # nothing paused
+        paused = stage_paused(namespace, stage, waiting_from, waiting_until)
+        assert (paused["SampleCount"], paused["Maximum"]) == (1, 0), stage
     model = {
         name: stats(namespace, name, waiting_from, waiting_until, "mailpipe.model")
         for name in BACKLOG
@@ -284,6 +313,15 @@ def test_beat_reports_every_interval_while_every_worker_child_is_busy(res, fleet
     backlog = stats(namespace, "BacklogPerTask", busy_from, busy_until)
     assert backlog["Minimum"] == backlog["Maximum"] == 1  # the waiting job, over one live worker
 
+    pause(f.env, Stage.CPU)
+    paused_from = time.time() - 1
+    wait_for(
+        lambda: stage_paused(namespace, Stage.CPU, paused_from).get("Maximum") == 1,
+        30,
+        "a report of the paused stage",
+    )
+    model = stage_paused(namespace, Stage.MODEL, paused_from)
+    assert model["SampleCount"] >= 1 and model["Maximum"] == 0
     assert worker.alive()
     worker.kill()  # its jobs would hold a warm shutdown for minutes
 
