@@ -123,7 +123,8 @@ class CloudWatchSink:
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
     dropped, never retried later: the next report is a fresh reading, and the alarms treat a
-    missing FailedRuns datapoint as no failures, a missing OldestJobAgeSeconds as breaching.
+    missing FailedRuns datapoint as no failures, a missing OldestJobAgeSeconds or BacklogPerTask
+    as breaching.
     """
 
     def __init__(self, namespace: str, endpoint_url: str | None) -> None:
