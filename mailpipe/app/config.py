@@ -100,20 +100,13 @@ task_queues = (
 )
 task_routes = {
     _TaskName.SWEEP.value: {"queue": _control_queue(_settings)},
-    _TaskName.REPORT_METRICS.value: {"queue": _control_queue(_settings)},
     _TaskName.CLASSIFY_EMAIL.value: {"queue": _model_queue(_settings)},
 }
 
 # The sweeper turns the database back into work; beat fires it. Only the beat holding the Redis
-# lock fires, so a second beat process is a standby, not a second schedule
-# (mailpipe.app.scheduler).
+# lock fires, so a second beat process is a standby, not a second schedule. The same beat reports
+# the fleet's metrics itself, not through a task (mailpipe.app.scheduler).
 beat_scheduler = "mailpipe.app.scheduler:LockedScheduler"
 beat_schedule = {
     "sweep": {"task": _TaskName.SWEEP.value, "schedule": _settings.sweep_interval},
-    # The fleet's metrics, once per interval whatever the fleet's size (mailpipe.operations.metrics).
-    "report-metrics": {
-        "task": _TaskName.REPORT_METRICS.value,
-        "schedule": _settings.metrics_interval,
-        "options": {"expires": _settings.metrics_interval},
-    },
 }

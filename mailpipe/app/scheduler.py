@@ -7,6 +7,11 @@ holder being killed. The lock is redis-py's `Lock`, a key with a TTL, so a Redis
 beat to ask holds it. celery-redbeat was the alternative; it keeps the schedule itself in Redis,
 which this Redis (no persistence, flushed in chaos tests) would lose.
 
+The lock holder also reports the fleet's metrics every `MAILPIPE_METRICS_INTERVAL` seconds, from
+this process, which runs no jobs, on a thread of the report's own
+(`mailpipe.operations.metrics.Reporter`): a report never waits behind busy workers, and a slow
+CloudWatch never delays a tick. A standby reports nothing, so the fleet has one report per interval.
+
 Each tick whose lock check reached Redis, holding the lock or standing by, touches
 `MAILPIPE_BEAT_HEALTH_FILE`: the ECS health check tests that file's age (deploy/README.md). A tick
 comes at least every third of the lock timeout (20 s by default).
@@ -25,13 +30,16 @@ from redis.exceptions import LockError, LockNotOwnedError
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.queues import control_queue, email_queue
 from mailpipe.enqueue import declare_queue
+from mailpipe.operations import metrics
+from mailpipe.resources import get_resources
 from mailpipe.settings import get_settings
 
 log = logging.getLogger(__name__)
 
 
 class LockedScheduler(PersistentScheduler):
-    """`PersistentScheduler` that fires only while it holds the beat lock."""
+    """`PersistentScheduler` that fires, and reports the fleet's metrics, only while it holds
+    the beat lock."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings = self._settings = get_settings()
@@ -46,6 +54,9 @@ class LockedScheduler(PersistentScheduler):
         self._active = False
         self._health_file: Path = settings.beat_health_file
         self._health_file_failed = False
+        self._reporter = metrics.Reporter(
+            get_resources(), metrics.make_sink(settings), settings.metrics_interval
+        )
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -53,7 +64,8 @@ class LockedScheduler(PersistentScheduler):
         if not self._hold_lock():
             return check_every
         self._declare_queues()
-        return min(super().tick(*args, **kwargs), check_every)
+        next_report = self._reporter.tick()
+        return min(super().tick(*args, **kwargs), check_every, next_report)
 
     def close(self) -> None:
         try:

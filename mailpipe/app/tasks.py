@@ -7,7 +7,6 @@ Celery's actions, lives in `EmailJobTask` below.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -20,11 +19,10 @@ from mailpipe.coordination.brokerstate import job_headers
 from mailpipe.coordination.queues import TaskName
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.errors import RunFailed, TransientError
-from mailpipe.operations import metrics, sweeper
+from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
 from mailpipe.pipeline.job import Kind, Outcome
 from mailpipe.resources import Resources, get_resources
-from mailpipe.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -165,21 +163,3 @@ def sweep() -> dict[str, object]:
 def run_sweep(res: Resources) -> sweeper.SweepResult:
     """One sweep with the real enqueue."""
     return sweeper.sweep(res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent)
-
-
-@app.task(name=TaskName.REPORT_METRICS.value, acks_late=False, ignore_result=True)
-def report_metrics() -> None:
-    """The fleet's backlog metrics, one report for all workers (mailpipe.operations.metrics).
-
-    Beat sends it to the control queue every MAILPIPE_METRICS_INTERVAL seconds, with that
-    interval as its expiry: a report that waited longer is stale, and the next one is on its way.
-    Acked early and never retried for the same reason.
-    """
-    res = get_resources()
-    _metrics_sink(res.settings).send(metrics.collect(res))
-
-
-@functools.cache
-def _metrics_sink(settings: Settings) -> metrics.MetricsSink:
-    # One per process: the CloudWatch client is built once, on the first report.
-    return metrics.make_sink(settings)

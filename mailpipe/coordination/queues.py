@@ -18,7 +18,6 @@ class TaskName(enum.StrEnum):
     PROCESS_EMAIL = "mailpipe.process_email"  # the CPU stage: parse, origin, documents
     CLASSIFY_EMAIL = "mailpipe.classify_email"  # the model stage: the model call and labels
     SWEEP = "mailpipe.sweep"
-    REPORT_METRICS = "mailpipe.report_metrics"
 
 
 def email_queue(settings: Settings) -> str:

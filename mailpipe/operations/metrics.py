@@ -15,10 +15,16 @@ With the email queue's dimension only:
 - `FailedRuns`: runs that failed since the previous report;
 - `Deferrals`: deferrals since the previous report, of either stage.
 
-One reporter sends them for the whole fleet: the `mailpipe.report_metrics` task, which beat sends
-to the control queue every `MAILPIPE_METRICS_INTERVAL` seconds and one worker runs. A report is
-one reading of Redis, one indexed count in the database and one batched PutMetricData, whatever
-the fleet's size. The sweeper reads the same backlog for its own report, and sends nothing.
+Per stage (dimension `Stage`: `cpu`, `model`):
+
+- `StagePaused`: 1 while the stage is paused (mailpipe.coordination.pauses), else 0.
+
+One reporter sends them for the whole fleet: the `Reporter` of the beat that holds the beat lock
+(mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
+runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
+A report is one reading of Redis, one indexed count in the database and one batched
+PutMetricData, whatever the fleet's size. The sweeper reads the same backlog for its own report,
+and sends nothing.
 
 One small interface with two sinks: CloudWatch when `MAILPIPE_METRICS_NAMESPACE` is set, the log
 otherwise. This module never imports Celery.
@@ -27,6 +33,7 @@ otherwise. This module never imports Celery.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -35,10 +42,10 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select
 
-from mailpipe.coordination import redis_keys
+from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.brokerstate import queue_stats
 from mailpipe.coordination.heartbeat import live_workers
-from mailpipe.coordination.queues import job_queues
+from mailpipe.coordination.queues import Stage, job_queues
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import PipelineRun, RunStatus
@@ -67,6 +74,8 @@ class BacklogMetrics:
     # Runs failed since the last report; None when another reporter counted this window.
     failed_runs: int | None = None
     deferrals: int | None = None
+    # The stages paused now; None on the readings that do not carry the fleet's figures.
+    paused_stages: frozenset[Stage] | None = None
     measured_at: float = field(default_factory=time.time)
 
     @property
@@ -90,6 +99,7 @@ class LogMetricsSink:
             for name, value in (
                 ("FailedRuns", metrics.failed_runs),
                 ("Deferrals", metrics.deferrals),
+                ("StagePaused", _names(metrics.paused_stages)),
             )
             if value is not None
         )
@@ -107,13 +117,14 @@ class LogMetricsSink:
 
 
 class CloudWatchSink:
-    """One batched PutMetricData per report (every queue's figures: 12 entries, well within the
-    API's 1,000).
+    """One batched PutMetricData per report (every queue's figures and the stages' pauses: at
+    most 14 entries, well within the API's 1,000).
 
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
     dropped, never retried later: the next report is a fresh reading, and the alarms treat a
-    missing FailedRuns datapoint as no failures, a missing OldestJobAgeSeconds as breaching.
+    missing FailedRuns datapoint as no failures, a missing OldestJobAgeSeconds or BacklogPerTask
+    as breaching.
     """
 
     def __init__(self, namespace: str, endpoint_url: str | None) -> None:
@@ -150,20 +161,31 @@ class CloudWatchSink:
 
 
 def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
-    """The PutMetricData entries of one report, all with the dimension `Queue`."""
-    figures: list[tuple[str, float, str]] = [
-        ("QueueDepth", metrics.queue_depth, "Count"),
-        ("OldestJobAgeSeconds", metrics.oldest_job_age_s, "Seconds"),
-        ("DeferredJobs", metrics.deferred_jobs, "Count"),
-        ("BacklogPerTask", metrics.backlog_per_task, "Count"),
-        ("RunningTasks", metrics.running_tasks, "Count"),
+    """The PutMetricData entries of one reading: its queue's figures (dimension `Queue`), and
+    each stage's pause (dimension `Stage`) when the reading carries them."""
+    queue = [{"Name": "Queue", "Value": metrics.queue}]
+    figures: list[tuple[str, float, str, list[dict[str, str]]]] = [
+        ("QueueDepth", metrics.queue_depth, "Count", queue),
+        ("OldestJobAgeSeconds", metrics.oldest_job_age_s, "Seconds", queue),
+        ("DeferredJobs", metrics.deferred_jobs, "Count", queue),
+        ("BacklogPerTask", metrics.backlog_per_task, "Count", queue),
+        ("RunningTasks", metrics.running_tasks, "Count", queue),
     ]
     if metrics.failed_runs is not None:
-        figures.append(("FailedRuns", metrics.failed_runs, "Count"))
+        figures.append(("FailedRuns", metrics.failed_runs, "Count", queue))
     if metrics.deferrals is not None:
-        figures.append(("Deferrals", metrics.deferrals, "Count"))
+        figures.append(("Deferrals", metrics.deferrals, "Count", queue))
+    if metrics.paused_stages is not None:
+        figures.extend(
+            (
+                "StagePaused",
+                stage in metrics.paused_stages,
+                "None",
+                [{"Name": "Stage", "Value": stage}],
+            )
+            for stage in Stage
+        )
     timestamp = datetime.fromtimestamp(metrics.measured_at, UTC)
-    dimensions = [{"Name": "Queue", "Value": metrics.queue}]
     return [
         {
             "MetricName": name,
@@ -172,7 +194,7 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
             "Value": float(value),
             "Unit": unit,
         }
-        for name, value, unit in figures
+        for name, value, unit, dimensions in figures
     ]
 
 
@@ -195,7 +217,48 @@ def collect(res: Resources) -> list[BacklogMetrics]:
         log.warning("could not count failed runs for FailedRuns", exc_info=True)
         failed = None
     deferrals = int(counted) if counted is not None else None
-    return [replace(email, failed_runs=failed, deferrals=deferrals), *others]
+    paused = frozenset(pauses.paused(res.redis))
+    return [
+        replace(email, failed_runs=failed, deferrals=deferrals, paused_stages=paused),
+        *others,
+    ]
+
+
+class Reporter:
+    """The fleet's report every `interval` seconds, each on a thread of its own: a slow
+    CloudWatch or database never delays the caller (beat's ticks), and at most one report is in
+    flight. A report still running when the next is due costs that one, with a warning."""
+
+    def __init__(self, res: Resources, sink: MetricsSink, interval: float) -> None:
+        self._res = res
+        self._sink = sink
+        self._interval = interval
+        self._due = -float("inf")  # the first report at once
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> float:
+        """Start the report that is due, if any; the seconds until the next one is due."""
+        now = time.monotonic()
+        if now >= self._due:
+            # On the beat of the interval; from now if a whole interval was missed (the first
+            # report, a standby that has just taken the lock).
+            next_due = self._due + self._interval
+            self._due = next_due if next_due > now else now + self._interval
+            if self._thread is not None and self._thread.is_alive():
+                log.warning("the previous metrics report is still running: this one is skipped")
+            else:
+                self._thread = threading.Thread(
+                    target=self._report, name="mailpipe-metrics", daemon=True
+                )
+                self._thread.start()
+        return self._due - now
+
+    def _report(self) -> None:
+        try:
+            self._sink.send(collect(self._res))
+        except Exception:
+            # Redis unreachable, mostly; the next report is a fresh reading.
+            log.warning("the metrics report failed, these figures are dropped", exc_info=True)
 
 
 def read_backlog(res: Resources, queue: str, now: float | None = None) -> BacklogMetrics:
@@ -222,12 +285,13 @@ def claim_failed_runs(res: Resources, lookback: float) -> int | None:
     """Runs that failed since the last report, or None if another report has counted up to now
     already.
 
-    Reports run on whichever worker takes the task, so "since my last report" is no one's to
-    keep. A cursor in Redis holds the end of the last counted window instead: a report counts the
-    runs failed in (cursor, now - settle] and moves the cursor with a compare-and-set; if another
-    report moved it first (two beats for a moment, a late delivery), its count is dropped. Each
-    failure is thus counted once (at most once: a report lost on its way to CloudWatch loses its
-    count). With no cursor yet (a new fleet, a flushed Redis) the first window is `lookback` long.
+    Reports come from whichever beat holds the lock, and the holder changes (a deploy, a beat
+    that died), so "since my last report" is no one's to keep. A cursor in Redis holds the end of
+    the last counted window instead: a report counts the runs failed in (cursor, now - settle]
+    and moves the cursor with a compare-and-set; if another report moved it first (the old
+    holder's last report still in flight), its count is dropped. Each failure is thus counted
+    once (at most once: a report lost on its way to CloudWatch loses its count). With no cursor
+    yet (a new fleet, a flushed Redis) the first window is `lookback` long.
 
     The count is a range scan of the partial index on failed runs' `closed_at`.
     """
@@ -250,6 +314,10 @@ def claim_failed_runs(res: Resources, lookback: float) -> int | None:
     if not res.redis.eval(_ADVANCE_CURSOR, 1, key, cursor or b"", repr(end)):
         return None
     return count or 0
+
+
+def _names(stages: frozenset[Stage] | None) -> str | None:
+    return None if stages is None else ",".join(sorted(stages)) or "none"
 
 
 def _naive_utc(timestamp: float) -> datetime:

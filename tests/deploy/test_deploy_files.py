@@ -20,7 +20,13 @@ import pytest
 from botocore.validate import ParamValidator
 from cfnlint.decode import decode
 
-from mailpipe.coordination.queues import control_queue, email_queue, job_queues, model_queue
+from mailpipe.coordination.queues import (
+    Stage,
+    control_queue,
+    email_queue,
+    job_queues,
+    model_queue,
+)
 from mailpipe.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +35,8 @@ TEMPLATE = DEPLOY / "cloudformation" / "mailpipe.yaml"
 ROLES = ("worker", "model", "beat", "flower", "release")
 SERVICES = ("worker", "model", "beat", "flower")  # long-running; release is a one-off run-task
 WORKERS = ("worker", "model")  # Celery workers: the CPU stage and the model stage
+# Roles that call AWS APIs: S3 (worker), Bedrock (model), PutMetricData (beat).
+WITH_TASK_ROLE = ("worker", "model", "beat")
 ACCOUNT = "123456789012"
 
 # Fargate's allowed task sizes: cpu units -> memory MiB.
@@ -402,7 +410,7 @@ def task_settings(role: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
 def test_worker_settings_pass_the_app_time_budget_check(monkeypatch):
     settings = task_settings("worker", monkeypatch)
     assert settings.worker_concurrency == 2
-    assert settings.metrics_namespace == "Mailpipe"
+    assert settings.metrics_namespace is None  # beat reports the fleet's metrics
     assert settings.blob_url.startswith("s3://")
     # The CPU stage must know that the model is remote, to hand the email off to the model role.
     assert settings.model_backend == "bedrock"
@@ -411,7 +419,7 @@ def test_worker_settings_pass_the_app_time_budget_check(monkeypatch):
 def test_model_settings_are_sized_for_threads(monkeypatch):
     settings = task_settings("model", monkeypatch)
     assert settings.model_backend == "bedrock"
-    assert settings.metrics_namespace is None  # the fleet's report runs on the worker role
+    assert settings.metrics_namespace is None  # beat reports the fleet's metrics
     # Threads hold a connection only for their short transactions: a few serve all 32.
     assert option(container("model")["command"], "concurrency") == "32"
     assert settings.db_pool_size == 8
@@ -458,7 +466,8 @@ def test_every_secret_comes_from_secrets_manager_or_ssm(role):
 def test_roles_get_only_the_secrets_they_use():
     assert set(secrets("worker")) == {"MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"}
     assert set(secrets("model")) == {"MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"}
-    assert set(secrets("beat")) == {"MAILPIPE_BROKER_URL"}
+    # Beat's report counts the failed runs in the database.
+    assert set(secrets("beat")) == {"MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"}
     assert set(secrets("flower")) == {"MAILPIPE_BROKER_URL", "MAILPIPE_FLOWER_BASIC_AUTH"}
     assert set(secrets("release")) == {"MAILPIPE_DATABASE_URL"}
     # One secret per setting across roles.
@@ -488,25 +497,25 @@ def test_task_definition_roles_are_the_stack_roles(role, template):
     }
     execution = td["executionRoleArn"].removeprefix(f"arn:aws:iam::{ACCOUNT}:role/")
     assert execution == f"mailpipe-{role}-execution" and execution in stack_roles
-    if role in WORKERS:
+    if role in WITH_TASK_ROLE:
         task = td["taskRoleArn"].removeprefix(f"arn:aws:iam::{ACCOUNT}:role/")
         assert task == f"mailpipe-{role}-task" and task in stack_roles
     else:
         assert "taskRoleArn" not in td, "no AWS API calls, so no credentials"
 
 
-def test_only_the_worker_role_sends_metrics():
-    """The fleet's report is a task on the control queue, which only the worker role consumes;
-    beat only sends its message. So only the worker role has the namespace, and only its task
-    role may put metrics."""
+def test_only_beat_sends_metrics(monkeypatch):
+    """The fleet's report runs in the beat holding the lock, from its own process. So only beat
+    has the namespace, and only its task role may put metrics."""
     senders = {role for role in ROLES if "MAILPIPE_METRICS_NAMESPACE" in env(role)}
-    assert senders == {"worker"}
+    assert senders == {"beat"}
+    assert task_settings("beat", monkeypatch).metrics_namespace == "Mailpipe"
     putters = {
         path.stem
         for path in (DEPLOY / "iam").glob("*-task-policy.json")
         if any(s["Sid"] == "PutMetrics" for s in iam_document(path.stem)["Statement"])
     }
-    assert putters == {"worker-task-policy"}
+    assert putters == {"beat-task-policy"}
 
 
 # --- Dockerfile --------------------------------------------------------------------------------
@@ -626,7 +635,7 @@ def test_worker_scales_on_backlog_per_task(template):
     assert target["ScalableDimension"] == "ecs:service:DesiredCount"
     assert target["ResourceId"] == {"Fn::Sub": "service/${ClusterName}/${WorkerService.Name}"}
     params = template["Parameters"]
-    assert params["WorkerMinTasks"]["MinValue"] >= 1  # the metric needs a running worker
+    assert params["WorkerMinTasks"]["MinValue"] >= 1  # the sweeps need a running worker
     config = res["WorkerBacklogScalingPolicy"]["Properties"][
         "TargetTrackingScalingPolicyConfiguration"
     ]
@@ -695,17 +704,58 @@ def test_services(template):
     assert "ClusterName" in template["Parameters"]
 
 
-@pytest.mark.parametrize(
-    ("alarm", "metric"),
-    [("OldestJobAgeAlarm", "OldestJobAgeSeconds"), ("FailedRunsAlarm", "FailedRuns")],
-)
-def test_alarms_notify_the_topic(template, alarm, metric):
+ALARMS = {
+    # alarm: the metric and its dimension
+    "OldestJobAgeAlarm": ("OldestJobAgeSeconds", {"Name": "Queue", "Value": {"Ref": "QueueName"}}),
+    "FailedRunsAlarm": ("FailedRuns", {"Name": "Queue", "Value": {"Ref": "QueueName"}}),
+    "MetricsMissingAlarm": ("BacklogPerTask", {"Name": "Queue", "Value": {"Ref": "QueueName"}}),
+    "CpuStagePausedAlarm": ("StagePaused", {"Name": "Stage", "Value": "cpu"}),
+    "ModelStagePausedAlarm": ("StagePaused", {"Name": "Stage", "Value": "model"}),
+}
+
+
+@pytest.mark.parametrize("alarm", sorted(ALARMS))
+def test_alarms_notify_the_topic(template, alarm):
     props = template["Resources"][alarm]["Properties"]
+    metric, dimension = ALARMS[alarm]
     assert props["MetricName"] == metric
     assert props["Namespace"] == {"Ref": "MetricsNamespace"}
-    assert props["Dimensions"] == [{"Name": "Queue", "Value": {"Ref": "QueueName"}}]
-    assert props["AlarmActions"] == [{"Ref": "AlarmTopicArn"}]
+    assert props["Dimensions"] == [dimension]
+    assert props["AlarmActions"] == props["OKActions"] == [{"Ref": "AlarmTopicArn"}]
     assert template["Parameters"]["AlarmTopicArn"]["Type"] == "String"
+
+
+def test_every_alarm_is_tested(template):
+    resources = template["Resources"]
+    alarms = {name for name, r in resources.items() if r["Type"] == "AWS::CloudWatch::Alarm"}
+    assert alarms == set(ALARMS)
+
+
+def test_a_silent_report_alarms_on_its_own(template):
+    """No BacklogPerTask datapoint for 3 minutes is an alarm of its own: the target tracking
+    alarms, which Auto Scaling owns, are not changed."""
+    props = template["Resources"]["MetricsMissingAlarm"]["Properties"]
+    assert props["TreatMissingData"] == "breaching"
+    assert props["Statistic"] == "SampleCount"
+    assert (props["ComparisonOperator"], props["Threshold"]) == ("LessThanThreshold", 1)
+    assert props["Period"] * props["EvaluationPeriods"] == 180
+    policies = [
+        r["Properties"]["TargetTrackingScalingPolicyConfiguration"]
+        for r in template["Resources"].values()
+        if r["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
+    ]
+    assert not [config for config in policies if "TreatMissingData" in json.dumps(config)]
+
+
+@pytest.mark.parametrize(
+    ("alarm", "stage"), [("CpuStagePausedAlarm", Stage.CPU), ("ModelStagePausedAlarm", Stage.MODEL)]
+)
+def test_a_paused_stage_alarms(template, alarm, stage):
+    props = template["Resources"][alarm]["Properties"]
+    assert props["Dimensions"] == [{"Name": "Stage", "Value": stage.value}]
+    assert (props["ComparisonOperator"], props["Threshold"]) == ("GreaterThanOrEqualToThreshold", 1)
+    assert props["Statistic"] == "Maximum"
+    assert props["TreatMissingData"] == "notBreaching"  # silence is the other alarm's
 
 
 # --- IAM ---------------------------------------------------------------------------------------
@@ -745,15 +795,14 @@ def test_task_role_trust_is_limited_to_this_account():
 
 
 def test_metrics_are_limited_to_the_mailpipe_namespace():
-    (statement,) = [
-        s for s in iam_document("worker-task-policy")["Statement"] if s["Sid"] == "PutMetrics"
-    ]
+    (statement,) = iam_document("beat-task-policy")["Statement"]
+    assert statement["Sid"] == "PutMetrics"
     assert statement["Condition"] == {"StringEquals": {"cloudwatch:namespace": "Mailpipe"}}
 
 
 def test_worker_reaches_only_its_blob_prefix():
     by_sid = {s["Sid"]: s for s in iam_document("worker-task-policy")["Statement"]}
-    assert set(by_sid) == {"ReadWriteBlobs", "ListBlobPrefix", "PutMetrics"}
+    assert set(by_sid) == {"ReadWriteBlobs", "ListBlobPrefix"}
     blobs = by_sid["ReadWriteBlobs"]
     assert sorted(as_list(blobs["Action"])) == ["s3:GetObject", "s3:PutObject"]
     bucket, prefix = env("worker")["MAILPIPE_BLOB_URL"].removeprefix("s3://").split("/", 1)
@@ -776,7 +825,7 @@ def test_the_worker_task_role_lists_only_its_blob_prefix(template):
 
 def test_model_role_reaches_only_its_model():
     by_sid = {s["Sid"]: s for s in iam_document("model-task-policy")["Statement"]}
-    assert set(by_sid) == {"InvokeModel"}  # the fleet's metrics are the worker role's
+    assert set(by_sid) == {"InvokeModel"}  # the fleet's metrics are beat's
     model = by_sid["InvokeModel"]
     assert as_list(model["Action"]) == ["bedrock:InvokeModel"]
     assert as_list(model["Resource"]) == [
@@ -841,6 +890,7 @@ STANDALONE_TWINS = {
     "WorkerExecutionRole": ["worker-execution-policy"],
     "ModelTaskRole": ["model-task-policy"],
     "ModelExecutionRole": ["model-execution-policy"],
+    "BeatTaskRole": ["beat-task-policy"],
     "BeatExecutionRole": ["beat-execution-policy"],
     "FlowerExecutionRole": ["flower-execution-policy"],
     "ReleaseExecutionRole": ["release-execution-policy"],

@@ -1,13 +1,16 @@
 """Backlog metrics read back from a CloudWatch-compatible server (moto, the session's S3 server,
-which serves every AWS API on one port), sent by the fleet's report task on real workers, fired
-by a real beat."""
+which serves every AWS API on one port), sent by the reporter of a real beat while real workers
+run jobs, or by one report run by hand."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +25,7 @@ import pytest
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.brokerstate import ENQUEUED_AT_HEADER
+from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.harness import fleet as localfleet
 from mailpipe.operations import metrics, sweeper
@@ -30,7 +34,7 @@ from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 from mailpipe.storage import flags
 from tests.support.fleet import enqueue_in
-from tests.support.waits import wait_for, wait_until_closed
+from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 NAMES = {
     "QueueDepth",
@@ -47,6 +51,10 @@ def dimension(queue: str) -> list[dict[str, str]]:
     return [{"Name": "Queue", "Value": queue}]
 
 
+def stage_dimension(stage: Stage) -> list[dict[str, str]]:
+    return [{"Name": "Stage", "Value": stage.value}]
+
+
 def good_email(i: int) -> bytes:
     message_id = f"<m{i}-{uuid.uuid4().hex}@x>"
     return (
@@ -55,40 +63,65 @@ def good_email(i: int) -> bytes:
     ).encode()
 
 
+def metrics_settings(endpoint: str | None = None, interval: float = 60.0) -> dict[str, str]:
+    """Its own namespace (the server keeps every test's datapoints), the interval, and
+    heartbeats every second: a queue a worker is told to consume counts it within a second."""
+    return {
+        "MAILPIPE_METRICS_NAMESPACE": f"MailpipeTest{uuid.uuid4().hex[:8]}",
+        "MAILPIPE_METRICS_INTERVAL": str(interval),
+        "MAILPIPE_WORKER_HEARTBEAT_INTERVAL": "1",
+        "MAILPIPE_WORKER_DEAD_AFTER": "5",
+        "MAILPIPE_CLOUDWATCH_ENDPOINT_URL": endpoint or os.environ["MAILPIPE_S3_ENDPOINT_URL"],
+    }
+
+
 def fleet_env(endpoint: str | None = None, interval: float = 60.0) -> dict[str, str]:
     """Its own key prefix (under the run's, so the session cleans it up): these workers see only
-    their own jobs and pings, and the shared worker never sees them. Its own namespace: the
-    server keeps every test's datapoints."""
+    their own jobs and pings, and the shared worker never sees them."""
     env = dict(os.environ)
     env["MAILPIPE_REDIS_PREFIX"] = f"{os.environ['MAILPIPE_REDIS_PREFIX']}m{uuid.uuid4().hex[:8]}:"
-    env["MAILPIPE_METRICS_NAMESPACE"] = f"MailpipeTest{uuid.uuid4().hex[:8]}"
-    env["MAILPIPE_METRICS_INTERVAL"] = str(interval)
-    # Heartbeats every second: a queue a worker is told to consume counts it within a second.
-    env["MAILPIPE_WORKER_HEARTBEAT_INTERVAL"] = "1"
-    env["MAILPIPE_WORKER_DEAD_AFTER"] = "5"
-    env["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"] = endpoint or os.environ["MAILPIPE_S3_ENDPOINT_URL"]
-    return env
+    return env | metrics_settings(endpoint, interval)
 
 
 def cloudwatch() -> Any:
     return boto3.client("cloudwatch", endpoint_url=os.environ["MAILPIPE_S3_ENDPOINT_URL"])
 
 
-def stats(
-    namespace: str, name: str, start: float, end: float, queue: str = "mailpipe"
-) -> dict[str, float]:
-    """Minimum, Maximum, Sum and SampleCount of the datapoints timestamped in the whole seconds
-    inside [start, end): the server drops the fraction of a query's bounds, as CloudWatch does."""
+def datapoints(
+    namespace: str,
+    name: str,
+    start: float,
+    end: float,
+    dimensions: list[dict[str, str]],
+    period: int = 60,
+) -> list[dict[str, Any]]:
+    """The statistics of the datapoints timestamped in the whole seconds inside [start, end),
+    per `period` seconds from the first of them: the server drops the fraction of a query's
+    bounds, as CloudWatch does."""
+    if math.ceil(start) >= math.floor(end):
+        return []  # no whole second inside
     reply = cloudwatch().get_metric_statistics(
         Namespace=namespace,
         MetricName=name,
-        Dimensions=dimension(queue),
+        Dimensions=dimensions,
         StartTime=datetime.fromtimestamp(math.ceil(start), UTC),
         EndTime=datetime.fromtimestamp(math.floor(end), UTC),
-        Period=60,
+        Period=period,
         Statistics=["Minimum", "Maximum", "Sum", "SampleCount"],
     )
-    points = reply["Datapoints"]
+    return sorted(reply["Datapoints"], key=lambda p: p["Timestamp"])
+
+
+def stats(
+    namespace: str,
+    name: str,
+    start: float,
+    end: float,
+    queue: str = "mailpipe",
+    dimensions: list[dict[str, str]] | None = None,
+) -> dict[str, float]:
+    """Minimum, Maximum, Sum and SampleCount of the datapoints inside [start, end)."""
+    points = datapoints(namespace, name, start, end, dimensions or dimension(queue))
     if not points:
         return {"SampleCount": 0.0}
     return {
@@ -99,15 +132,50 @@ def stats(
     }
 
 
+def in_fleet(env: dict[str, str], code: str) -> None:
+    """Run `code` in a process of the fleet's settings (its key prefix, namespace, endpoint)."""
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
 def report(env: dict[str, str]) -> None:
-    """What beat sends every interval, sent once by hand: one report, whichever worker takes it."""
-    localfleet.control_app(env).send_task(
-        "mailpipe.report_metrics", queue="mailpipe.control", expires=60
+    """One report, what beat's reporter sends every interval, run once by hand."""
+    in_fleet(
+        env,
+        "from mailpipe.operations import metrics; from mailpipe.resources import get_resources; "
+        "res = get_resources(); metrics.make_sink(res.settings).send(metrics.collect(res))",
+    )
+
+
+def pause(env: dict[str, str], stage: Stage) -> None:
+    in_fleet(
+        env,
+        "from mailpipe.coordination import pauses; from mailpipe.coordination.queues import Stage; "
+        "from mailpipe.resources import get_resources; "
+        f"pauses.pause(get_resources().redis, Stage({stage.value!r}), 'test')",
     )
 
 
 def reports_sent(namespace: str) -> float:
     return stats(namespace, "QueueDepth", time.time() - 3600, time.time() + 60)["SampleCount"]
+
+
+def stage_paused(
+    namespace: str, stage: Stage, start: float, end: float | None = None
+) -> dict[str, float]:
+    end = time.time() + 1 if end is None else end
+    return stats(namespace, "StagePaused", start, end, dimensions=stage_dimension(stage))
+
+
+def report_seconds(namespace: str, start: float, end: float) -> list[float]:
+    """When each report inside [start, end) was measured, to the second (a report sends one
+    BacklogPerTask for the email queue). Two reports in one second would make a count above 1."""
+    points = datapoints(namespace, "BacklogPerTask", start, end, dimension("mailpipe"), period=1)
+    assert {p["SampleCount"] for p in points} <= {1.0}, points
+    return [p["Timestamp"].timestamp() for p in points]
+
+
+def gaps(seconds: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(seconds)]
 
 
 def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -161,7 +229,19 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
         for queue in ("mailpipe", "mailpipe.model")
     }
     assert by_queue == {"mailpipe": NAMES, "mailpipe.model": BACKLOG}
-    assert len(listed) == len(NAMES) + len(BACKLOG)
+    by_stage = {
+        stage: {m["MetricName"] for m in listed if m["Dimensions"] == stage_dimension(stage)}
+        for stage in Stage
+    }
+    assert by_stage == {stage: {"StagePaused"} for stage in Stage}
+    assert len(listed) == len(NAMES) + len(BACKLOG) + len(Stage)
+    # One report's datapoints: five per queue, FailedRuns, one StagePaused per stage (and no
+    # Deferrals: nothing was deferred).
+    first_report = [
+        stats(namespace, m["MetricName"], waiting_from, waiting_until, dimensions=m["Dimensions"])
+        for m in listed
+    ]
+    assert sum(figures["SampleCount"] for figures in first_report) == 13
 
     # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}
@@ -174,6 +254,9 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     assert waiting["DeferredJobs"]["Maximum"] == 0  # nothing was deferred
     assert 0 < waiting["OldestJobAgeSeconds"]["Maximum"] <= waiting_until - started
     assert waiting["FailedRuns"]["Sum"] == 0
+    for stage in Stage:  # nothing paused
+        paused = stage_paused(namespace, stage, waiting_from, waiting_until)
+        assert (paused["SampleCount"], paused["Maximum"]) == (1, 0), stage
     model = {
         name: stats(namespace, name, waiting_from, waiting_until, "mailpipe.model")
         for name in BACKLOG
@@ -190,33 +273,86 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     assert drained["FailedRuns"]["Maximum"] == 2 and drained["FailedRuns"]["Minimum"] == 0
 
 
-def test_beat_has_one_report_sent_per_interval_whatever_the_fleet_size(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Three workers, one beat: one report per interval in all, never one per worker."""
+def test_beat_reports_every_interval_while_every_worker_child_is_busy(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    """Both children of the only worker are held by jobs of minutes and a third job waits: the
+    report still goes out every interval, from beat's own process, which runs no jobs."""
     interval = 2.0
-    env = fleet_env(interval=interval)
+    f = fleet(
+        **metrics_settings(interval=interval),
+        # Jobs of minutes: limits above them, and one message reserved per child, so that the
+        # third job waits in the queue.
+        MAILPIPE_TASK_SOFT_TIME_LIMIT="300",
+        MAILPIPE_TASK_TIME_LIMIT="310",
+        MAILPIPE_VISIBILITY_TIMEOUT="400",
+        MAILPIPE_WORKER_PREFETCH_MULTIPLIER="1",
+    )
+    namespace = f.env["MAILPIPE_METRICS_NAMESPACE"]
+    ids = store_emails(res, [good_email(i) for i in range(3)])
+    for email_id in ids:
+        f.set_fault(email_id, "slow:300", times=1)
+    f.enqueue(ids)
+    worker = f.worker("busy", "--concurrency", "2")
+    wait_for(lambda: sum(map(f.runs, ids)) == 2, 60, "both children to hold a job")
+    assert f.queue_depth() == 1
+
+    busy_from = time.time()
+    f.beat()
+    wait_for(
+        lambda: len(report_seconds(namespace, busy_from, time.time() + 1)) >= 4,
+        30,
+        "four reports",
+    )
+    busy_until = time.time() + 1
+    # The children were busy all along: no job ended, none was taken by another delivery.
+    assert sum(map(f.runs, ids)) == 2 and f.queue_depth() == 1
+    assert set(run_statuses(res, ids).values()) == {"open"}
+    seconds = report_seconds(namespace, busy_from, busy_until)
+    # One report per interval, each within a second of its beat (the server's buckets are whole
+    # seconds from the first datapoint).
+    assert all(interval - 1 <= gap <= interval + 1 for gap in gaps(seconds)), seconds
+    backlog = stats(namespace, "BacklogPerTask", busy_from, busy_until)
+    assert backlog["Minimum"] == backlog["Maximum"] == 1  # the waiting job, over one live worker
+
+    pause(f.env, Stage.CPU)
+    paused_from = time.time() - 1
+    wait_for(
+        lambda: stage_paused(namespace, Stage.CPU, paused_from).get("Maximum") == 1,
+        30,
+        "a report of the paused stage",
+    )
+    model = stage_paused(namespace, Stage.MODEL, paused_from)
+    assert model["SampleCount"] >= 1 and model["Maximum"] == 0
+    assert worker.alive()
+    worker.kill()  # its jobs would hold a warm shutdown for minutes
+
+
+def test_only_the_beat_holding_the_lock_reports(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two beats, one report per interval; killed, the holder's reports are taken over by the
+    other beat once the lock is its."""
+    interval = 2.0
+    env = fleet_env(interval=interval) | {"MAILPIPE_BEAT_LOCK_TIMEOUT": "6"}
     namespace = env["MAILPIPE_METRICS_NAMESPACE"]
-    workers = [
-        localfleet.worker(env, tmp_path, concurrency=1, extra_args=("--queues", "mailpipe.control"))
-        for _ in range(3)
-    ]
-    beat = localfleet.beat(env, tmp_path)
-    for process in [*workers, beat]:
-        process.start()
+    started = time.time() - 1
+    beats = [localfleet.beat(env, tmp_path, name).start() for name in ("beat-a", "beat-b")]
     try:
-        for worker in workers:
-            worker.wait_ready()
-        started = time.time()
         wait_for(lambda: reports_sent(namespace) >= 4, 60, "four reports")
-        sent, elapsed = reports_sent(namespace), time.time() - started
+        seconds = report_seconds(namespace, started, time.time() + 1)
+        assert all(gap >= interval - 1 for gap in gaps(seconds)), seconds
+        [active] = [b for b in beats if "holding the scheduler lock" in b.log_tail(400)]
+        [standby] = [b for b in beats if b is not active]
+        active.kill()
+        killed_at = time.time()
+        wait_for(
+            lambda: report_seconds(namespace, killed_at, time.time() + 1),
+            60,
+            "the standby to report",
+        )
+        assert "holding the scheduler lock" in standby.log_tail(400)
     finally:
-        assert beat.stop() == 0, beat.log_tail()
-        for worker in workers:
-            assert worker.stop() == 0, worker.log_tail()
-    # Beat's first report comes one interval after it starts (before `started` at the earliest):
-    # at most one report per interval since, where a reporter per worker would send three.
-    assert sent <= elapsed / interval + 2, (sent, elapsed)
+        for beat in beats:
+            beat.stop()
     assert (
-        stats(namespace, "RunningTasks", started - 60, time.time() + 1, "mailpipe.control")[
+        stats(namespace, "RunningTasks", started, time.time() + 1, "mailpipe.control")[
             "SampleCount"
         ]
         == 0
@@ -292,36 +428,35 @@ def black_hole() -> Iterator[tuple[str, list[socket.socket]]]:
         conn.close()
 
 
-def test_an_unreachable_cloudwatch_costs_one_report_not_the_jobs(
-    res, tmp_path: Path, black_hole
-) -> None:  # type: ignore[no-untyped-def]
+def test_an_unreachable_cloudwatch_never_delays_beat(res, tmp_path: Path, black_hole) -> None:  # type: ignore[no-untyped-def]
+    """A report stuck on a CloudWatch that never answers holds its own thread only: beat goes on
+    firing the sweep every interval, and no second report starts while it is stuck."""
     endpoint, accepted = black_hole
-    env = fleet_env(endpoint)
-    ids = store_emails(res, [good_email(i) for i in range(20)])
-    worker = localfleet.worker(env, tmp_path, concurrency=2).start()
+    env = fleet_env(endpoint, interval=1.0) | {"MAILPIPE_SWEEP_INTERVAL": "1"}
+    control = env["MAILPIPE_REDIS_PREFIX"] + "mailpipe.control"
+    beat = localfleet.beat(env, tmp_path).start()
     try:
-        worker.wait_ready()
-        report(env)
-        # The report is now stuck on CloudWatch in one child (each try waits out its timeouts) ...
         wait_for(lambda: len(accepted) >= 1, 30, "the report to call the black hole")
-        with res.db.transaction() as session:
-            flags.set_model_calls(session, True)
-        enqueue_in(env, ids)
-        # ... while the main process answers pings and the other child runs the jobs.
-        control = localfleet.control_app(env)
-        for _ in range(3):
-            assert control.control.ping(destination=[worker.nodename], timeout=2.0)
-        statuses = wait_until_closed(res, ids, timeout=60)
-        assert set(statuses.values()) == {"succeeded"}
-        # The report gives up by itself (bounded timeouts and tries), logged, not raised.
+        stuck_at, sweeps_before = time.monotonic(), res.redis.llen(control)
+        # Each try waits out its read timeout (5 s): the first report is stuck for seconds ...
         wait_for(
-            lambda: "PutMetricData failed, these figures are dropped" in worker.log_tail(400),
+            lambda: "this one is skipped" in beat.log_tail(400),
+            30,
+            "a report skipped while the first is stuck",
+        )
+        # ... while the sweeps go on at their interval.
+        wait_for(lambda: res.redis.llen(control) - sweeps_before >= 4, 30, "four more sweeps")
+        assert time.monotonic() - stuck_at < 10
+        # One report at a time: its tries connect one after another.
+        assert len(accepted) <= 3
+        wait_for(
+            lambda: "PutMetricData failed, these figures are dropped" in beat.log_tail(400),
             90,
             "the report to give up",
         )
-        assert worker.alive()
+        assert beat.alive()
     finally:
-        assert worker.stop() == 0, worker.log_tail()
+        assert beat.stop() == 0, beat.log_tail()
 
 
 def test_a_job_enqueued_by_upstream_code_carries_its_enqueue_time(res) -> None:  # type: ignore[no-untyped-def]

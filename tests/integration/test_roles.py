@@ -9,10 +9,12 @@
   destinations, /opt/venv/bin, the /tmp volume and the working directory) and Flower's port 5555
   to a free one. Its health check command runs the same way. Two things differ from the task and
   are said where they are set: the processes run as root here (the task runs as 10001), so
-  Celery's warning about root is silenced; and beat's sweep interval is 2 s instead of 300 s.
+  Celery's warning about root is silenced; and beat's sweep and report intervals are 2 s instead
+  of 300 s and 60 s.
 
 A role is ready when a worker (the CPU stage's or the model role's) answers a ping and consumes
-exactly its queues (`celery inspect active_queues`), beat has put a sweep on the control queue,
+exactly its queues (`celery inspect active_queues`), beat has put a sweep on the control queue
+and sent the fleet's metrics to CloudWatch (moto),
 Flower answers 401 without credentials and 200 with them, and release exits 0 having migrated.
 The two workers' task definitions also process an email together, each running its own stage.
 """
@@ -32,9 +34,11 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 import redis
 import requests
@@ -608,29 +612,54 @@ def test_ecs_worker_and_model_run_an_email_s_two_stages(  # type: ignore[no-unty
     assert list(image.workdir.iterdir()) == []
 
 
-def test_ecs_beat_needs_only_the_broker(image, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Beat's task definition gives it the broker and nothing else of the fleet's: no database,
-    no AWS credentials. It fires, touches its health file and writes only its schedule."""
-    secrets = {"MAILPIPE_BROKER_URL": REDIS_URL}
-    # The task's schedule is every 300 s; the test does not wait that long.
-    env = image.task_env("beat", secrets, own_env(MAILPIPE_SWEEP_INTERVAL="2"))
-    assert not {
-        name for name in env if name.startswith("AWS_") and name != "AWS_EC2_METADATA_DISABLED"
-    }
+def test_ecs_beat_fires_and_reports_the_fleet_s_metrics(image, migrated_database, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Beat's task definition gives it the broker, the database and the credentials of its task
+    role (PutMetricData), what its report needs. It fires the sweep, sends the fleet's metrics
+    into the task's namespace, touches its health file and writes only its schedule."""
+    secrets = {"MAILPIPE_BROKER_URL": REDIS_URL, "MAILPIPE_DATABASE_URL": migrated_database.url}
+    # The task's intervals are 300 s and 60 s; the test does not wait that long.
+    own = own_env(MAILPIPE_SWEEP_INTERVAL="2", MAILPIPE_METRICS_INTERVAL="2")
+    env = image.task_env("beat", secrets, own | aws_of_the_test())
+    started = datetime.now(UTC).replace(microsecond=0)
     beat = image.start("beat", env, tmp_path / "beat.log")
     check = image.health_check("beat")
     try:
         wait_beat_fired(beat, env)
         wait_for(lambda: run_health_check(check, env).returncode == 0, 30, "the health check")
+        wait_for(lambda: reported_backlog(started) >= 2, 30, "two reports")
     finally:
         code = beat.stop()
     assert code == 0, beat.output()[-3000:]
     records = json_lines(beat.output())
     assert any("Sending due task sweep" in r["message"] for r in records)
     assert not [r for r in records if r["level"] in ("ERROR", "CRITICAL")]
+    # Every report read the database and reached CloudWatch (one may be skipped while the first
+    # builds its clients, at a 2 s interval).
+    assert not [r for r in records if "could not" in r["message"] or "dropped" in r["message"]]
     assert {p.name for p in image.workdir.iterdir()} <= {
         f"celerybeat-schedule{suffix}" for suffix in ("", ".db", ".dat", ".dir", ".bak")
     }
+
+
+def reported_backlog(since: datetime) -> float:
+    """BacklogPerTask datapoints of the email queue in the task definition's namespace."""
+    reply = boto3.client(
+        "cloudwatch", endpoint_url=f"http://127.0.0.1:{S3_PORT}"
+    ).get_metric_statistics(
+        Namespace=task_env_value("beat", "MAILPIPE_METRICS_NAMESPACE"),
+        MetricName="BacklogPerTask",
+        Dimensions=[{"Name": "Queue", "Value": "mailpipe"}],
+        StartTime=since,
+        EndTime=datetime.now(UTC) + timedelta(minutes=1),
+        Period=60,
+        Statistics=["SampleCount"],
+    )
+    return sum(p["SampleCount"] for p in reply["Datapoints"])
+
+
+def task_env_value(role: str, name: str) -> str:
+    (value,) = [e["value"] for e in task_definition(role)["environment"] if e["name"] == name]
+    return value
 
 
 def test_ecs_flower_reads_its_config_wherever_it_starts(image, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -41,23 +41,13 @@ def test_production_windows_default_to_the_documented_values(
     assert s.soft_shutdown_timeout < 120  # inside ECS's stopTimeout
 
 
-def test_beat_fires_the_sweep_and_the_report_at_their_intervals_and_each_task_has_its_queue() -> (
-    None
-):
+def test_beat_fires_the_sweep_at_its_interval_and_each_task_has_its_queue() -> None:
     from mailpipe.app import config
 
-    assert config.beat_schedule == {
-        "sweep": {"task": "mailpipe.sweep", "schedule": 300.0},
-        # A report that waited a whole interval is stale: the next one is on its way.
-        "report-metrics": {
-            "task": "mailpipe.report_metrics",
-            "schedule": 60.0,
-            "options": {"expires": 60.0},
-        },
-    }
+    # The fleet's metrics are no task: beat's lock holder reports them itself.
+    assert config.beat_schedule == {"sweep": {"task": "mailpipe.sweep", "schedule": 300.0}}
     assert config.task_routes == {
         "mailpipe.sweep": {"queue": "mailpipe.control"},
-        "mailpipe.report_metrics": {"queue": "mailpipe.control"},
         "mailpipe.classify_email": {"queue": "mailpipe.model"},
     }
 
