@@ -5,14 +5,14 @@ the whole visibility timeout (15 minutes by default), because nothing tells it t
 holding the message is gone. The heartbeat does, in the manner of Sidekiq's super_fetch: each
 worker's main process writes, every `MAILPIPE_WORKER_HEARTBEAT_INTERVAL` seconds, its heartbeat
 and the delivery tags of every message it holds (running, reserved for a busy child, or waiting
-for its countdown). Any worker then looks, under a short lock, for delivered messages older
-than `MAILPIPE_WORKER_DEAD_AFTER` that no live worker holds, and puts them back at the front of
-their queue. A live worker reports each message within one interval of receiving it, so one
+for its countdown). On a thread of its own, so that a slow pass never delays a beat, each worker
+also looks, under a short lock, for delivered messages older than `MAILPIPE_WORKER_DEAD_AFTER`
+that no live worker holds, and puts them back at the front of their queue. A live worker reports each message within one interval of receiving it, so one
 that is held stays held; a worker killed whole (SIGKILL, OOM, a lost host) loses its messages
 to another within about `dead_after` plus one interval. The visibility timeout stays as the
 last line of defence.
 
-Plain Python on Redis: the worker's signal handlers start the thread and hand it the received
+Plain Python on Redis: the worker's signal handlers start the threads and hand them the received
 tags and the way to restore a message (kombu's own `restore_by_tag`).
 """
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerHeartbeat:
-    """The heartbeat thread of one worker process."""
+    """The heartbeat and recovery threads of one worker process."""
 
     def __init__(
         self,
@@ -60,7 +60,13 @@ class WorkerHeartbeat:
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mailpipe-heartbeat", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._every, args=(act,), name=name, daemon=True)
+            for name, act in (
+                ("mailpipe-heartbeat", self.beat),
+                ("mailpipe-recovery", self.recover),
+            )
+        ]
 
     def received(self, delivery_tag: str) -> None:
         """A message was delivered to this worker (called from its event loop)."""
@@ -68,14 +74,17 @@ class WorkerHeartbeat:
             self._held.add(delivery_tag)
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, timeout: float) -> None:
         """Stop beating and leave the registry: this worker's messages are acknowledged or were
         put back by kombu as it closed, so nothing of it is left to recover."""
         self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
         try:
             pipe = self.redis.pipeline(transaction=False)
             for registry in (redis_keys.workers(), *map(redis_keys.workers_on, self._registered)):
@@ -134,27 +143,31 @@ class WorkerHeartbeat:
         if not lock.acquire():
             return []
         try:
-            return recover_orphans(self.redis, self.dead_after, self._restore)
+            restored = recover_orphans(self.redis, self.dead_after, self._restore)
         finally:
             try:
                 lock.release()
             except LockError:
                 log.warning("heartbeat: the recovery outlived its lock", exc_info=True)
+        if restored:
+            log.warning(
+                "put back %d message(s) that no live worker holds: %s",
+                len(restored),
+                ", ".join(restored[:10]),
+            )
+        return restored
 
-    def _run(self) -> None:
+    def _every(self, act: Callable[[], object]) -> None:
+        """Run `act` every interval until stopped; a late run (a slow Redis) is followed at once
+        by the next, not by the runs it missed."""
+        due = time.monotonic()
         while not self._stopping.is_set():
             try:
-                self.beat()
-                restored = self.recover()
-                if restored:
-                    log.warning(
-                        "put back %d message(s) that no live worker holds: %s",
-                        len(restored),
-                        ", ".join(restored[:10]),
-                    )
+                act()
             except Exception:
-                log.warning("heartbeat failed", exc_info=True)
-            self._stopping.wait(self.interval)
+                log.warning("heartbeat: %s failed", act.__name__, exc_info=True)
+            due = max(due + self.interval, time.monotonic())
+            self._stopping.wait(due - time.monotonic())
 
 
 def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], None]) -> list[str]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from mailpipe.celery import app
 from mailpipe.coordination import brokerstate, heartbeat, redis_keys
 from mailpipe.enqueue import send_job
+from tests.support.waits import wait_for
 
 
 class Delivered:
@@ -120,3 +122,41 @@ def test_one_worker_recovers_at_a_time(res) -> None:  # type: ignore[no-untyped-
     res.redis.delete(redis_keys.reaper_lock())
     assert beat.recover() == []  # nothing to recover, but it ran and gave the lock back
     assert not res.redis.exists(redis_keys.reaper_lock())
+
+
+def test_beats_go_on_while_a_recovery_pass_is_stuck(res) -> None:  # type: ignore[no-untyped-def]
+    dead_after, interval = 0.8, 0.2
+    delivered = Delivered(res, 1)  # no worker names it: an orphan once dead_after has passed
+    stuck, unstick = threading.Event(), threading.Event()
+
+    def slow_restore(tag: str) -> None:
+        stuck.set()
+        unstick.wait(30)
+        delivered.restore(tag)
+
+    worker = heartbeat.WorkerHeartbeat(
+        res.redis, "w", interval=interval, dead_after=dead_after, restore=slow_restore
+    )
+
+    def last_beat() -> float:
+        return float(res.redis.zscore(redis_keys.workers(), "w") or 0)
+
+    worker.start()
+    try:
+        wait_for(stuck.is_set, 30, "the recovery to reach the orphan")
+        first = last_beat()
+        # Beyond dead_after: a worker whose beats waited for its recovery would be taken for dead.
+        wait_for(
+            lambda: last_beat() > first + dead_after + interval, 30, "beats during the recovery"
+        )
+        assert res.redis.hlen(brokerstate.unacked_key()) == 1  # the pass is still stuck
+        assert heartbeat.live_workers(res.redis, dead_after) == 1
+        unstick.set()
+        wait_for(
+            lambda: res.redis.hlen(brokerstate.unacked_key()) == 0, 30, "the orphan to go back"
+        )
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 1
+    finally:
+        unstick.set()
+        worker.stop(timeout=1)
+        delivered.close()
