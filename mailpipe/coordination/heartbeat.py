@@ -6,11 +6,17 @@ holding the message is gone. The heartbeat does, in the manner of Sidekiq's supe
 worker's main process writes, every `MAILPIPE_WORKER_HEARTBEAT_INTERVAL` seconds, its heartbeat
 and the delivery tags of every message it holds (running, reserved for a busy child, or waiting
 for its countdown). On a thread of its own, so that a slow pass never delays a beat, each worker
-also looks, under a short lock, for delivered messages older than `MAILPIPE_WORKER_DEAD_AFTER`
-that no live worker holds, and puts them back at the front of their queue. A live worker reports each message within one interval of receiving it, so one
-that is held stays held; a worker killed whole (SIGKILL, OOM, a lost host) loses its messages
-to another within about `dead_after` plus one interval. The visibility timeout stays as the
-last line of defence.
+also looks, under a short lock, for delivered messages that no live worker has held for
+`MAILPIPE_WORKER_DEAD_AFTER` seconds, and puts them back at the front of their queue. A live
+worker reports each message within one interval of receiving it, so one that is held stays held;
+a worker killed whole (SIGKILL, OOM, a lost host) loses its messages to another within about
+`dead_after` plus one interval. The visibility timeout stays as the last line of defence.
+
+Clocks. Every time written or compared here is Redis's (`TIME`), so that hosts whose clocks
+disagree agree on who is alive. The hosts' own clocks serve only to pace their threads
+(`time.monotonic`, never compared with another host's). kombu scores its unacked index with the
+delivering host's `time.time()`, so those scores are not read: how long a message has been held
+by no live worker is timed on Redis's clock instead.
 
 Plain Python on Redis: the worker's signal handlers start the threads and hand them the received
 tags and the way to restore a message (kombu's own `restore_by_tag`).
@@ -109,8 +115,10 @@ class WorkerHeartbeat:
                     self._held -= gone
                 tags = [t for t in tags if t not in gone]
         key = redis_keys.worker_held(self.worker_id)
+        # Scored by Redis's clock, which every reader compares with: a host's skew is no matter.
+        # Read a round trip before the write, the score is at most that much early: the safe side.
+        now = redis_time(self.redis)
         pipe = self.redis.pipeline(transaction=True)
-        now = time.time()
         queues = set(self._queues())
         for registry in (redis_keys.workers(), *map(redis_keys.workers_on, queues)):
             pipe.zadd(registry, {self.worker_id: now})
@@ -138,7 +146,7 @@ class WorkerHeartbeat:
             self._health_file_failed = False
 
     def recover(self) -> list[str]:
-        """If no other worker is at it, put back the messages of dead workers."""
+        """If no other worker is at it, put back the messages no live worker holds."""
         lock = self.redis.lock(redis_keys.reaper_lock(), timeout=self.interval, blocking=False)
         if not lock.acquire():
             return []
@@ -171,36 +179,80 @@ class WorkerHeartbeat:
 
 
 def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], None]) -> list[str]:
-    """Put back every message delivered over `dead_after` seconds ago that no live worker holds;
-    forget the workers that stopped beating. Returns the delivery tags put back."""
-    cutoff = time.time() - dead_after
+    """Put back the messages no live worker has held for `dead_after` seconds, oldest first;
+    forget the workers that stopped beating. Returns the delivery tags put back.
+
+    Since when each delivered message has been held by no live worker is kept, on Redis's clock,
+    in the `unheld` sorted set: a dead worker's messages from its last heartbeat, a message no
+    worker ever named from the first pass that saw it. Each pass rewrites the set with what is
+    still delivered and unheld, so a message held, acknowledged or put back leaves it, and one
+    delivered again after being put back starts afresh.
+    """
+    # Everything compared with `cutoff` was written with Redis's clock (heartbeats, the unheld
+    # times); no host's own clock is read.
+    now = redis_time(redis)
+    cutoff = now - dead_after
     workers = redis_keys.workers()
-    dead = redis.zrangebyscore(workers, "-inf", f"({cutoff}")
-    if dead:
-        redis.zrem(workers, *dead)
+    dead: list[tuple[bytes, float]] = redis.zrangebyscore(  # type: ignore[assignment]
+        workers, "-inf", f"({cutoff}", withscores=True
+    )
     live = [_text(w) for w in redis.zrangebyscore(workers, cutoff, "+inf")]
     held = (
         {_text(t) for t in redis.sunion([redis_keys.worker_held(w) for w in live])}
         if live
         else set()
     )
-    orphans = [tag for tag in brokerstate.delivered_before(redis, cutoff) if tag not in held]
-    for tag in orphans:
-        restore(tag)
-    return orphans
+    recorded: list[tuple[bytes, float]] = redis.zrange(  # type: ignore[assignment]
+        redis_keys.unheld(), 0, -1, withscores=True
+    )
+    since = {_text(tag): at for tag, at in recorded}
+    for worker, last_beat in dead:
+        for tag in map(_text, redis.smembers(redis_keys.worker_held(_text(worker)))):
+            since[tag] = min(since.get(tag, last_beat), last_beat)
+    unheld = {tag: since.get(tag, now) for tag in brokerstate.delivered(redis) if tag not in held}
+    due = sorted((tag for tag, s in unheld.items() if s <= cutoff), key=unheld.__getitem__)
+    restored: list[str] = []
+    try:
+        for tag in due:
+            restore(tag)
+            restored.append(tag)
+    finally:
+        for tag in restored:
+            del unheld[tag]
+        pipe = redis.pipeline(transaction=True)
+        pipe.delete(redis_keys.unheld())
+        if unheld:
+            pipe.zadd(redis_keys.unheld(), unheld)
+            # Passes come every interval. Times that no pass refreshed for long (the whole fleet
+            # was down) lapse rather than cut short the time of a holder that has not beaten
+            # yet; those messages are then timed afresh, later but never lost.
+            pipe.pexpire(redis_keys.unheld(), math.ceil(dead_after * 2000))
+        if dead:
+            # Their messages' times are in the unheld set now, so a pass that stops early loses
+            # none.
+            pipe.zrem(workers, *(w for w, _ in dead))
+            pipe.delete(*(redis_keys.worker_held(_text(w)) for w, _ in dead))
+        pipe.execute()
+    return restored
 
 
 def live_workers(redis: Redis, dead_after: float, queue: str | None = None) -> int:
     """Worker processes (ECS tasks) whose heartbeat is fresh; with `queue`, those consuming it
     (the entries of workers gone for good are dropped on the way)."""
+    cutoff = redis_time(redis) - dead_after
     if queue is None:
-        return int(redis.zcount(redis_keys.workers(), time.time() - dead_after, "+inf"))
+        return int(redis.zcount(redis_keys.workers(), cutoff, "+inf"))
     registry = redis_keys.workers_on(queue)
-    cutoff = time.time() - dead_after
     pipe = redis.pipeline(transaction=False)
     pipe.zremrangebyscore(registry, "-inf", cutoff - dead_after)
     pipe.zcount(registry, cutoff, "+inf")
     return int(pipe.execute()[1])
+
+
+def redis_time(redis: Redis) -> float:
+    """Redis's clock, in unix seconds: the one every host agrees on."""
+    seconds, microseconds = redis.time()
+    return seconds + microseconds / 1e6
 
 
 def _text(value: object) -> str:

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import kombu.transport.redis
+import pytest
 
 from mailpipe.celery import app
 from mailpipe.coordination import brokerstate, heartbeat, redis_keys
 from mailpipe.enqueue import send_job
 from tests.support.waits import wait_for
 
+_time = time.time
+
 
 class Delivered:
     """Messages taken from the email queue as a worker takes them, unacknowledged."""
 
     def __init__(self, res, count: int) -> None:  # type: ignore[no-untyped-def]
+        self.redis = res.redis
         for email_id in range(1, count + 1):
             send_job(email_id)
         self.connection = app.connection_for_write()
@@ -29,18 +37,43 @@ class Delivered:
     def restore(self, tag: str) -> None:
         self.channel.qos.restore_by_tag(tag)
 
+    def holder(
+        self, worker_id: str, interval: float, dead_after: float
+    ) -> heartbeat.WorkerHeartbeat:
+        """The heartbeat of a worker that received every one of these messages."""
+        worker = heartbeat.WorkerHeartbeat(
+            self.redis, worker_id, interval=interval, dead_after=dead_after, restore=self.restore
+        )
+        for tag in self.tags:
+            worker.received(tag)
+        return worker
+
     def close(self) -> None:
         self.connection.release()
+
+
+@contextmanager
+def host_clock(monkeypatch: pytest.MonkeyPatch, offset: float) -> Iterator[None]:
+    """This process as a host whose wall clock is `offset` seconds off Redis's: `time.time`, and
+    the name kombu's Redis transport imported it under to score the deliveries it files."""
+
+    def skewed() -> float:
+        return _time() + offset
+
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "time", skewed)
+        patch.setattr(kombu.transport.redis, "time", skewed)
+        yield
+
+
+def wait_for_redis_time(res, at: float) -> None:  # type: ignore[no-untyped-def]
+    wait_for(lambda: heartbeat.redis_time(res.redis) > at, 30, f"Redis's clock to pass {at}")
 
 
 def test_a_beat_records_the_worker_and_the_messages_it_still_holds(res) -> None:  # type: ignore[no-untyped-def]
     delivered = Delivered(res, 3)
     try:
-        beat = heartbeat.WorkerHeartbeat(
-            res.redis, "w1", interval=1, dead_after=3, restore=delivered.restore
-        )
-        for tag in delivered.tags:
-            beat.received(tag)
+        beat = delivered.holder("w1", interval=1, dead_after=3)
         delivered.messages[0].ack()
         beat.beat()
         held = {t.decode() for t in res.redis.smembers(redis_keys.worker_held("w1"))}
@@ -101,7 +134,7 @@ def test_messages_no_live_worker_holds_go_back_and_held_ones_stay(res) -> None: 
         dead.beat()
         # Too young to judge: nothing is put back while a worker may still report it.
         assert heartbeat.recover_orphans(res.redis, 3, delivered.restore) == []
-        time.sleep(3.2)
+        wait_for_redis_time(res, heartbeat.redis_time(res.redis) + 3)
         alive.beat()  # "dead" stops beating
         restored = heartbeat.recover_orphans(res.redis, 3, delivered.restore)
         assert sorted(restored) == sorted(delivered.tags[1:])
@@ -122,6 +155,51 @@ def test_one_worker_recovers_at_a_time(res) -> None:  # type: ignore[no-untyped-
     res.redis.delete(redis_keys.reaper_lock())
     assert beat.recover() == []  # nothing to recover, but it ran and gave the lock back
     assert not res.redis.exists(redis_keys.reaper_lock())
+
+
+def test_a_worker_whose_clock_runs_behind_keeps_its_messages(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The process plays two hosts in turn: a worker whose clock runs 60 s behind, which kombu
+    # delivers messages to (scoring them with that clock), and one with a right clock that looks
+    # for orphans between its beats.
+    with host_clock(monkeypatch, -60):
+        delivered = Delivered(res, 2)
+    try:
+        behind = delivered.holder("behind", interval=0.3, dead_after=1)
+        # The first look comes before the first beat names the messages: kombu's index says
+        # they were delivered a minute ago, which must not make them anyone's to take.
+        until = heartbeat.redis_time(res.redis) + 3  # three times dead_after
+        while heartbeat.redis_time(res.redis) < until:
+            assert heartbeat.recover_orphans(res.redis, 1, delivered.restore) == []
+            with host_clock(monkeypatch, -60):
+                behind.beat()
+            assert heartbeat.live_workers(res.redis, 1) == 1
+            wait_for_redis_time(res, heartbeat.redis_time(res.redis) + 0.3)
+        assert sorted(brokerstate.delivered(res.redis)) == sorted(delivered.tags)
+    finally:
+        delivered.close()
+
+
+def test_a_dead_worker_whose_clock_ran_ahead_is_found_dead_in_time(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    dead_after, interval = 1.0, 0.3
+    with host_clock(monkeypatch, 60):
+        delivered = Delivered(res, 2)
+        delivered.holder("ahead", interval, dead_after).beat()  # its last
+    try:
+        last_beat = float(res.redis.zscore(redis_keys.workers(), "ahead"))
+        restored: list[str] = []
+
+        def looked() -> bool:  # as a live worker with a right clock does, more often
+            restored.extend(heartbeat.recover_orphans(res.redis, dead_after, delivered.restore))
+            return bool(restored)
+
+        wait_for(looked, 30, "the dead worker's messages to go back")
+        found_after = heartbeat.redis_time(res.redis) - last_beat
+        assert dead_after <= found_after <= dead_after + interval
+        assert sorted(restored) == sorted(delivered.tags)
+        assert heartbeat.live_workers(res.redis, dead_after) == 0
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 2
+    finally:
+        delivered.close()
 
 
 def test_beats_go_on_while_a_recovery_pass_is_stuck(res) -> None:  # type: ignore[no-untyped-def]
