@@ -7,16 +7,17 @@ worker's main process writes, every `MAILPIPE_WORKER_HEARTBEAT_INTERVAL` seconds
 and the delivery tags of every message it holds (running, reserved for a busy child, or waiting
 for its countdown). On a thread of its own, so that a slow pass never delays a beat, each worker
 also looks, under a short lock, for delivered messages that no live worker has held for
-`MAILPIPE_WORKER_DEAD_AFTER` seconds, and puts them back at the front of their queue. A live
-worker reports each message within one interval of receiving it, so one that is held stays held;
-a worker killed whole (SIGKILL, OOM, a lost host) loses its messages to another within about
-`dead_after` plus one interval. The visibility timeout stays as the last line of defence.
+`MAILPIPE_WORKER_DEAD_AFTER` seconds, and puts them back at the front of their queue, a bounded
+number per pass. A live worker reports each message within one interval of receiving it, so one
+that is held stays held; a worker killed whole (SIGKILL, OOM, a lost host) loses its messages to
+another within about `dead_after` plus one interval. The visibility timeout stays as the last
+line of defence.
 
 Clocks. Every time written or compared here is Redis's (`TIME`), so that hosts whose clocks
-disagree agree on who is alive. The hosts' own clocks serve only to pace their threads
-(`time.monotonic`, never compared with another host's). kombu scores its unacked index with the
-delivering host's `time.time()`, so those scores are not read: how long a message has been held
-by no live worker is timed on Redis's clock instead.
+disagree agree on who is alive. The hosts' own clocks serve only to pace their threads and to
+time a pass against its budget (`time.monotonic`, never compared with another host's). kombu
+scores its unacked index with the delivering host's `time.time()`, so those scores are not read:
+how long a message has been held by no live worker is timed on Redis's clock instead.
 
 Plain Python on Redis: the worker's signal handlers start the threads and hand them the received
 tags and the way to restore a message (kombu's own `restore_by_tag`).
@@ -29,6 +30,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from redis import Redis, RedisError
@@ -37,6 +39,19 @@ from redis.exceptions import LockError
 from mailpipe.coordination import brokerstate, redis_keys
 
 log = logging.getLogger(__name__)
+
+# Messages put back per recovery pass at most; the rest wait for the next pass, one interval on.
+# A restore is a few milliseconds, so a full pass stays well inside its time budget.
+MAX_RESTORED_PER_PASS = 500
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery pass: the delivery tags it put back, and how many it found due but left for
+    the next pass (its bound or its time budget cut it short)."""
+
+    restored: list[str]
+    left: int
 
 
 class WorkerHeartbeat:
@@ -52,6 +67,7 @@ class WorkerHeartbeat:
         restore: Callable[[str], None],
         queues: Callable[[], Sequence[str]] = tuple,
         health_file: Path | None = None,
+        max_restored: int = MAX_RESTORED_PER_PASS,
     ) -> None:
         self.redis = redis
         self.worker_id = worker_id
@@ -61,6 +77,7 @@ class WorkerHeartbeat:
         self.interval = interval
         self.dead_after = dead_after
         self._restore = restore
+        self._max_restored = max_restored
         self._health_file = health_file
         self._health_file_failed = False
         self._held: set[str] = set()
@@ -145,25 +162,32 @@ class WorkerHeartbeat:
         else:
             self._health_file_failed = False
 
-    def recover(self) -> list[str]:
-        """If no other worker is at it, put back the messages no live worker holds."""
-        lock = self.redis.lock(redis_keys.reaper_lock(), timeout=self.interval, blocking=False)
+    def recover(self) -> Recovery | None:
+        """If no other worker is at it, put back the messages no live worker holds; None when
+        another worker holds the lock."""
+        # The lock outlasts the pass's budget with room for the restore under way when it ends.
+        lock = self.redis.lock(
+            redis_keys.reaper_lock(), timeout=recovery_budget(self.dead_after) * 2, blocking=False
+        )
         if not lock.acquire():
-            return []
+            return None
         try:
-            restored = recover_orphans(self.redis, self.dead_after, self._restore)
+            recovery = recover_orphans(
+                self.redis, self.dead_after, self._restore, max_restored=self._max_restored
+            )
         finally:
             try:
                 lock.release()
             except LockError:
                 log.warning("heartbeat: the recovery outlived its lock", exc_info=True)
-        if restored:
+        if recovery.restored or recovery.left:
             log.warning(
-                "put back %d message(s) that no live worker holds: %s",
-                len(restored),
-                ", ".join(restored[:10]),
+                "heartbeat: put back %d message(s) that no live worker holds%s: %s",
+                len(recovery.restored),
+                f"; pass cut short, {recovery.left} left for the next" if recovery.left else "",
+                ", ".join(recovery.restored[:10]),
             )
-        return restored
+        return recovery
 
     def _every(self, act: Callable[[], object]) -> None:
         """Run `act` every interval until stopped; a late run (a slow Redis) is followed at once
@@ -178,9 +202,23 @@ class WorkerHeartbeat:
             self._stopping.wait(due - time.monotonic())
 
 
-def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], None]) -> list[str]:
-    """Put back the messages no live worker has held for `dead_after` seconds, oldest first;
-    forget the workers that stopped beating. Returns the delivery tags put back.
+def recovery_budget(dead_after: float) -> float:
+    """Seconds a recovery pass may spend putting messages back: well below `dead_after`, so that a
+    pass ends long before its lock does."""
+    return dead_after / 4
+
+
+def recover_orphans(
+    redis: Redis,
+    dead_after: float,
+    restore: Callable[[str], None],
+    *,
+    max_restored: int = MAX_RESTORED_PER_PASS,
+    clock: Callable[[], float] = time.monotonic,
+) -> Recovery:
+    """Put back the messages no live worker has held for `dead_after` seconds, oldest first, at
+    most `max_restored` of them and for at most `recovery_budget` seconds; forget the workers
+    that stopped beating.
 
     Since when each delivered message has been held by no live worker is kept, on Redis's clock,
     in the `unheld` sorted set: a dead worker's messages from its last heartbeat, a message no
@@ -188,8 +226,9 @@ def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], No
     still delivered and unheld, so a message held, acknowledged or put back leaves it, and one
     delivered again after being put back starts afresh.
     """
+    started = clock()
     # Everything compared with `cutoff` was written with Redis's clock (heartbeats, the unheld
-    # times); no host's own clock is read.
+    # times); the only local clock is `clock`, which times this pass and nothing else.
     now = redis_time(redis)
     cutoff = now - dead_after
     workers = redis_keys.workers()
@@ -213,7 +252,9 @@ def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], No
     due = sorted((tag for tag, s in unheld.items() if s <= cutoff), key=unheld.__getitem__)
     restored: list[str] = []
     try:
-        for tag in due:
+        for tag in due[:max_restored]:
+            if clock() - started >= recovery_budget(dead_after):
+                break
             restore(tag)
             restored.append(tag)
     finally:
@@ -228,12 +269,11 @@ def recover_orphans(redis: Redis, dead_after: float, restore: Callable[[str], No
             # yet; those messages are then timed afresh, later but never lost.
             pipe.pexpire(redis_keys.unheld(), math.ceil(dead_after * 2000))
         if dead:
-            # Their messages' times are in the unheld set now, so a pass that stops early loses
-            # none.
+            # Their messages' times are in the unheld set now, so a pass cut short loses none.
             pipe.zrem(workers, *(w for w, _ in dead))
             pipe.delete(*(redis_keys.worker_held(_text(w)) for w, _ in dead))
         pipe.execute()
-    return restored
+    return Recovery(restored, len(due) - len(restored))
 
 
 def live_workers(redis: Redis, dead_after: float, queue: str | None = None) -> int:

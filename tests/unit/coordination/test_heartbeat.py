@@ -70,6 +70,14 @@ def wait_for_redis_time(res, at: float) -> None:  # type: ignore[no-untyped-def]
     wait_for(lambda: heartbeat.redis_time(res.redis) > at, 30, f"Redis's clock to pass {at}")
 
 
+def orphans_of_a_dead_worker(res, count: int, dead_after: float) -> Delivered:  # type: ignore[no-untyped-def]
+    """`count` delivered messages named by a worker that beat once, `dead_after` seconds ago."""
+    delivered = Delivered(res, count)
+    delivered.holder("dead", dead_after / 3, dead_after).beat()
+    wait_for_redis_time(res, float(res.redis.zscore(redis_keys.workers(), "dead")) + dead_after)
+    return delivered
+
+
 def test_a_beat_records_the_worker_and_the_messages_it_still_holds(res) -> None:  # type: ignore[no-untyped-def]
     delivered = Delivered(res, 3)
     try:
@@ -133,10 +141,10 @@ def test_messages_no_live_worker_holds_go_back_and_held_ones_stay(res) -> None: 
         alive.beat()
         dead.beat()
         # Too young to judge: nothing is put back while a worker may still report it.
-        assert heartbeat.recover_orphans(res.redis, 3, delivered.restore) == []
+        assert heartbeat.recover_orphans(res.redis, 3, delivered.restore).restored == []
         wait_for_redis_time(res, heartbeat.redis_time(res.redis) + 3)
         alive.beat()  # "dead" stops beating
-        restored = heartbeat.recover_orphans(res.redis, 3, delivered.restore)
+        restored = heartbeat.recover_orphans(res.redis, 3, delivered.restore).restored
         assert sorted(restored) == sorted(delivered.tags[1:])
         assert res.redis.hkeys(brokerstate.unacked_key()) == [delivered.tags[0].encode()]
         assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
@@ -151,9 +159,10 @@ def test_one_worker_recovers_at_a_time(res) -> None:  # type: ignore[no-untyped-
         res.redis, "w", interval=5, dead_after=10, restore=calls.append
     )
     res.redis.set(redis_keys.reaper_lock(), "another worker", ex=5)
-    assert beat.recover() == []
+    assert beat.recover() is None
     res.redis.delete(redis_keys.reaper_lock())
-    assert beat.recover() == []  # nothing to recover, but it ran and gave the lock back
+    # Nothing to recover, but it ran and gave the lock back.
+    assert beat.recover() == heartbeat.Recovery(restored=[], left=0)
     assert not res.redis.exists(redis_keys.reaper_lock())
 
 
@@ -169,7 +178,7 @@ def test_a_worker_whose_clock_runs_behind_keeps_its_messages(res, monkeypatch) -
         # they were delivered a minute ago, which must not make them anyone's to take.
         until = heartbeat.redis_time(res.redis) + 3  # three times dead_after
         while heartbeat.redis_time(res.redis) < until:
-            assert heartbeat.recover_orphans(res.redis, 1, delivered.restore) == []
+            assert heartbeat.recover_orphans(res.redis, 1, delivered.restore).restored == []
             with host_clock(monkeypatch, -60):
                 behind.beat()
             assert heartbeat.live_workers(res.redis, 1) == 1
@@ -189,7 +198,9 @@ def test_a_dead_worker_whose_clock_ran_ahead_is_found_dead_in_time(res, monkeypa
         restored: list[str] = []
 
         def looked() -> bool:  # as a live worker with a right clock does, more often
-            restored.extend(heartbeat.recover_orphans(res.redis, dead_after, delivered.restore))
+            restored.extend(
+                heartbeat.recover_orphans(res.redis, dead_after, delivered.restore).restored
+            )
             return bool(restored)
 
         wait_for(looked, 30, "the dead worker's messages to go back")
@@ -237,4 +248,39 @@ def test_beats_go_on_while_a_recovery_pass_is_stuck(res) -> None:  # type: ignor
     finally:
         unstick.set()
         worker.stop(timeout=1)
+        delivered.close()
+
+
+def test_a_pass_puts_back_at_most_its_bound_and_the_next_the_rest(res) -> None:  # type: ignore[no-untyped-def]
+    delivered = orphans_of_a_dead_worker(res, 5, dead_after=0.5)
+    try:
+        first = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore, max_restored=3)
+        assert (len(first.restored), first.left) == (3, 2)
+        assert len(brokerstate.delivered(res.redis)) == 2
+        # The dead worker is forgotten: the rest are known from the first pass's record.
+        assert res.redis.zcard(redis_keys.workers()) == 0
+        second = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore, max_restored=3)
+        assert (len(second.restored), second.left) == (2, 0)
+        assert sorted(first.restored + second.restored) == sorted(delivered.tags)
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 5
+    finally:
+        delivered.close()
+
+
+def test_a_pass_stops_at_its_time_budget_and_the_next_goes_on(res) -> None:  # type: ignore[no-untyped-def]
+    delivered = orphans_of_a_dead_worker(res, 5, dead_after=0.5)
+    budget = heartbeat.recovery_budget(0.5)
+    clock = [0.0]
+
+    def slow_restore(tag: str) -> None:  # each restore takes 40% of the budget
+        delivered.restore(tag)
+        clock[0] += budget * 0.4
+
+    try:
+        first = heartbeat.recover_orphans(res.redis, 0.5, slow_restore, clock=lambda: clock[0])
+        assert (len(first.restored), first.left) == (3, 2)
+        second = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore)
+        assert (len(second.restored), second.left) == (2, 0)
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 5
+    finally:
         delivered.close()
