@@ -139,15 +139,16 @@ def _hold_delivery(request: Any = None, **_: Any) -> None:
 @worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     """Liveness and held messages every few seconds, from a thread of the main process; a dead
-    worker's messages go back to the queue within about MAILPIPE_WORKER_DEAD_AFTER."""
+    worker's messages go back to the queue within about MAILPIPE_WORKER_DEAD_AFTER, put back by
+    a second thread so that a long recovery never delays a beat."""
     global _heartbeat
     settings = get_settings()
     if _heartbeat is not None:
         return
     nodename = getattr(sender, "hostname", None) or "worker"
     worker_id = f"{nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    # A broker connection of the thread's own, never one from the app's pool: children forked
-    # later close the pool's connections, and would block on one this thread is using.
+    # A broker connection of the recovery thread's own, never one from the app's pool: children
+    # forked later close the pool's connections, and would block on one this thread is using.
     connection = app.connection_for_write()
 
     def restore(tag: str) -> None:
@@ -188,8 +189,8 @@ def _sweep_once_per_fleet_start(**_: Any) -> None:
 
 @worker_shutdown.connect
 def _stop_threads(**_: Any) -> None:
-    """Sent once the pool has stopped: the heartbeat leaves the registry (a beat in flight gets a
-    second, then is left to die with the process: the thread is a daemon)."""
+    """Sent once the pool has stopped: the heartbeat leaves the registry (a beat or a recovery in
+    flight gets a second, then is left to die with the process: the threads are daemons)."""
     global _heartbeat
     if _heartbeat is not None:
         _heartbeat.stop(timeout=1.0)

@@ -2,7 +2,8 @@
 
 kombu's Redis transport keeps a queue as Redis lists (one per priority step; LPUSH to publish,
 BRPOP to consume), and every delivered, not yet acknowledged message in the ``unacked`` hash
-(delivery tag -> the message) with its delivery time in the ``unacked_index`` sorted set. A
+(delivery tag -> the message) with its delivery time in the ``unacked_index`` sorted set (the
+delivering host's clock, which mailpipe does not read: hosts' clocks disagree). A
 message waiting for its countdown is delivered early and held by a worker, so it is in the hash
 too. What is in neither is not in the broker.
 
@@ -66,10 +67,6 @@ def unacked_key() -> str:
     return f"{get_settings().redis_prefix}{Channel.unacked_key}"
 
 
-def unacked_index_key() -> str:
-    return f"{get_settings().redis_prefix}{Channel.unacked_index_key}"
-
-
 def priority_lists(queue: str) -> list[str]:
     base = queue_list(queue)
     return [base if step == 0 else f"{base}{Channel.sep}{step}" for step in PRIORITY_STEPS]
@@ -115,9 +112,13 @@ def emails_in_broker(redis: Redis, queues: Iterable[str]) -> set[int]:
     return found
 
 
-def delivered_before(redis: Redis, cutoff: float) -> list[str]:
-    """Delivery tags of messages delivered to a worker before `cutoff` and not yet acknowledged."""
-    tags: list[bytes] = redis.zrangebyscore(unacked_index_key(), "-inf", cutoff)  # type: ignore[assignment]
+def delivered(redis: Redis) -> list[str]:
+    """Delivery tags of every message delivered to a worker and not yet acknowledged.
+
+    kombu scores the ``unacked_index`` with the delivering host's ``time.time()``, so when a
+    message was delivered is not read here: another host's clock may be off by any amount.
+    """
+    tags: list[bytes] = redis.hkeys(unacked_key())  # type: ignore[assignment]
     return [tag.decode() for tag in tags]
 
 

@@ -39,7 +39,7 @@ def deferrals_counter() -> str:
 
 
 def workers() -> str:
-    """Sorted set: live worker processes, scored by their last heartbeat (unix time)."""
+    """Sorted set: live worker processes, scored by their last heartbeat (Redis's clock)."""
     return key("workers")
 
 
@@ -51,6 +51,12 @@ def workers_on(queue: str) -> str:
 def worker_held(worker_id: str) -> str:
     """Set: delivery tags of the messages a worker holds (running, reserved or counting down)."""
     return key(f"worker:{worker_id}:held")
+
+
+def unheld() -> str:
+    """Sorted set: delivery tags of delivered messages no live worker holds, scored by since when
+    (Redis's clock): the worker heartbeat's recovery puts them back once they are old enough."""
+    return key("workers:unheld")
 
 
 def reaper_lock() -> str:

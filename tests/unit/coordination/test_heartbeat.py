@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import kombu.transport.redis
+import pytest
 
 from mailpipe.celery import app
 from mailpipe.coordination import brokerstate, heartbeat, redis_keys
 from mailpipe.enqueue import send_job
+from tests.support.waits import wait_for
+
+_time = time.time
 
 
 class Delivered:
     """Messages taken from the email queue as a worker takes them, unacknowledged."""
 
     def __init__(self, res, count: int) -> None:  # type: ignore[no-untyped-def]
+        self.redis = res.redis
         for email_id in range(1, count + 1):
             send_job(email_id)
         self.connection = app.connection_for_write()
@@ -27,18 +37,51 @@ class Delivered:
     def restore(self, tag: str) -> None:
         self.channel.qos.restore_by_tag(tag)
 
+    def holder(
+        self, worker_id: str, interval: float, dead_after: float
+    ) -> heartbeat.WorkerHeartbeat:
+        """The heartbeat of a worker that received every one of these messages."""
+        worker = heartbeat.WorkerHeartbeat(
+            self.redis, worker_id, interval=interval, dead_after=dead_after, restore=self.restore
+        )
+        for tag in self.tags:
+            worker.received(tag)
+        return worker
+
     def close(self) -> None:
         self.connection.release()
+
+
+@contextmanager
+def host_clock(monkeypatch: pytest.MonkeyPatch, offset: float) -> Iterator[None]:
+    """This process as a host whose wall clock is `offset` seconds off Redis's: `time.time`, and
+    the name kombu's Redis transport imported it under to score the deliveries it files."""
+
+    def skewed() -> float:
+        return _time() + offset
+
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "time", skewed)
+        patch.setattr(kombu.transport.redis, "time", skewed)
+        yield
+
+
+def wait_for_redis_time(res, at: float) -> None:  # type: ignore[no-untyped-def]
+    wait_for(lambda: heartbeat.redis_time(res.redis) > at, 30, f"Redis's clock to pass {at}")
+
+
+def orphans_of_a_dead_worker(res, count: int, dead_after: float) -> Delivered:  # type: ignore[no-untyped-def]
+    """`count` delivered messages named by a worker that beat once, `dead_after` seconds ago."""
+    delivered = Delivered(res, count)
+    delivered.holder("dead", dead_after / 3, dead_after).beat()
+    wait_for_redis_time(res, float(res.redis.zscore(redis_keys.workers(), "dead")) + dead_after)
+    return delivered
 
 
 def test_a_beat_records_the_worker_and_the_messages_it_still_holds(res) -> None:  # type: ignore[no-untyped-def]
     delivered = Delivered(res, 3)
     try:
-        beat = heartbeat.WorkerHeartbeat(
-            res.redis, "w1", interval=1, dead_after=3, restore=delivered.restore
-        )
-        for tag in delivered.tags:
-            beat.received(tag)
+        beat = delivered.holder("w1", interval=1, dead_after=3)
         delivered.messages[0].ack()
         beat.beat()
         held = {t.decode() for t in res.redis.smembers(redis_keys.worker_held("w1"))}
@@ -98,10 +141,10 @@ def test_messages_no_live_worker_holds_go_back_and_held_ones_stay(res) -> None: 
         alive.beat()
         dead.beat()
         # Too young to judge: nothing is put back while a worker may still report it.
-        assert heartbeat.recover_orphans(res.redis, 3, delivered.restore) == []
-        time.sleep(3.2)
+        assert heartbeat.recover_orphans(res.redis, 3, delivered.restore).restored == []
+        wait_for_redis_time(res, heartbeat.redis_time(res.redis) + 3)
         alive.beat()  # "dead" stops beating
-        restored = heartbeat.recover_orphans(res.redis, 3, delivered.restore)
+        restored = heartbeat.recover_orphans(res.redis, 3, delivered.restore).restored
         assert sorted(restored) == sorted(delivered.tags[1:])
         assert res.redis.hkeys(brokerstate.unacked_key()) == [delivered.tags[0].encode()]
         assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
@@ -116,7 +159,128 @@ def test_one_worker_recovers_at_a_time(res) -> None:  # type: ignore[no-untyped-
         res.redis, "w", interval=5, dead_after=10, restore=calls.append
     )
     res.redis.set(redis_keys.reaper_lock(), "another worker", ex=5)
-    assert beat.recover() == []
+    assert beat.recover() is None
     res.redis.delete(redis_keys.reaper_lock())
-    assert beat.recover() == []  # nothing to recover, but it ran and gave the lock back
+    # Nothing to recover, but it ran and gave the lock back.
+    assert beat.recover() == heartbeat.Recovery(restored=[], left=0)
     assert not res.redis.exists(redis_keys.reaper_lock())
+
+
+def test_a_worker_whose_clock_runs_behind_keeps_its_messages(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The process plays two hosts in turn: a worker whose clock runs 60 s behind, which kombu
+    # delivers messages to (scoring them with that clock), and one with a right clock that looks
+    # for orphans between its beats.
+    with host_clock(monkeypatch, -60):
+        delivered = Delivered(res, 2)
+    try:
+        behind = delivered.holder("behind", interval=0.3, dead_after=1)
+        # The first look comes before the first beat names the messages: kombu's index says
+        # they were delivered a minute ago, which must not make them anyone's to take.
+        until = heartbeat.redis_time(res.redis) + 3  # three times dead_after
+        while heartbeat.redis_time(res.redis) < until:
+            assert heartbeat.recover_orphans(res.redis, 1, delivered.restore).restored == []
+            with host_clock(monkeypatch, -60):
+                behind.beat()
+            assert heartbeat.live_workers(res.redis, 1) == 1
+            wait_for_redis_time(res, heartbeat.redis_time(res.redis) + 0.3)
+        assert sorted(brokerstate.delivered(res.redis)) == sorted(delivered.tags)
+    finally:
+        delivered.close()
+
+
+def test_a_dead_worker_whose_clock_ran_ahead_is_found_dead_in_time(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    dead_after, interval = 1.0, 0.3
+    with host_clock(monkeypatch, 60):
+        delivered = Delivered(res, 2)
+        delivered.holder("ahead", interval, dead_after).beat()  # its last
+    try:
+        last_beat = float(res.redis.zscore(redis_keys.workers(), "ahead"))
+        restored: list[str] = []
+
+        def looked() -> bool:  # as a live worker with a right clock does, more often
+            restored.extend(
+                heartbeat.recover_orphans(res.redis, dead_after, delivered.restore).restored
+            )
+            return bool(restored)
+
+        wait_for(looked, 30, "the dead worker's messages to go back")
+        found_after = heartbeat.redis_time(res.redis) - last_beat
+        assert dead_after <= found_after <= dead_after + interval
+        assert sorted(restored) == sorted(delivered.tags)
+        assert heartbeat.live_workers(res.redis, dead_after) == 0
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 2
+    finally:
+        delivered.close()
+
+
+def test_beats_go_on_while_a_recovery_pass_is_stuck(res) -> None:  # type: ignore[no-untyped-def]
+    dead_after, interval = 0.8, 0.2
+    delivered = Delivered(res, 1)  # no worker names it: an orphan once dead_after has passed
+    stuck, unstick = threading.Event(), threading.Event()
+
+    def slow_restore(tag: str) -> None:
+        stuck.set()
+        unstick.wait(30)
+        delivered.restore(tag)
+
+    worker = heartbeat.WorkerHeartbeat(
+        res.redis, "w", interval=interval, dead_after=dead_after, restore=slow_restore
+    )
+
+    def last_beat() -> float:
+        return float(res.redis.zscore(redis_keys.workers(), "w") or 0)
+
+    worker.start()
+    try:
+        wait_for(stuck.is_set, 30, "the recovery to reach the orphan")
+        first = last_beat()
+        # Beyond dead_after: a worker whose beats waited for its recovery would be taken for dead.
+        wait_for(
+            lambda: last_beat() > first + dead_after + interval, 30, "beats during the recovery"
+        )
+        assert res.redis.hlen(brokerstate.unacked_key()) == 1  # the pass is still stuck
+        assert heartbeat.live_workers(res.redis, dead_after) == 1
+        unstick.set()
+        wait_for(
+            lambda: res.redis.hlen(brokerstate.unacked_key()) == 0, 30, "the orphan to go back"
+        )
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 1
+    finally:
+        unstick.set()
+        worker.stop(timeout=1)
+        delivered.close()
+
+
+def test_a_pass_puts_back_at_most_its_bound_and_the_next_the_rest(res) -> None:  # type: ignore[no-untyped-def]
+    delivered = orphans_of_a_dead_worker(res, 5, dead_after=0.5)
+    try:
+        first = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore, max_restored=3)
+        assert (len(first.restored), first.left) == (3, 2)
+        assert len(brokerstate.delivered(res.redis)) == 2
+        # The dead worker is forgotten: the rest are known from the first pass's record.
+        assert res.redis.zcard(redis_keys.workers()) == 0
+        second = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore, max_restored=3)
+        assert (len(second.restored), second.left) == (2, 0)
+        assert sorted(first.restored + second.restored) == sorted(delivered.tags)
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 5
+    finally:
+        delivered.close()
+
+
+def test_a_pass_stops_at_its_time_budget_and_the_next_goes_on(res) -> None:  # type: ignore[no-untyped-def]
+    delivered = orphans_of_a_dead_worker(res, 5, dead_after=0.5)
+    budget = heartbeat.recovery_budget(0.5)
+    clock = [0.0]
+
+    def slow_restore(tag: str) -> None:  # each restore takes 40% of the budget
+        delivered.restore(tag)
+        clock[0] += budget * 0.4
+
+    try:
+        first = heartbeat.recover_orphans(res.redis, 0.5, slow_restore, clock=lambda: clock[0])
+        assert (len(first.restored), first.left) == (3, 2)
+        second = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore)
+        assert (len(second.restored), second.left) == (2, 0)
+        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 5
+    finally:
+        delivered.close()
