@@ -389,7 +389,12 @@ _STAGES = click.Choice(["cpu", "model"])
 
 @main.command()
 @click.argument("stage", type=_STAGES)
-@click.option("--reason", default="paused by an operator", show_default=True)
+@click.option(
+    "--reason",
+    default="paused by an operator",
+    show_default=True,
+    help="Why, as status shows it.",
+)
 def pause(stage: str, reason: str) -> None:
     """Pause a stage: its workers stop taking its work until `mailpipe resume STAGE`."""
     from mailpipe.coordination import pauses
