@@ -1,19 +1,25 @@
-"""Real services for every test: the local Redis and PostgreSQL, and an S3 server on loopback.
+"""Real services for the tests that need them: the local Redis and PostgreSQL, and an S3 server
+on loopback.
 
 The environment below is set before any mailpipe module reads its settings. A service that is not
 there fails the run with a message that says how to start it; nothing is skipped. The services
 themselves are the harness that the benchmarks and the demo use too (`mailpipe.harness`).
+
+Tests of pure code (`NO_SERVICES` below) need none: every other test is marked `services`, so
+`pytest -m "not services"` runs the quick tier with Redis and PostgreSQL stopped.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from mailpipe.harness.services import Database, S3Server, delete_prefix, free_port
 from tests.support.database import clean
+from tests.support.paths import REPO
 
 RUN_ID = f"{os.getpid()}"
 PG_ADMIN_URL = os.environ.get(
@@ -51,12 +57,40 @@ TEST_ENV = {
 os.environ.update(TEST_ENV)
 
 
+# Tests of pure code: the parser, the documents, the classifiers (the Bedrock stand-in is a
+# thread of the test), the settings, the layers, the deploy files, the mutants' places.
+NO_SERVICES = (
+    "tests/unit/mail/",
+    "tests/unit/classifiers/",
+    "tests/unit/operations/test_metrics.py",
+    "tests/unit/test_settings.py",
+    "tests/unit/test_settings_checks.py",
+    "tests/unit/test_layers.py",
+    "tests/deploy/",
+    "tests/test_mutants.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.path)).relative_to(REPO).as_posix()
+        if not path.startswith(NO_SERVICES):
+            item.add_marker(pytest.mark.services)
+
+
+def _quick_tier(config: pytest.Config) -> bool:
+    return config.getoption("markexpr", "") == "not services"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Redis and PostgreSQL are there, or the run stops with how to start them.
+    """Redis and PostgreSQL are there, or the run stops with how to start them (not for the
+    quick tier, which needs neither).
 
     Checked before pytest-xdist starts its worker processes (in each of them too): a worker
     that stopped the run itself would leave only xdist's report of a crash.
     """
+    if _quick_tier(session.config):
+        return
     import psycopg
     import redis
 
@@ -78,7 +112,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
+def _services_when_marked(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("services") is not None:
+        request.getfixturevalue("services")
+
+
+@pytest.fixture(scope="session")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Create and migrate this run's database, start the S3 server, clean up at the end."""
     delete_prefix(REDIS_URL, TEST_ENV["MAILPIPE_REDIS_PREFIX"])
