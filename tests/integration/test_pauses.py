@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
-from mailpipe.harness.fleet import control_app
+from mailpipe.harness.fleet import CeleryProcess, control_app
 from mailpipe.storage.models import PipelineRun
 from tests.support.bedrock_server import (
     TimedBedrockServer,
@@ -130,7 +131,8 @@ def test_s3_refusing_the_fleet_pauses_the_cpu_stage_and_a_probe_ends_it(res, fle
 
 def test_bedrock_refusing_the_fleet_pauses_the_model_stage_only(res, fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     denied = error("AccessDeniedException", 403, "You don't have access to the model.")
-    server = TimedBedrockServer(default=denied).start()
+    server = TimedBedrockServer(default=denied)
+    server.start()
     try:
         f = fleet(
             **bedrock_env(server, tmp_path),
@@ -206,3 +208,40 @@ def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> Non
     assert {run.attempts for run in runs(res, ids)} == {1}
     assert paused(f.env) == {}
     assert queue in consumed_queues(f, worker.nodename)
+
+
+def lose_broker_connection(res, worker: CeleryProcess) -> int:  # type: ignore[no-untyped-def]
+    """Close the worker main process's connections to Redis from the server's side, as a
+    failover or a network blip does; returns how many were closed."""
+    port = res.redis.connection_pool.connection_kwargs["port"]
+    return sum(
+        res.redis.client_kill_filter(addr=f"{conn.laddr.ip}:{conn.laddr.port}")
+        for conn in psutil.Process(worker.pid).net_connections(kind="tcp")
+        if conn.raddr and conn.raddr.port == port
+    )
+
+
+def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # Celery starts the consumer again after a lost connection, with the queues it consumes
+    # then; the pause must hold through it, and so must the resume.
+    f = fleet()
+    worker = f.worker("cpu")
+    queue = res.settings.queue
+    others = {f"{queue}.control", f"{queue}.model"}
+    mailpipe(f.env, "pause", "cpu")
+    wait_for(lambda: consumed_queues(f, worker.nodename) == others, 30, "the pause applied")
+
+    assert lose_broker_connection(res, worker) > 0
+    # Only a worker connected again answers; it still leaves the paused queue alone.
+    wait_for(lambda: consumed_queues(f, worker.nodename) == others, 60, "the worker back")
+    ids = store_emails(res, invoices(EMAILS))
+    f.enqueue(ids)
+    assert_jobs_wait_in_the_broker(f, EMAILS)
+    assert runs(res, ids) == []
+
+    mailpipe(f.env, "resume", "cpu")
+    wait_for(lambda: queue in consumed_queues(f, worker.nodename), 30, "the resume applied")
+    assert lose_broker_connection(res, worker) > 0
+    statuses = wait_until_closed(res, ids, timeout=120)
+    assert set(statuses.values()) == {"succeeded"}
+    assert consumed_queues(f, worker.nodename) == {queue, *others}
