@@ -245,3 +245,30 @@ def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet
     statuses = wait_until_closed(res, ids, timeout=120)
     assert set(statuses.values()) == {"succeeded"}
     assert consumed_queues(f, worker.nodename) == {queue, *others}
+
+
+def test_a_pause_past_its_bound_fails_the_runs_and_ends_once_access_is_back(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    proxy = FlakyProxy(res.settings.s3_endpoint_url).start()
+    try:
+        proxy.deny(code="AccessDenied")
+        f = fleet(MAILPIPE_S3_ENDPOINT_URL=proxy.url, MAILPIPE_MAX_PAUSE="5", **FAST_PROBES)
+        f.worker("cpu")
+        denied = store_emails(res, invoices(10))
+        f.enqueue(denied)
+        wait_for(lambda: "cpu" in paused(f.env), 60, "the cpu stage to pause")
+        # Past MAILPIPE_MAX_PAUSE the worker takes the jobs again, and each fails with the fault.
+        assert set(wait_until_closed(res, denied, timeout=60).values()) == {"failed"}
+        assert all("MAILPIPE_MAX_PAUSE" in (run.error or "") for run in runs(res, denied))
+
+        proxy.deny(False)
+        # The next probe passes and ends the pause, as it would have within the bound.
+        wait_for(lambda: paused(f.env) == {}, 30, "the pause to end")
+        later = invoices(10)
+        proxy.deny(code="AccessDenied")
+        # A new fault is counted afresh: it pauses the stage again, failing nothing.
+        ids = store_emails(res, later)
+        f.enqueue(ids)
+        wait_for(lambda: "cpu" in paused(f.env), 60, "the cpu stage to pause again")
+        assert {run.status.value for run in runs(res, ids)} <= {"open"}
+    finally:
+        proxy.stop()
