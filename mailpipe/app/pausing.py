@@ -72,7 +72,7 @@ class PauseStep(bootsteps.StartStopStep):
         now = time.time()
         for stage, queue in self._stages.items():
             pause = paused.get(stage)
-            in_force = pause is not None and now - pause.since <= settings.max_pause
+            in_force = pause is not None and pause.holds(settings.max_pause, now)
             if in_force and queue not in self._cancelled:
                 assert pause is not None
                 log.warning("%s stage paused (%s): stop consuming %s", stage, pause.by, queue)

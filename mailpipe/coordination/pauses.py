@@ -38,6 +38,12 @@ class Pause:
     def as_dict(self) -> dict[str, object]:
         return {"error": self.error, "since": self.since, "by": self.by}
 
+    def holds(self, max_pause: float, now: float | None = None) -> bool:
+        """Whether the stage's jobs are held: an operator's pause until it is resumed, a fault's
+        for `max_pause` seconds (from then on the jobs run, and fail with the fault)."""
+        now = time.time() if now is None else now
+        return self.by == OPERATOR or now - self.since <= max_pause
+
 
 def _script(source: bytes) -> Script:
     return Script(None, source)  # type: ignore[arg-type]

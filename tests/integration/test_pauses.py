@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 from sqlalchemy import select
 
+from mailpipe.app.pausing import CHECK_EVERY_S
 from mailpipe.cli.ingest import store_emails
 from mailpipe.harness.fleet import CeleryProcess, control_app
 from mailpipe.storage.models import PipelineRun
@@ -272,3 +273,26 @@ def test_a_pause_past_its_bound_fails_the_runs_and_ends_once_access_is_back(res,
         assert {run.status.value for run in runs(res, ids)} <= {"open"}
     finally:
         proxy.stop()
+
+
+def test_an_operators_pause_outlasts_the_bound_on_a_faults_pause(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # MAILPIPE_MAX_PAUSE bounds how long a fault keeps runs from failing; an operator's pause
+    # ends only with `mailpipe resume`.
+    max_pause = 2.0
+    f = fleet(MAILPIPE_MAX_PAUSE=str(max_pause))
+    worker = f.worker("cpu")
+    queue = res.settings.queue
+    mailpipe(f.env, "pause", "cpu")
+    wait_for(lambda: queue not in consumed_queues(f, worker.nodename), 30, "the pause applied")
+    holds_for(
+        lambda: queue not in consumed_queues(f, worker.nodename),
+        2 * max_pause + CHECK_EVERY_S,
+        "the worker leaving the queue alone",
+    )
+    ids = store_emails(res, invoices(EMAILS))
+    f.enqueue(ids)
+    assert_jobs_wait_in_the_broker(f, EMAILS)
+    assert runs(res, ids) == []
+
+    mailpipe(f.env, "resume", "cpu")
+    assert set(wait_until_closed(res, ids, timeout=120).values()) == {"succeeded"}
