@@ -72,7 +72,7 @@ class PauseStep(bootsteps.StartStopStep):
         now = time.time()
         for stage, queue in self._stages.items():
             pause = paused.get(stage)
-            in_force = pause is not None and now - pause.since <= settings.max_pause
+            in_force = pause is not None and pause.holds(settings.max_pause, now)
             if in_force and queue not in self._cancelled:
                 assert pause is not None
                 log.warning("%s stage paused (%s): stop consuming %s", stage, pause.by, queue)
@@ -82,7 +82,9 @@ class PauseStep(bootsteps.StartStopStep):
                 log.warning("%s stage no longer paused: consuming %s again", stage, queue)
                 c.add_task_queue(queue)
                 self._cancelled.discard(queue)
-            if in_force and pause is not None and pause.by == pauses.AUTO:
+            # Past MAILPIPE_MAX_PAUSE too: the jobs then fail with the fault, but only a probe
+            # ends the pause, which would otherwise fail every later fault's runs at once.
+            if pause is not None and pause.by == pauses.AUTO:
                 self._maybe_probe(stage, settings.pause_probe_interval)
 
     def _maybe_probe(self, stage: Stage, interval: float) -> None:

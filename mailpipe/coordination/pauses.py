@@ -38,6 +38,12 @@ class Pause:
     def as_dict(self) -> dict[str, object]:
         return {"error": self.error, "since": self.since, "by": self.by}
 
+    def holds(self, max_pause: float, now: float | None = None) -> bool:
+        """Whether the stage's jobs are held: an operator's pause until it is resumed, a fault's
+        for `max_pause` seconds (from then on the jobs run, and fail with the fault)."""
+        now = time.time() if now is None else now
+        return self.by == OPERATOR or now - self.since <= max_pause
+
 
 def _script(source: bytes) -> Script:
     return Script(None, source)  # type: ignore[arg-type]
@@ -55,12 +61,15 @@ if redis.call('exists', KEYS[2]) == 0 and redis.call('zcard', KEYS[1]) >= tonumb
 end
 return redis.call('hgetall', KEYS[2])
 """)
-# KEYS: pause. ARGV: error, by. Pauses unless paused already; returns the pause's fields.
+# KEYS: pause. ARGV: error, by. Pauses unless paused already (an operator takes over a fault's
+# pause, keeping its error and start); returns the pause's fields.
 _PAUSE = _script(b"""
 if redis.call('exists', KEYS[1]) == 0 then
   local t = redis.call('time')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   redis.call('hset', KEYS[1], 'error', ARGV[1], 'since', tostring(now), 'by', ARGV[2])
+elseif ARGV[2] == 'operator' then
+  redis.call('hset', KEYS[1], 'by', 'operator')
 end
 return redis.call('hgetall', KEYS[1])
 """)
@@ -80,7 +89,8 @@ def record_fault(
 
 
 def pause(redis: Redis, stage: Stage, error: str, by: str = OPERATOR) -> Pause:
-    """Pause `stage` unless it is paused already; the pause in force."""
+    """Pause `stage` unless it is paused already; the pause in force. An operator's pause of a
+    stage a fault paused makes it the operator's: no probe ends it, only `mailpipe resume`."""
     fields = _PAUSE(keys=[redis_keys.pause(stage)], args=[error, by], client=redis)
     result = _from_fields(stage, fields)
     assert result is not None

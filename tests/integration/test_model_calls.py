@@ -35,6 +35,7 @@ from mailpipe.storage.models import Classification, EmailLabel, PipelineRun
 from tests.support.bedrock_server import (
     BedrockServer,
     TimedBedrockServer,
+    bedrock_env,
     error,
     invoices,
     throttling,
@@ -55,11 +56,7 @@ def model_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
-            "MAILPIPE_MODEL_BACKEND": "bedrock",
-            "AWS_ENDPOINT_URL_BEDROCK_RUNTIME": server.url,
-            # Nothing from the developer's own AWS set-up: the fake credentials are in the env.
-            "AWS_CONFIG_FILE": str(aws_dir / "missing"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(aws_dir / "missing"),
+            **bedrock_env(server, aws_dir),
             "MAILPIPE_MODEL_RATE_PER_S": str(RATE_PER_S),
             "MAILPIPE_MODEL_BURST": str(BURST),
             "MAILPIPE_MODEL_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -352,6 +353,17 @@ class TimedBedrockServer(BedrockServer):
         """The answers' HTTP statuses, in the order the calls arrived."""
         with self._timing:
             return [call.status for call in sorted(self.calls, key=lambda call: call.arrived)]
+
+
+def bedrock_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
+    """The settings of a worker whose `bedrock` backend calls `server`, and nothing from the
+    developer's own AWS set-up (the fake credentials are in the test environment)."""
+    return {
+        "MAILPIPE_MODEL_BACKEND": "bedrock",
+        "AWS_ENDPOINT_URL_BEDROCK_RUNTIME": server.url,
+        "AWS_CONFIG_FILE": str(aws_dir / "missing"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(aws_dir / "missing"),
+    }
 
 
 def invoices(n: int) -> list[bytes]:

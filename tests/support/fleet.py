@@ -51,9 +51,9 @@ class Fleet:
         self.workers.append(process)
         return process
 
-    def queue_depth(self) -> int:
-        """Jobs waiting in the fleet's email queue."""
-        queue = self.prefix + self.env.get("MAILPIPE_QUEUE", self.res.settings.queue)
+    def queue_depth(self, queue: str | None = None) -> int:
+        """Jobs waiting in the fleet's email queue, or in `queue` (the model stage's)."""
+        queue = self.prefix + (queue or self.env.get("MAILPIPE_QUEUE", self.res.settings.queue))
         names = [queue if step == 0 else f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS]
         return sum(self.res.redis.llen(name) for name in names)
 

@@ -17,6 +17,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def holds_for(predicate: Callable[[], bool], seconds: float, what: str = "condition") -> None:
+    """Check that `predicate` stays true for `seconds`: what must not happen, watched for as
+    long as it would take to happen."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not predicate():
+            raise AssertionError(f"{what} stopped holding")
+        time.sleep(0.1)
+
+
 def run_statuses(res, email_ids: list[int]) -> dict[int, str]:  # type: ignore[no-untyped-def]
     from mailpipe.storage.models import PipelineRun
 

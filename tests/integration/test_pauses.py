@@ -1,0 +1,298 @@
+"""Stage pauses on real workers (mailpipe.coordination.pauses, mailpipe.app.pausing).
+
+A fleet-wide fault, S3 or Bedrock refusing the fleet, pauses its stage instead of failing its
+backlog: no run fails, no attempt is used, the workers stop taking the stage's jobs, which wait
+in the broker, and a probe ends the pause once access is back. An operator's pause does the same
+through `mailpipe pause` and ends with `mailpipe resume`. The workers are `celery worker`
+processes of the test's own key prefix (tests/support/fleet.py); the test reads the pause as an
+operator does, with `mailpipe status --json`, and the runs in the database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+from sqlalchemy import select
+
+from mailpipe.app.pausing import CHECK_EVERY_S
+from mailpipe.cli.ingest import store_emails
+from mailpipe.harness.fleet import CeleryProcess, control_app
+from mailpipe.storage.models import PipelineRun
+from tests.support.bedrock_server import (
+    TimedBedrockServer,
+    bedrock_env,
+    error,
+    invoices,
+    keyword_labels,
+)
+from tests.support.flaky_proxy import FlakyProxy
+from tests.support.fleet import Fleet
+from tests.support.waits import holds_for, wait_for, wait_until_closed
+
+EMAILS = 50
+PROBE_INTERVAL_S = 1.0
+# The pause is watched for this many probe intervals: long enough for several probes and for a
+# worker that still took jobs to show it.
+WATCHED_INTERVALS = 5
+FAST_PROBES = {"MAILPIPE_PAUSE_PROBE_INTERVAL": str(PROBE_INTERVAL_S)}
+
+
+def mailpipe(env: dict[str, str], *args: str) -> str:
+    """`mailpipe ARGS` as an operator runs it, on the fleet's broker and key prefix."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mailpipe.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
+
+
+def paused(env: dict[str, str]) -> dict[str, Any]:
+    """The `paused` object of `mailpipe status --json`."""
+    return json.loads(mailpipe(env, "status", "--json"))["paused"]
+
+
+def runs(res, email_ids: list[int]) -> list[PipelineRun]:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        return list(session.scalars(select(PipelineRun).where(PipelineRun.email_id.in_(email_ids))))
+
+
+def consumed_queues(f: Fleet, nodename: str) -> set[str]:
+    """The queues the worker consumes now, as Celery's `active_queues` command answers."""
+    with control_app(f.env) as control:
+        replies = control.control.inspect(destination=[nodename], timeout=2.0).active_queues()
+    return {queue["name"] for queue in (replies or {}).get(nodename, [])}
+
+
+def assert_jobs_wait_in_the_broker(
+    f: Fleet, jobs: int, queue: str | None = None, requests: Callable[[], int] | None = None
+) -> None:
+    """Every job is back in `queue` (the email queue by default) and none is held by a worker,
+    and it stays so for several probe intervals: the workers no longer take the stage's jobs.
+    `requests`: a count of the calls the paused service received, which may grow by a probe per
+    interval only."""
+    wait_for(
+        lambda: f.queue_depth(queue) == jobs and f.unacked() == 0,
+        60,
+        f"all {jobs} jobs back in the queue",
+    )
+    before = requests() if requests is not None else 0
+    holds_for(
+        lambda: f.queue_depth(queue) == jobs and f.unacked() == 0,
+        WATCHED_INTERVALS * PROBE_INTERVAL_S,
+        f"{jobs} jobs waiting in the queue",
+    )
+    if requests is not None:
+        probes = requests() - before
+        # A probe per interval, give or take one at either end of the window; without the pause
+        # each of the jobs would be calling the service again.
+        assert 1 <= probes <= WATCHED_INTERVALS + 1, probes
+
+
+def test_s3_refusing_the_fleet_pauses_the_cpu_stage_and_a_probe_ends_it(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    proxy = FlakyProxy(res.settings.s3_endpoint_url).start()
+    try:
+        proxy.deny(code="AccessDenied")
+        # The workers reach S3 through the proxy; this process stores the blobs directly.
+        f = fleet(MAILPIPE_S3_ENDPOINT_URL=proxy.url, **FAST_PROBES)
+        f.worker("cpu")
+        ids = store_emails(res, invoices(EMAILS))
+        f.enqueue(ids)
+
+        wait_for(lambda: "cpu" in paused(f.env), 60, "the cpu stage to pause")
+        pause = paused(f.env)["cpu"]
+        assert pause["by"] == "auto"
+        assert "AccessDenied" in pause["error"]
+        assert_jobs_wait_in_the_broker(f, EMAILS, requests=lambda: proxy.failed_requests)
+        # The emails taken before the pause hold open runs that used no attempt; the others
+        # have no run yet.
+        during = runs(res, ids)
+        assert len(during) >= 3  # MAILPIPE_PAUSE_AFTER_EMAILS
+        assert {run.status.value for run in during} == {"open"}
+        assert {run.attempts for run in during} == {0}
+        assert all(run.converted_at is None for run in during)
+
+        proxy.deny(False)
+        statuses = wait_until_closed(res, ids, timeout=120)
+    finally:
+        proxy.stop()
+    assert set(statuses.values()) == {"succeeded"}
+    assert {run.attempts for run in runs(res, ids)} == {1}
+    assert paused(f.env) == {}
+
+
+def test_bedrock_refusing_the_fleet_pauses_the_model_stage_only(res, fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    denied = error("AccessDeniedException", 403, "You don't have access to the model.")
+    server = TimedBedrockServer(default=denied)
+    server.start()
+    try:
+        f = fleet(
+            **bedrock_env(server, tmp_path),
+            **FAST_PROBES,
+            MAILPIPE_MODEL_RATE_PER_S="100",
+            MAILPIPE_MODEL_BURST="100",
+        )
+        queue = res.settings.queue
+        f.worker("cpu", "-Q", f"{queue},{queue}.control")
+        f.worker("model", "-P", "threads", "-c", "8", "-Q", f"{queue}.model")
+        ids = store_emails(res, invoices(EMAILS))
+        f.enqueue(ids)
+
+        wait_for(lambda: "model" in paused(f.env), 60, "the model stage to pause")
+        pause = paused(f.env)
+        assert set(pause) == {"model"}  # the CPU stage goes on
+        assert pause["model"]["by"] == "auto"
+        assert "AccessDeniedException" in pause["model"]["error"]
+        # Every email passed the CPU stage, and its model stage waits in the broker.
+        assert_jobs_wait_in_the_broker(
+            f, EMAILS, queue=f"{queue}.model", requests=lambda: len(server.calls)
+        )
+        during = runs(res, ids)
+        assert len(during) == EMAILS
+        assert {run.status.value for run in during} == {"open"}
+        assert all(run.converted_at is not None for run in during)
+        # The model stage starts with a fresh budget, and the fault gave back every attempt.
+        assert {run.attempts for run in during} == {0}
+
+        server.default = keyword_labels
+        statuses = wait_until_closed(res, ids, timeout=120)
+    finally:
+        server.stop()
+    assert set(statuses.values()) == {"succeeded"}
+    after = runs(res, ids)
+    assert {run.attempts for run in after} == {1}
+    # One claim for the CPU stage, one for each model-stage delivery that reached the model:
+    # those the model refused (at least one per email it took to pause the stage) used none of
+    # the attempts, the one it answered used the only attempt counted.
+    refused = [run.claims - 2 for run in after]
+    assert min(refused) >= 0
+    assert sum(1 for n in refused if n > 0) >= 3
+    answered = server.statuses()
+    assert answered.count(403) >= sum(refused)
+    # Each email classified once, and the probe that ended the pause.
+    assert answered.count(200) == EMAILS + 1
+    assert paused(f.env) == {}
+
+
+def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(**FAST_PROBES)
+    worker = f.worker("cpu")
+    queue = res.settings.queue
+    assert queue in consumed_queues(f, worker.nodename)
+
+    mailpipe(f.env, "pause", "cpu")
+    wait_for(
+        lambda: queue not in consumed_queues(f, worker.nodename),
+        30,
+        "the worker to stop consuming the cpu queue",
+    )
+    pause = paused(f.env)
+    assert set(pause) == {"cpu"}
+    assert pause["cpu"]["by"] == "operator"
+    ids = store_emails(res, invoices(EMAILS))
+    f.enqueue(ids)
+    assert_jobs_wait_in_the_broker(f, EMAILS)
+    assert runs(res, ids) == []  # no job was claimed, not even taken and put back
+
+    mailpipe(f.env, "resume", "cpu")
+    statuses = wait_until_closed(res, ids, timeout=120)
+    assert set(statuses.values()) == {"succeeded"}
+    assert {run.attempts for run in runs(res, ids)} == {1}
+    assert paused(f.env) == {}
+    assert queue in consumed_queues(f, worker.nodename)
+
+
+def lose_broker_connection(res, worker: CeleryProcess) -> int:  # type: ignore[no-untyped-def]
+    """Close the worker main process's connections to Redis from the server's side, as a
+    failover or a network blip does; returns how many were closed."""
+    port = res.redis.connection_pool.connection_kwargs["port"]
+    return sum(
+        res.redis.client_kill_filter(addr=f"{conn.laddr.ip}:{conn.laddr.port}")
+        for conn in psutil.Process(worker.pid).net_connections(kind="tcp")
+        if conn.raddr and conn.raddr.port == port
+    )
+
+
+def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # Celery starts the consumer again after a lost connection, with the queues it consumes
+    # then; the pause must hold through it, and so must the resume.
+    f = fleet()
+    worker = f.worker("cpu")
+    queue = res.settings.queue
+    others = {f"{queue}.control", f"{queue}.model"}
+    mailpipe(f.env, "pause", "cpu")
+    wait_for(lambda: consumed_queues(f, worker.nodename) == others, 30, "the pause applied")
+
+    assert lose_broker_connection(res, worker) > 0
+    # Only a worker connected again answers; it still leaves the paused queue alone.
+    wait_for(lambda: consumed_queues(f, worker.nodename) == others, 60, "the worker back")
+    ids = store_emails(res, invoices(EMAILS))
+    f.enqueue(ids)
+    assert_jobs_wait_in_the_broker(f, EMAILS)
+    assert runs(res, ids) == []
+
+    mailpipe(f.env, "resume", "cpu")
+    wait_for(lambda: queue in consumed_queues(f, worker.nodename), 30, "the resume applied")
+    assert lose_broker_connection(res, worker) > 0
+    statuses = wait_until_closed(res, ids, timeout=120)
+    assert set(statuses.values()) == {"succeeded"}
+    assert consumed_queues(f, worker.nodename) == {queue, *others}
+
+
+def test_a_pause_past_its_bound_fails_the_runs_and_ends_once_access_is_back(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    proxy = FlakyProxy(res.settings.s3_endpoint_url).start()
+    try:
+        proxy.deny(code="AccessDenied")
+        f = fleet(MAILPIPE_S3_ENDPOINT_URL=proxy.url, MAILPIPE_MAX_PAUSE="5", **FAST_PROBES)
+        f.worker("cpu")
+        denied = store_emails(res, invoices(10))
+        f.enqueue(denied)
+        wait_for(lambda: "cpu" in paused(f.env), 60, "the cpu stage to pause")
+        # Past MAILPIPE_MAX_PAUSE the worker takes the jobs again, and each fails with the fault.
+        assert set(wait_until_closed(res, denied, timeout=60).values()) == {"failed"}
+        assert all("MAILPIPE_MAX_PAUSE" in (run.error or "") for run in runs(res, denied))
+
+        proxy.deny(False)
+        # The next probe passes and ends the pause, as it would have within the bound.
+        wait_for(lambda: paused(f.env) == {}, 30, "the pause to end")
+        later = invoices(10)
+        proxy.deny(code="AccessDenied")
+        # A new fault is counted afresh: it pauses the stage again, failing nothing.
+        ids = store_emails(res, later)
+        f.enqueue(ids)
+        wait_for(lambda: "cpu" in paused(f.env), 60, "the cpu stage to pause again")
+        assert {run.status.value for run in runs(res, ids)} <= {"open"}
+    finally:
+        proxy.stop()
+
+
+def test_an_operators_pause_outlasts_the_bound_on_a_faults_pause(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # MAILPIPE_MAX_PAUSE bounds how long a fault keeps runs from failing; an operator's pause
+    # ends only with `mailpipe resume`.
+    max_pause = 2.0
+    f = fleet(MAILPIPE_MAX_PAUSE=str(max_pause))
+    worker = f.worker("cpu")
+    queue = res.settings.queue
+    mailpipe(f.env, "pause", "cpu")
+    wait_for(lambda: queue not in consumed_queues(f, worker.nodename), 30, "the pause applied")
+    holds_for(
+        lambda: queue not in consumed_queues(f, worker.nodename),
+        2 * max_pause + CHECK_EVERY_S,
+        "the worker leaving the queue alone",
+    )
+    ids = store_emails(res, invoices(EMAILS))
+    f.enqueue(ids)
+    assert_jobs_wait_in_the_broker(f, EMAILS)
+    assert runs(res, ids) == []
+
+    mailpipe(f.env, "resume", "cpu")
+    assert set(wait_until_closed(res, ids, timeout=120).values()) == {"succeeded"}
