@@ -26,6 +26,8 @@ from mailpipe.resources import Resources, get_resources
 
 log = logging.getLogger(__name__)
 
+PAUSED_RESEND_S = 1.0
+
 
 class EmailRequest(Request):
     """Celery's request, except that:
@@ -92,8 +94,10 @@ class EmailJobTask(Task):
                 countdown=outcome.delay,
             )
         elif outcome.kind is Kind.PAUSED:
-            # Back to the queue its workers no longer consume, where it waits out the pause.
-            send_job(email_id, TaskName(self.name))
+            # Back to the queue its workers stop consuming within a second of the pause, where
+            # it waits the pause out; the second's countdown keeps a worker that has not stopped
+            # yet from taking it straight back.
+            send_job(email_id, TaskName(self.name), countdown=PAUSED_RESEND_S)
         elif outcome.kind is Kind.HANDED_OFF:
             send_job(email_id, TaskName.CLASSIFY_EMAIL)
         elif outcome.kind is Kind.FAILED:

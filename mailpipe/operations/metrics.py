@@ -8,7 +8,8 @@ Per job queue (dimension `Queue`: the email queue `MAILPIPE_QUEUE`, and its mode
 - `DeferredJobs`: jobs deferred (a held lease, the rate limit, throttling) and waiting for their
   delivery, which workers hold for its countdown outside the queue;
 - `RunningTasks`: worker processes (ECS tasks) consuming the queue, with a fresh heartbeat;
-- `BacklogPerTask`: (QueueDepth + DeferredJobs) / RunningTasks, what Auto Scaling tracks.
+- `BacklogPerTask`: (QueueDepth + DeferredJobs) / RunningTasks, what Auto Scaling tracks; 0
+  while the queue's stage is paused, as a task added then would sit idle.
 
 With the email queue's dimension only:
 
@@ -45,7 +46,7 @@ from sqlalchemy import func, select
 from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.brokerstate import queue_stats
 from mailpipe.coordination.heartbeat import live_workers
-from mailpipe.coordination.queues import Stage, job_queues
+from mailpipe.coordination.queues import Stage, job_queues, stage_queue
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import PipelineRun, RunStatus
@@ -76,10 +77,15 @@ class BacklogMetrics:
     deferrals: int | None = None
     # The stages paused now; None on the readings that do not carry the fleet's figures.
     paused_stages: frozenset[Stage] | None = None
+    # The queue's stage is paused: no task may take its jobs, however many run.
+    held: bool = False
     measured_at: float = field(default_factory=time.time)
 
     @property
     def backlog_per_task(self) -> float:
+        if self.held:
+            # A task added now would sit idle: scaling out on a paused backlog adds nothing.
+            return 0.0
         # With no live task, the whole backlog is what one new task would face.
         return (self.queue_depth + self.deferred_jobs) / max(1, self.running_tasks)
 
@@ -209,10 +215,19 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     fleet's counts. A database error costs FailedRuns only: the backlog figures, which scaling
     depends on, are still worth sending."""
     measured_at = time.time()
-    email, *others = [read_backlog(res, queue, measured_at) for queue in job_queues(res.settings)]
+    settings = res.settings
+    holding = {
+        stage_queue(stage, settings)
+        for stage, pause in pauses.paused(res.redis).items()
+        if pause.holds(settings.max_pause)
+    }
+    email, *others = [
+        replace(read_backlog(res, queue, measured_at), held=queue in holding)
+        for queue in job_queues(settings)
+    ]
     counted = res.redis.getdel(redis_keys.deferrals_counter())
     try:
-        failed = claim_failed_runs(res, lookback=res.settings.metrics_interval)
+        failed = claim_failed_runs(res, lookback=settings.metrics_interval)
     except Exception:
         log.warning("could not count failed runs for FailedRuns", exc_info=True)
         failed = None

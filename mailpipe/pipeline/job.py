@@ -156,13 +156,13 @@ def _deliver(
 
 
 def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
-    """The stage's pause, unless it has lasted past MAILPIPE_MAX_PAUSE: from then on jobs run
-    again, and those that hit the fault fail their runs with it."""
+    """The stage's pause while it holds: an operator's until resumed, a fault's until
+    MAILPIPE_MAX_PAUSE (from then on jobs run again, and those that hit the fault fail with it)."""
     try:
         pause = res.pauses(res.redis).get(stage)
     except RedisError:
         return None  # the lease cannot be taken either: the job defers below
-    if pause is None or time.time() - pause.since > res.settings.max_pause:
+    if pause is None or not pause.holds(res.settings.max_pause):
         return None
     return pause
 
@@ -331,8 +331,8 @@ def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Excepti
     if pause is None:
         log.warning("email %s: fleet-wide fault at the %s stage: %s", email_id, stage, error)
         return Outcome(Kind.DEFER, settings.retry_backoff_base, error)
-    paused_for = time.time() - pause.since
-    if paused_for > settings.max_pause:
+    if not pause.holds(settings.max_pause):
+        paused_for = time.time() - pause.since
         failure = (
             f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
             f"({settings.max_pause:g} s), by a fleet-wide fault: {error}"

@@ -465,3 +465,24 @@ def test_a_job_enqueued_by_upstream_code_carries_its_enqueue_time(res) -> None: 
     enqueue_in(env, [email_id])
     message = json.loads(res.redis.lindex(env["MAILPIPE_REDIS_PREFIX"] + "mailpipe", -1))
     assert ENQUEUED_AT_HEADER in message["headers"]
+
+
+def test_a_paused_stage_reports_no_backlog_per_task_to_scale_on(res) -> None:  # type: ignore[no-untyped-def]
+    """A task added while its stage is paused would sit idle: the paused queue's BacklogPerTask
+    is 0 while its depth is still reported; the other stage's figures are untouched."""
+    from mailpipe.coordination import pauses
+
+    ids = store_emails(res, [good_email(i) for i in range(3)])
+    enqueue_emails(ids, res)
+
+    def email_queue_reading() -> metrics.BacklogMetrics:
+        readings = {r.queue: r for r in metrics.collect(res)}
+        return readings[res.settings.queue]
+
+    assert email_queue_reading().backlog_per_task == 3
+    pauses.pause(res.redis, Stage.CPU, "maintenance")
+    paused = email_queue_reading()
+    assert (paused.queue_depth, paused.backlog_per_task) == (3, 0.0)
+    assert paused.paused_stages == frozenset({Stage.CPU})
+    pauses.resume(res.redis, Stage.CPU)
+    assert email_queue_reading().backlog_per_task == 3
