@@ -1,7 +1,7 @@
 """The probe of a paused stage: one real call of the kind the fault refused.
 
 For the CPU stage, the blob read of an email that hit the fault; for the model stage, the model
-call of one. A probe whose call the service answered (even with a verdict on the email itself: a
+call of one; for both, the lock a claim takes on the email's run. A probe whose call the service answered (even with a verdict on the email itself: a
 missing blob, an email over a limit) shows that the fleet may use the service again, and ends
 the pause; one refused the same way keeps it. This module never imports Celery.
 """
@@ -18,7 +18,7 @@ from mailpipe.coordination import pauses
 from mailpipe.coordination.queues import Stage
 from mailpipe.errors import PermanentError, describe, is_fleet_fault
 from mailpipe.resources import Resources
-from mailpipe.storage.models import EmailMessage, ModelInput
+from mailpipe.storage.models import EmailMessage, ModelInput, PipelineRun
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,15 @@ def probe(res: Resources, stage: Stage) -> ProbeResult:
 
 
 def _call(res: Resources, stage: Stage, email_id: int) -> bool:
-    """The stage's real call for `email_id`; False when the email gives nothing to call with."""
+    """The stage's real call for `email_id`; False when the email gives nothing to call with.
+
+    The run's row is locked first, in a transaction that is rolled back: FOR UPDATE needs the
+    UPDATE privilege a claim needs, so a database that refuses the fleet's role keeps the pause
+    rather than letting each probe end it."""
     with res.db.session() as session:
+        session.execute(
+            select(PipelineRun.id).where(PipelineRun.email_id == email_id).with_for_update()
+        )
         if stage is Stage.MODEL:
             stored = session.get(ModelInput, email_id)
             model_input = None if stored is None else input_from_json(stored.input)
