@@ -55,7 +55,9 @@ def test_jobs_that_kill_their_child_fail_alone_after_their_attempts(res, fleet) 
     assert [f.runs(poison) for poison in poisons] == [4, 4, 4]
 
 
-def test_memory_blown_past_a_limit_fails_the_job_and_the_child_lives(res, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_memory_blown_past_a_limit_fails_the_job_after_its_attempts_and_the_child_lives(
+    res, fleet
+) -> None:  # type: ignore[no-untyped-def]
     f = fleet()
     worker = f.worker("memory", "--concurrency", "1")
     children_before = worker.child_pids()
@@ -65,8 +67,10 @@ def test_memory_blown_past_a_limit_fails_the_job_and_the_child_lives(res, fleet)
     statuses = wait_until_closed(res, [hog, good])
     assert statuses == {hog: "failed", good: "succeeded"}
     run = run_of(res, hog)
-    assert run.attempts == 1 and "MemoryError" in run.error
-    assert worker.child_pids() == children_before  # the same child went on to the next job
+    # A MemoryError is nothing the pipeline classifies: retried like any unforeseen error.
+    assert run.attempts == 4 and f.runs(hog) == 4
+    assert run.error.startswith("gave up after 4 attempts: unexpected MemoryError"), run.error
+    assert worker.child_pids() == children_before  # the same child went on to the next jobs
 
 
 def test_a_slow_job_past_the_visibility_timeout_is_not_run_twice_at_once(res, fleet) -> None:  # type: ignore[no-untyped-def]
@@ -123,8 +127,70 @@ def test_sigterm_finishes_short_jobs_and_requeues_the_long_one_at_once(res, flee
     statuses = wait_until_closed(res, [short, long], timeout=60)
     assert statuses == {short: "succeeded", long: "succeeded"}
     assert run_of(res, short).attempts == 1
-    assert run_of(res, long).attempts == 2
+    # The cut-off gave its attempt back: the job's one counted attempt is the one that finished.
+    long_run = run_of(res, long)
+    assert (long_run.attempts, long_run.cutoffs) == (1, 1)
     assert leaving.process.wait(30) is not None
+
+
+# A job far longer than the soft-shutdown window, and time limits far beyond both.
+SHUTDOWN_WINDOW = {
+    "MAILPIPE_SOFT_SHUTDOWN_TIMEOUT": "3",
+    "MAILPIPE_VISIBILITY_TIMEOUT": "300",
+    "MAILPIPE_TASK_SOFT_TIME_LIMIT": "100",
+    "MAILPIPE_TASK_TIME_LIMIT": "120",
+}
+
+
+def cut_off_by_shutdown(f: Fleet, email_id: int, delivery: int) -> PipelineRun:
+    """A worker of its own takes the job's `delivery`-th delivery and is sent SIGTERM while the
+    job runs: it stops at the end of its soft-shutdown window and the broker takes the job back.
+    Returns the run as the delivery's claim left it."""
+    worker = f.worker(f"stopping-{delivery}", REMAP_SIGTERM="SIGQUIT")
+    wait_for(lambda: f.runs(email_id) == delivery, 60, f"delivery {delivery} to start its steps")
+    claimed = run_of(f.res, email_id)
+    worker.signal(signal.SIGTERM)
+    assert worker.process.wait(30) is not None
+    return claimed
+
+
+def test_a_job_cut_off_by_three_shutdowns_finishes_on_its_one_attempt(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(**SHUTDOWN_WINDOW)
+    [long] = store_emails(res, [email("outlasts-shutdowns")])
+    f.set_fault(long, "slow:30", times=3)
+    f.enqueue([long])
+    for delivery in (1, 2, 3):
+        claimed = cut_off_by_shutdown(f, long, delivery)
+        # Each claim after a cut-off records it and gives the attempt back.
+        assert (claimed.attempts, claimed.cutoffs) == (1, delivery - 1)
+        if delivery > 1:
+            assert claimed.error.startswith(
+                f"cut off by shutdown ({delivery - 1} of at most 10)"
+            ), claimed.error
+    f.worker("staying")
+    assert wait_until_closed(res, [long], timeout=90) == {long: "succeeded"}
+    run = run_of(res, long)
+    assert (run.attempts, run.cutoffs, run.error) == (1, 3, None)
+    assert f.runs(long) == 4
+
+
+def test_a_job_cut_off_more_often_than_the_bound_fails_saying_why(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(**SHUTDOWN_WINDOW, MAILPIPE_MAX_SHUTDOWN_CUTOFFS="2")
+    [long] = store_emails(res, [email("outlasts-every-window")])
+    f.set_fault(long, "slow:30")
+    f.enqueue([long])
+    for delivery in (1, 2):
+        cut_off_by_shutdown(f, long, delivery)
+    # The third delivery's claim finds the second cut-off, the bound: the run fails unstarted.
+    f.worker("staying")
+    assert wait_until_closed(res, [long], timeout=90) == {long: "failed"}
+    run = run_of(res, long)
+    assert run.cutoffs == 2 and run.attempts == 0
+    assert run.error == (
+        "cut off by shutdown 2 times: the job runs longer than any worker's soft-shutdown "
+        "window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it"
+    )
+    assert f.runs(long) == 2
 
 
 def _unacked_and_queued(f: Fleet) -> tuple[int, int]:
