@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.resources import Resources
-from mailpipe.storage.models import PipelineRun, SweepReport
+from mailpipe.storage.models import PipelineRun, RunStatus, SweepReport
 from tests.support.faults import set_claim_fault
 from tests.support.waits import wait_for, wait_until_closed
 
@@ -89,13 +89,16 @@ CLAIM_WAIT_S = 3.0
 
 
 def wait_for_failed_attempt(res, email_id: int, attempt: int, error: str) -> None:  # type: ignore[no-untyped-def]
-    """Until the run shows `attempt` attempts, the last of them failed with `error`."""
+    """Until the run shows `attempt` attempts, the last of them failed with `error`; a run that
+    failed instead stops the wait at once."""
 
     def recorded() -> bool:
         with res.db.session() as session:
             run = session.scalars(
                 select(PipelineRun).where(PipelineRun.email_id == email_id)
             ).first()
+        if run is not None and run.status is RunStatus.FAILED:
+            raise AssertionError(f"the run failed after {run.attempts} attempts: {run.error}")
         return run is not None and run.attempts == attempt and (run.error or "").startswith(error)
 
     wait_for(recorded, 60, f"attempt {attempt} to fail with its error recorded")
