@@ -13,7 +13,9 @@ import pytest
 from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination.queues import control_queue, email_queue, model_queue
 from mailpipe.storage.models import PipelineRun
+from tests.support.bedrock_server import BedrockServer
 from tests.support.fleet import Fleet
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
@@ -228,3 +230,40 @@ def test_a_job_that_ends_while_its_worker_stops_is_acked_not_requeued(
     # Its ack went out before the worker closed its connection: a lost ack would have put the
     # message back in the queue (kombu restores a channel's unacked messages when it closes).
     assert _unacked_and_queued(f) == (0, 0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the worker marks every unacknowledged job it cancels at the end of the window, one "
+    "that ended inside it too; the mark outlives it and turns the email's next death into a cut-off",
+)
+def test_a_job_that_ends_inside_the_shutdown_window_is_not_taken_for_cut_off(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    """The CPU stage ends inside its worker's soft-shutdown window and hands off; the model
+    stage's worker is then killed mid-call. That death is an attempt, not a shutdown's cut-off."""
+    server = BedrockServer(delay=10).start()
+    try:
+        f = fleet(
+            MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="8",
+            MAILPIPE_MODEL_BACKEND="bedrock",
+            AWS_ENDPOINT_URL_BEDROCK_RUNTIME=server.url,
+        )
+        settings = res.settings
+        cpu = f"--queues={email_queue(settings)},{control_queue(settings)}"
+        model = ("--pool", "threads", f"--queues={model_queue(settings)}")
+        stopping = f.worker("stopping", cpu, REMAP_SIGTERM="SIGQUIT")
+        [email_id] = store_emails(res, [email("ends-in-the-window")])
+        f.set_fault(email_id, "slow:2", times=1)
+        f.enqueue([email_id])
+        wait_for(lambda: f.runs(email_id) == 1, 30, "the job to start")
+        stopping.signal(signal.SIGTERM)
+        assert stopping.process.wait(30) is not None
+        assert f.queue_depth(model_queue(settings)) == 1  # handed off inside the window
+        killed = f.worker("model-killed", *model)
+        wait_for(lambda: len(server.requests) == 1, 30, "the model call")
+        killed.kill()
+        f.worker("model", *model)
+        assert wait_until_closed(res, [email_id], timeout=120) == {email_id: "succeeded"}
+    finally:
+        server.stop()
+    run = run_of(res, email_id)
+    assert (run.attempts, run.cutoffs) == (2, 0)
