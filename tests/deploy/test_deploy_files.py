@@ -771,7 +771,9 @@ def test_the_worker_task_role_lists_only_its_blob_prefix(template):
     by_sid = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
     listing = by_sid["ListBlobPrefix"]
     assert listing["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BlobBucketName}"}
-    assert listing["Condition"] == {"StringLikeIfExists": {"s3:prefix": [{"Fn::Sub": "${BlobPrefix}/*"}]}}
+    assert listing["Condition"] == {
+        "StringLikeIfExists": {"s3:prefix": [{"Fn::Sub": "${BlobPrefix}/*"}]}
+    }
 
 
 def test_model_role_reaches_only_its_model():
