@@ -1,7 +1,8 @@
 """Retries, time limits and refused messages on real prefork workers.
 
-Transient errors come from `tests.support.faults` (a service down, or busy with a Retry-After),
-raised inside the job's steps after the attempt was counted, where a real outage would hit.
+Failures come from `tests.support.faults` (a service down, or busy with a Retry-After; a bug; a
+step slower than the soft time limit), inside the job's steps after the attempt was counted,
+where a real outage would hit. Every one of them but rejected input is retried.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from sqlalchemy import func, select
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.resources import Resources
-from mailpipe.storage.models import PipelineRun, SweepReport
+from mailpipe.storage.models import PipelineRun, RunStatus, SweepReport
+from tests.support.faults import set_claim_fault
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.slow
@@ -74,21 +76,55 @@ def test_a_services_retry_after_is_waited_out_rather_than_the_backoff(res, fleet
     assert (run.attempts, run.error) == (3, None)
 
 
-def test_the_soft_time_limit_fails_the_run_at_once_in_a_real_worker(res, fleet) -> None:  # type: ignore[no-untyped-def]
-    f = fleet(
-        MAILPIPE_TASK_SOFT_TIME_LIMIT="1",
-        MAILPIPE_TASK_TIME_LIMIT="4",
-        MAILPIPE_VISIBILITY_TIMEOUT="10",
-        **BACKOFF,
-    )
-    worker = f.worker("soft-limit")
-    [slow] = store_emails(res, [email("slow-soft")])
-    f.set_fault(slow, "slow:30")
-    f.enqueue([slow])
-    assert wait_until_closed(res, [slow], timeout=60) == {slow: "failed"}
-    run = run_of(res, slow)
-    assert run.attempts == 1 and f.runs(slow) == 1  # not retried
-    assert run.error.startswith("soft time limit (1 s) exceeded")
+# The soft time limit a slow job hits; the hard one and the visibility timeout as the settings
+# require above it.
+SOFT_LIMIT = {
+    "MAILPIPE_TASK_SOFT_TIME_LIMIT": "5",
+    "MAILPIPE_TASK_TIME_LIMIT": "8",
+    "MAILPIPE_VISIBILITY_TIMEOUT": "15",
+}
+# Each claim waits this long before it commits, so that what the attempt before it left on the
+# run (its count and its error) stays there to be read; well inside the soft time limit.
+CLAIM_WAIT_S = 3.0
+
+
+def wait_for_failed_attempt(res, email_id: int, attempt: int, error: str) -> None:  # type: ignore[no-untyped-def]
+    """Until the run shows `attempt` attempts, the last of them failed with `error`; a run that
+    failed instead stops the wait at once."""
+
+    def recorded() -> bool:
+        with res.db.session() as session:
+            run = session.scalars(
+                select(PipelineRun).where(PipelineRun.email_id == email_id)
+            ).first()
+        if run is not None and run.status is RunStatus.FAILED:
+            raise AssertionError(f"the run failed after {run.attempts} attempts: {run.error}")
+        return run is not None and run.attempts == attempt and (run.error or "").startswith(error)
+
+    wait_for(recorded, 60, f"attempt {attempt} to fail with its error recorded")
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ("raise", "unexpected RuntimeError: the test's step has a bug"),
+        ("slow:60", "soft time limit (5 s) exceeded"),
+    ],
+    ids=["unexpected-error", "soft-time-limit"],
+)
+def test_a_job_that_fails_twice_succeeds_on_its_third_attempt(res, fleet, fault, error) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(**SOFT_LIMIT, **BACKOFF)
+    worker = f.worker("third-time")
+    [flaky] = store_emails(res, [email("third-time")])
+    f.set_fault(flaky, fault, times=2)
+    set_claim_fault(res.redis, flaky, CLAIM_WAIT_S, times=3, prefix=f.prefix)
+    f.enqueue([flaky])
+    wait_for_failed_attempt(res, flaky, 1, error)
+    wait_for_failed_attempt(res, flaky, 2, error)
+    assert wait_until_closed(res, [flaky], timeout=60) == {flaky: "succeeded"}
+    run = run_of(res, flaky)
+    assert (run.attempts, run.error) == (3, None)
+    assert f.runs(flaky) == 3
     assert worker.alive()
 
 

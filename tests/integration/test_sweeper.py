@@ -1,9 +1,12 @@
-"""The sweeper's rules, run against the real Redis and PostgreSQL (no worker needed)."""
+"""The sweeper's rules, run against the real Redis and PostgreSQL: most with no worker, the jobs
+of a run across its stages and its reopen on real workers of their own (tests/support/fleet.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 from sqlalchemy import select
@@ -21,6 +24,8 @@ from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
+from tests.support.bedrock_server import BedrockServer
+from tests.support.waits import wait_for, wait_until_closed
 
 
 def emails(n: int, tag: str = "") -> list[bytes]:
@@ -42,8 +47,9 @@ def depth(res: Resources) -> int:
 
 def purge(res: Resources) -> None:
     """What `celery purge` or a message dropped by hand does: the messages go, the markers stay."""
-    for name in brokerstate.priority_lists(res.settings.queue):
-        res.redis.delete(name)
+    for queue in queues.job_queues(res.settings):
+        for name in brokerstate.priority_lists(queue):
+            res.redis.delete(name)
 
 
 def set_model_calls(res: Resources, on: bool) -> None:
@@ -64,11 +70,11 @@ def classify_then_die(res: Resources, email_id: int) -> None:
     assert job.process_email(res, email_id).kind is Kind.WAITING  # the CPU stage, done
     set_model_calls(res, model_calls)
     with res.db.transaction() as session:
-        attempt = runs.claim_attempt(
+        token = runs.claim_attempt(
             session, email_id, res.settings.max_attempts, stage=queues.Stage.MODEL
-        ).attempt
+        ).token
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, attempt)
+        run = runs.current(session, email_id, token)
         store_classification(session, run.id, email_id, ClassificationResult((), "m", "p"))
         runs.mark_classified(run)
 
@@ -108,12 +114,16 @@ def test_emails_without_run_are_readded_once(res) -> None:  # type: ignore[no-un
 def test_open_runs_follow_the_model_call_rules(res) -> None:  # type: ignore[no-untyped-def]
     never, answered, waiting_off = store_emails(res, emails(3))
     with res.db.transaction() as session:
-        runs.ensure_runs(session, [never, waiting_off])
+        runs.ensure_runs(session, [never])
     classify_then_die(res, answered)
+    set_model_calls(res, False)
+    assert job.process_email(res, waiting_off).kind is Kind.WAITING  # its CPU stage, done
     quick = Resources(res.settings.model_copy(update={"stall_after": 2}))
 
-    set_model_calls(res, False)
-    assert run_sweep(quick).readded_ids == []  # waiting for model calls, or answered just now
+    # A run whose CPU stage is not done needs its job either way; the others wait for model
+    # calls, or were answered just now.
+    assert run_sweep(quick).readded_ids == [never]
+    purge(res)
 
     set_model_calls(res, True)
     # Never classified: at once. Classified: only once its answer is older than the threshold.
@@ -286,3 +296,71 @@ def test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost(res, mon
     monkeypatch.setattr(brokerstate, "emails_in_broker", read_while_the_job_ends)
     result = run_sweep(res)
     assert (result.readded_stalled, result.readded_no_run, depth(res)) == (0, 0, 0)
+
+
+def run_of(res: Resources, email_id: int) -> PipelineRun:
+    with res.db.session() as session:
+        return session.scalars(select(PipelineRun).where(PipelineRun.email_id == email_id)).one()
+
+
+def test_a_job_lost_at_both_stages_is_swept_three_times_in_all(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    """The sweeps of a run count over its two stages: the hand-off to the model stage does not
+    give a job lost twice at the CPU stage three more sweeps."""
+    server = BedrockServer().start()
+    try:
+        # Model calls on (the fleet's default) with a remote model: the CPU stage hands off.
+        f = fleet(MAILPIPE_MODEL_BACKEND="bedrock", AWS_ENDPOINT_URL_BEDROCK_RUNTIME=server.url)
+        [lost] = store_emails(res, emails(1, "both-stages"))
+        f.enqueue([lost])
+        for count in (1, 2):  # lost before any worker took it
+            f.lose_jobs()
+            assert f.sweep()["readded_ids"] == [lost]
+            assert sweep_counts(res) == {lost: count}
+        # The CPU stage's worker, and no model role to take the hand-off.
+        cpu_queues = f"{queues.email_queue(res.settings)},{queues.control_queue(res.settings)}"
+        f.worker("cpu-stage", f"--queues={cpu_queues}")
+        model_queue = queues.model_queue(res.settings)
+        wait_for(lambda: f.queue_depth(model_queue) == 1, 60, "the hand-off to the model stage")
+        assert run_of(res, lost).converted_at is not None
+        f.lose_jobs()
+        assert f.sweep()["readded_ids"] == [lost]  # its model stage, a third sweep
+        assert f.queue_depth(model_queue) == 1
+        assert sweep_counts(res) == {lost: 3}
+        f.lose_jobs()
+        result = f.sweep()
+        assert (result["readded_ids"], result["marked_for_review"]) == ([], 1)
+        assert server.requests == []  # the model stage never ran
+    finally:
+        server.stop()
+    run = run_of(res, lost)
+    assert (run.status, run.sweep_count) == (RunStatus.FAILED, 3)
+    assert run.error.startswith("stalled: its job was lost 4 times"), run.error
+    with res.db.session() as session:
+        email = session.get_one(EmailMessage, lost)
+    assert email.needs_review and "re-added 3 times" in (email.review_reason or "")
+
+
+def test_a_reopened_run_whose_job_is_lost_is_readded_with_model_calls_off(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    f = fleet(MAILPIPE_MAX_RETRIES="0")
+    worker = f.worker("failing")
+    [reopened] = store_emails(res, emails(1, "reopened"))
+    f.set_fault(reopened, "raise", times=1)
+    f.enqueue([reopened])
+    assert wait_until_closed(res, [reopened]) == {reopened: "failed"}
+    worker.stop()
+    set_model_calls(res, False)
+    subprocess.run(
+        [sys.executable, "-m", "mailpipe.cli.main", "failed", "--retry", str(reopened)],
+        env=f.env,
+        check=True,
+        capture_output=True,
+    )
+    f.lose_jobs()  # the reopened run's job, lost before any worker took it
+    assert f.sweep()["readded_ids"] == [reopened]
+    assert f.queue_depth() == 1
+    # The job sent again runs its CPU stage, and the run waits for model calls.
+    f.worker("after-reopen")
+    wait_for(lambda: run_of(res, reopened).converted_at is not None, 60, "the CPU stage to run")
+    assert f.runs(reopened) == 2
+    run = run_of(res, reopened)
+    assert (run.status, run.sweep_count) == (RunStatus.OPEN, 1)

@@ -12,7 +12,8 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
 - ``die-after-steps``: runs the real steps (their writes committed), then SIGKILLs its child:
   a crash between the CPU stage and its hand-off;
 - ``transient``: raises a TransientError (a service that is down), ``transient:SECONDS`` one
-  that says when to come back (a Retry-After).
+  that says when to come back (a Retry-After);
+- ``raise``: raises a RuntimeError, an error nothing foresaw (a bug in a step, or in a library).
 
 A claim fault (``set_claim_fault``) makes the delivery wait inside its claim transaction, after
 the run's row is locked, for the given seconds: a window in which to restart the database.
@@ -114,6 +115,8 @@ def _crash(mode: str) -> None:
     if mode.startswith("transient:"):
         retry_after = float(mode.split(":", 1)[1])
         raise TransientError("the test's service is busy", retry_after=retry_after)
+    if mode == "raise":
+        raise RuntimeError("the test's step has a bug")
     if mode == "hang":
         while True:
             try:

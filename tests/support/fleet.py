@@ -15,7 +15,9 @@ from pathlib import Path
 
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from mailpipe.coordination.queues import job_queues
 from mailpipe.harness import fleet as localfleet
+from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from tests.support.faults import runs_key, set_fault, starts_key
 
@@ -52,14 +54,48 @@ class Fleet:
         return process
 
     def queue_depth(self, queue: str | None = None) -> int:
-        """Jobs waiting in the fleet's email queue, or in `queue` (the model stage's)."""
-        queue = self.prefix + (queue or self.env.get("MAILPIPE_QUEUE", self.res.settings.queue))
-        names = [queue if step == 0 else f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS]
-        return sum(self.res.redis.llen(name) for name in names)
+        """Jobs waiting in one of the fleet's queues, its email queue unless named."""
+        return sum(self.res.redis.llen(name) for name in self._lists(queue or self._settings.queue))
 
     def unacked(self) -> int:
         """Messages delivered to the fleet's workers and not yet acknowledged."""
-        return int(self.res.redis.hlen(f"{self.prefix}unacked"))
+        return int(self.res.redis.hlen(f"{self.prefix}{Channel.unacked_key}"))
+
+    def lose_jobs(self) -> None:
+        """What a broker that lost its messages leaves (a Redis failover, a purge by hand): every
+        job of the fleet, waiting or delivered, is gone; markers, leases and runs stay."""
+        names = [name for queue in job_queues(self._settings) for name in self._lists(queue)]
+        names += [
+            f"{self.prefix}{Channel.unacked_key}",
+            f"{self.prefix}{Channel.unacked_index_key}",
+        ]
+        self.res.redis.delete(*names)
+
+    def sweep(self) -> dict[str, object]:
+        """One sweep in the fleet's key space, with no grace for jobs just sent: a job the test
+        lost is taken for lost at once. Its summary, with the emails it re-added."""
+        script = (
+            "import json; from mailpipe.enqueue import enqueue_emails; "
+            "from mailpipe.operations import sweeper; from mailpipe.resources import get_resources; "
+            "res = get_resources(); result = sweeper.sweep(res, in_flight_grace=0, "
+            "enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent); "
+            "print(json.dumps({**result.summary(), 'readded_ids': result.readded_ids}))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=self.env, check=True, capture_output=True, text=True
+        )
+        return json.loads(done.stdout.splitlines()[-1])
+
+    @property
+    def _settings(self) -> Settings:
+        return self.res.settings.model_copy(
+            update={"queue": self.env.get("MAILPIPE_QUEUE", self.res.settings.queue)}
+        )
+
+    def _lists(self, queue: str) -> list[str]:
+        """The Redis lists kombu keeps the fleet's `queue` in, one per priority step."""
+        base = self.prefix + queue
+        return [base if step == 0 else f"{base}{Channel.sep}{step}" for step in PRIORITY_STEPS]
 
     def set_fault(self, email_id: int, mode: str, times: int | None = None) -> None:
         set_fault(self.res.redis, email_id, mode, times, prefix=self.prefix)

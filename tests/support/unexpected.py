@@ -2,7 +2,8 @@
 
 Loaded into a real worker with ``celery -A mailpipe worker -I tests.support.unexpected``, it makes
 the steps of every email job raise an error nothing foresaw, after the lease and the attempt
-count: the pipeline fails the run with it and logs its traceback, as it would for a real bug.
+count: the pipeline records it on the run, logs its traceback and retries, as it would for a real
+bug.
 """
 
 from __future__ import annotations
