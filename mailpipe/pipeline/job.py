@@ -199,7 +199,7 @@ def run_claimed(
                 settings.max_attempts,
                 cut_off=cut_off,
                 stage=stage,
-                cut_by_shutdown=lambda: shutdowns.take_cut_off(res.redis, email_id),
+                cut_off_at=lambda: shutdowns.cut_off_at(res.redis, email_id),
                 max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
             )
             model_calls = result.claim is runs.Claim.CONVERTED and res.model_calls(session)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 
@@ -69,7 +70,7 @@ def claim_attempt(
     *,
     cut_off: float | None = None,
     stage: Stage = Stage.CPU,
-    cut_by_shutdown: Callable[[], bool] = lambda: False,
+    cut_off_at: Callable[[], float | None] = lambda: None,
     max_shutdown_cutoffs: int = 10,
 ) -> ClaimResult:
     """Count one attempt of `stage`, or say why it must not run now.
@@ -77,8 +78,9 @@ def claim_attempt(
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
     `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
-    `cut_by_shutdown`: asked when the last attempt ended without a result; True when its worker
-    cut it off at the end of its shutdown window, which gives the attempt back.
+    `cut_off_at`: asked when the last attempt ended without a result; when its worker cut the
+    email's job off at the end of its shutdown window, and that attempt had started before, the
+    attempt is given back.
 
     The usual case, a run that is new or open and ready for this stage, is counted in one
     statement (`_count_if_ready`), which also reads where the email is stored; every other case
@@ -101,6 +103,7 @@ def claim_attempt(
     if stage is Stage.MODEL and not converted:
         return ClaimResult(Claim.NOT_CONVERTED, run.attempts)
     if run.attempt_started_at is not None:
+        started = run.attempt_started_at
         run.attempt_started_at = None
         if cut_off is not None:
             run.error = _clip(
@@ -108,7 +111,7 @@ def claim_attempt(
             )
             if run.attempts < max_attempts:
                 return ClaimResult(Claim.BACK_OFF, run.attempts, run.error)
-        elif cut_by_shutdown():
+        elif _cut_off_after(cut_off_at(), started):
             run.attempts = max(0, run.attempts - 1)
             run.cutoffs += 1
             run.error = _clip(
@@ -146,6 +149,13 @@ def claim_attempt(
         blob_key=blob_key,
         token=run.claims,
     )
+
+
+def _cut_off_after(marked_at: float | None, started: datetime) -> bool:
+    if marked_at is None:
+        return False
+    started_at = started if started.tzinfo else started.replace(tzinfo=UTC)
+    return marked_at >= started_at.timestamp()
 
 
 def _count_if_ready(

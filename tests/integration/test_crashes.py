@@ -232,11 +232,6 @@ def test_a_job_that_ends_while_its_worker_stops_is_acked_not_requeued(
     assert _unacked_and_queued(f) == (0, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the worker marks every unacknowledged job it cancels at the end of the window, one "
-    "that ended inside it too; the mark outlives it and turns the email's next death into a cut-off",
-)
 def test_a_job_that_ends_inside_the_shutdown_window_is_not_taken_for_cut_off(res, fleet) -> None:  # type: ignore[no-untyped-def]
     """The CPU stage ends inside its worker's soft-shutdown window and hands off; the model
     stage's worker is then killed mid-call. That death is an attempt, not a shutdown's cut-off."""

@@ -298,18 +298,26 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
 
 def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
+    marked_before = time.time() - 1
     start_attempt(res, email_id)
+    # A mark from before the attempt started (a job that had ended inside an earlier window)
+    # counts for nothing: this attempt died, and it counts.
+    with res.db.transaction() as session:
+        runs.claim_attempt(session, email_id, 4, cut_off_at=lambda: marked_before)
+    run = run_of(res, email_id)
+    assert (run.attempts, run.cutoffs) == (2, 0)
+    assert run.error.startswith("attempt 1 ended without a result")
     for cut in (1, 2):
         with res.db.transaction() as session:
             claim = runs.claim_attempt(
-                session, email_id, 4, cut_by_shutdown=lambda: True, max_shutdown_cutoffs=3
+                session, email_id, 4, cut_off_at=time.time, max_shutdown_cutoffs=3
             )
         run = run_of(res, email_id)
-        assert (claim.claim, run.attempts, run.cutoffs) == (runs.Claim.GO, 1, cut)
+        assert (claim.claim, run.attempts, run.cutoffs) == (runs.Claim.GO, 2, cut)
         assert run.error.startswith(f"cut off by shutdown ({cut} of at most 3)")
     with res.db.transaction() as session:
         claim = runs.claim_attempt(
-            session, email_id, 4, cut_by_shutdown=lambda: True, max_shutdown_cutoffs=3
+            session, email_id, 4, cut_off_at=time.time, max_shutdown_cutoffs=3
         )
     run = run_of(res, email_id)
     assert (claim.claim, run.status, run.cutoffs) == (runs.Claim.EXHAUSTED, RunStatus.FAILED, 3)
