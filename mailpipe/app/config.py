@@ -79,10 +79,6 @@ worker_send_task_events = True
 task_send_sent_event = True
 # STARTED state makes running jobs visible in Flower, not just queued and finished ones.
 task_track_started = True
-# Celery's consumer, except that the main process publishes task events in batches every 0.2 s
-# instead of nearly one round trip per event (mailpipe.app.consumer: the one extension of Celery's
-# internals kept, because it pays on mailpipe's own workload; docs/benchmarks.md).
-worker_consumer = "mailpipe.app.consumer:Consumer"
 
 # The task shells, and the signal handlers of worker and beat processes: only the processes that
 # run Celery's loops import them, never a process that merely publishes (upstream code, the CLI).
