@@ -521,7 +521,8 @@ def test_ecs_worker_logs_a_failed_job_s_traceback_in_one_json_record(  # type: i
     image, res, tmp_path
 ) -> None:
     """The task's worker, with a module loaded (`-I`) that makes every job fail on an error
-    nothing foresaw: the traceback is inside one JSON record, with the task and email ids."""
+    nothing foresaw: each attempt's traceback is inside one JSON record, with the task and email
+    ids (such an error is a failed attempt, retried until the attempts are used up)."""
     from mailpipe.cli.ingest import store_emails
     from tests.conftest import DATABASE
 
@@ -539,16 +540,23 @@ def test_ecs_worker_logs_a_failed_job_s_traceback_in_one_json_record(  # type: i
     finally:
         assert worker.stop() == 0
     records = json_lines(worker.output())
-    [failure] = [r for r in records if "Traceback" in r.get("exc_info", "")]
-    assert "RuntimeError: an error nothing foresaw" in failure["exc_info"]
-    assert failure["email_id"] == email_id
-    assert failure["task_name"] == "mailpipe.process_email"
-    assert failure["level"] == "ERROR" and failure["logger"] == "mailpipe.pipeline.job"
-    # The task id is the job's: the worker's main process logged it as received.
-    received = f"Task mailpipe.process_email[{failure['task_id']}] received"
-    assert received in [r["message"] for r in records]
+    failures = [r for r in records if "Traceback" in r.get("exc_info", "")]
+    assert len(failures) > 1
+    assert [r["message"] for r in failures] == [
+        f"email {email_id}: attempt {n}: unexpected error" for n in range(1, len(failures) + 1)
+    ]
+    for failure in failures:
+        assert "RuntimeError: an error nothing foresaw" in failure["exc_info"]
+        assert failure["email_id"] == email_id
+        assert failure["task_name"] == "mailpipe.process_email"
+        assert failure["level"] == "ERROR" and failure["logger"] == "mailpipe.pipeline.job"
+    # The task id is the job's, the same at every attempt: the worker's main process logged it
+    # as received.
+    task_id = failures[0]["task_id"]
+    assert {f["task_id"] for f in failures} == {task_id}
+    assert f"Task mailpipe.process_email[{task_id}] received" in [r["message"] for r in records]
     # Every record the job's child wrote while it ran carries both ids.
-    during = [r for r in records if r.get("task_id") == failure["task_id"]]
+    during = [r for r in records if r.get("task_id") == task_id]
     assert len(during) >= 2 and all(r["email_id"] == email_id for r in during)
 
 
