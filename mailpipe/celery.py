@@ -7,7 +7,5 @@ and imports no task module. Worker and beat processes load those from its config
 
 from celery import Celery
 
-# Its broker connections take kombu's Redis transport with fewer round trips per message
-# (mailpipe.app.transport).
-app = Celery("mailpipe", set_as_current=False, amqp="mailpipe.app.transport:AMQP")
+app = Celery("mailpipe", set_as_current=False)
 app.config_from_object("mailpipe.app.config")

@@ -28,6 +28,11 @@ DEFAULT_LABELS = (
 )
 # The sslmodes under which libpq refuses a server that does not speak TLS.
 TLS_SSLMODES = ("require", "verify-ca", "verify-full")
+# The broker URL's schemes that both kombu (the broker) and redis-py's `Redis.from_url`
+# (mailpipe's own clients: leases, markers, locks, heartbeats) understand. kombu's sentinel://
+# is not one (from_url speaks to one server); nor is a Unix socket, unix:// to redis-py but
+# redis+socket:// to kombu.
+BROKER_SCHEMES = ("redis", "rediss")
 
 
 def is_loopback(host: str) -> bool:
@@ -182,6 +187,22 @@ class Settings(BaseSettings):
         repeated = sorted({label for label in self.labels if self.labels.count(label) > 1})
         if repeated:
             raise ValueError(f"MAILPIPE_LABELS names {', '.join(repeated)} more than once")
+        return self
+
+    # Refused here, not only when a worker starts: every process builds Redis clients from this
+    # URL with from_url (the worker, beat, the CLI, upstream code's enqueue), and each would
+    # otherwise fail later, with redis-py's bare "must specify one of the following schemes".
+    @model_validator(mode="after")
+    def _check_broker_url(self) -> Settings:
+        scheme = urlsplit(self.broker_url).scheme
+        if scheme not in BROKER_SCHEMES:
+            raise ValueError(
+                "MAILPIPE_BROKER_URL must be a redis:// or rediss:// URL, not "
+                f"{f'{scheme}://' if scheme else 'one without a scheme'}: kombu and mailpipe's "
+                "own Redis clients (leases, markers, heartbeats: redis-py's Redis.from_url) both "
+                "connect with it, and from_url cannot follow a Sentinel; a Unix socket is "
+                "unix:// to redis-py but redis+socket:// to kombu"
+            )
         return self
 
     @model_validator(mode="after")

@@ -61,6 +61,7 @@ os.environ.update(TEST_ENV)
 # thread of the test), the settings, the layers, the deploy files, the mutants' places.
 NO_SERVICES = (
     "tests/unit/mail/",
+    "tests/unit/app/test_config.py",
     "tests/unit/classifiers/",
     "tests/unit/operations/test_metrics.py",
     "tests/unit/test_settings.py",

@@ -7,9 +7,11 @@ Only Celery's keys are public names here: Celery reads every public name of this
 setting (`celery report` lists them), so helpers are imported under private names.
 """
 
+import ssl as _ssl
+from urllib.parse import urlsplit as _urlsplit
+
 from kombu import Queue as _Queue
 
-from mailpipe.app.transport import broker_ssl as _broker_ssl
 from mailpipe.coordination.queues import TaskName as _TaskName
 from mailpipe.coordination.queues import control_queue as _control_queue
 from mailpipe.coordination.queues import email_queue as _email_queue
@@ -19,10 +21,12 @@ from mailpipe.settings import get_settings as _get_settings
 _settings = _get_settings()
 
 broker_url = _settings.broker_url
-# A rediss:// broker's certificate is verified, as the app's own Redis clients verify it (kombu
-# alone would not). The transport, kombu's Redis transport with fewer round trips per message, is
-# given to the app in mailpipe.celery (mailpipe.app.transport).
-broker_use_ssl = _broker_ssl(broker_url)
+# A rediss:// broker's certificate is verified, as the app's own Redis clients (redis-py's
+# from_url) verify it; kombu alone would not check it. An ssl_cert_reqs in the URL's query still
+# wins.
+broker_use_ssl = (
+    {"ssl_cert_reqs": _ssl.CERT_REQUIRED} if _urlsplit(broker_url).scheme == "rediss" else None
+)
 # Workers, beat, Flower and the CLI share this one value. It exceeds the hard time limit plus the
 # longest retry backoff (checked at start-up), so Redis never redelivers a job that is still
 # running or waiting out its countdown. It is the last line of defence: a dead worker's messages
@@ -79,10 +83,6 @@ worker_send_task_events = True
 task_send_sent_event = True
 # STARTED state makes running jobs visible in Flower, not just queued and finished ones.
 task_track_started = True
-# Celery's consumer, except that the main process publishes task events in batches every 0.2 s
-# instead of nearly one round trip per event (mailpipe.app.consumer: the one extension of Celery's
-# internals kept, because it pays on mailpipe's own workload; docs/benchmarks.md).
-worker_consumer = "mailpipe.app.consumer:Consumer"
 
 # The task shells, and the signal handlers of worker and beat processes: only the processes that
 # run Celery's loops import them, never a process that merely publishes (upstream code, the CLI).

@@ -3,14 +3,14 @@
 kombu's Redis transport keeps a queue as Redis lists (one per priority step; LPUSH to publish,
 BRPOP to consume), and every delivered, not yet acknowledged message in the ``unacked`` hash
 (delivery tag -> the message) with its delivery time in the ``unacked_index`` sorted set (the
-delivering host's clock, which mailpipe does not read: hosts' clocks disagree). A
-message waiting for its countdown is delivered early and held by a worker, so it is in the hash
-too. What is in neither is not in the broker.
+delivering host's clock, which mailpipe does not read: hosts' clocks disagree), filed by a MULTI
+a round trip after the BRPOP that took it. A message waiting for its countdown is delivered early
+and held by a worker, so it is in the hash too. What is in neither is not in the broker.
 
 mailpipe reads those keys for three things: the backlog figures (queue depth, the oldest job's
 age), whether an email's job is still in the broker (the sweeper), and which delivered messages
 no live worker holds (the worker heartbeat). Checked against kombu 5.7 and redis-py 8
-(`tests/unit/test_brokerstate.py` fails if the layout moves).
+(`tests/unit/coordination/test_brokerstate.py` fails if the layout moves).
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def emails_in_broker(redis: Redis, queues: Iterable[str]) -> set[int]:
     nothing that stays in the broker throughout: the hash, then each list from its newest end
     (a consumer takes from the oldest end, so positions counted from the newest never skip an
     element), then the hash again for whatever a worker took from a list meanwhile. A job that
-    was sent after the read began may be missing; the caller allows for that.
+    was sent after the read began may be missing; the caller allows for that. So may one that a
+    worker took between its BRPOP and the MULTI that files it in the hash, a round trip later:
+    the caller re-adds it, and its copy finds the lease held or the run closed.
     """
     found: set[int] = set()
     found.update(_ids_in_hash(redis, unacked_key()))

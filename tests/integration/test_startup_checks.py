@@ -3,7 +3,8 @@
 The classifier is built when the worker starts (mailpipe/app/signals.py): a missing rules file, a
 rule naming a label outside MAILPIPE_LABELS, a bad regex or a broken TOML file stop a real
 `celery worker` before it takes a job, with one line naming the setting. Settings that contradict
-each other stop it too; those that only defeat a mechanism are logged as warnings.
+each other stop it too, as does a broker URL that mailpipe's own Redis clients cannot use; those
+that only defeat a mechanism are logged as warnings.
 """
 
 from __future__ import annotations
@@ -81,6 +82,19 @@ def test_contradicting_windows_stop_the_worker_naming_the_settings(services: Non
     result = start_worker(worker_env(MAILPIPE_LEASE_TTL="4000"))
     assert result.returncode != 0
     assert "MAILPIPE_LEASE_TTL (4000 s) must be below MAILPIPE_MAX_DEFERRAL" in result.stderr
+
+
+def test_a_sentinel_broker_url_stops_the_worker_saying_why(services: None) -> None:
+    # Sentinels that do not exist: the refusal comes before any connection is tried.
+    result = start_worker(
+        worker_env(MAILPIPE_BROKER_URL="sentinel://127.0.0.1:1/0;sentinel://127.0.0.1:2/0")
+    )
+    assert result.returncode != 0
+    assert "MAILPIPE_BROKER_URL must be a redis:// or rediss:// URL, not sentinel://" in (
+        result.stderr
+    )
+    assert "from_url cannot follow a Sentinel" in result.stderr
+    assert "ready." not in result.stderr
 
 
 def test_windows_that_defeat_a_mechanism_are_logged_at_start(

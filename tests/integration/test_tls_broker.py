@@ -1,5 +1,5 @@
 """A `rediss://` broker: a real worker runs a job over TLS, and the server's certificate is
-verified (`broker_use_ssl`, mailpipe.app.transport); kombu alone would not check it. This fails
+verified (`broker_use_ssl`, mailpipe.app.config); kombu alone would not check it. This fails
 if a `rediss://` broker is spoken to in plain text or without checking whom."""
 
 from __future__ import annotations

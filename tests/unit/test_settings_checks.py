@@ -53,6 +53,33 @@ def test_contradicting_settings_are_refused_with_their_names(values: dict, messa
         Settings(**values)
 
 
+@pytest.mark.parametrize(
+    ("url", "scheme"),
+    [
+        ("sentinel://:secret@10.0.0.5:26379/0;sentinel://10.0.0.6:26379/0", "sentinel://"),
+        ("unix:///var/run/redis.sock", "unix://"),
+        ("redis+socket:///var/run/redis.sock", "redis+socket://"),
+        ("localhost:6379", "localhost://"),
+    ],
+)
+def test_a_broker_url_that_redis_py_or_kombu_cannot_read_is_refused(url: str, scheme: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(broker_url=url)
+    (error,) = refused.value.errors()
+    assert error["msg"].startswith(
+        f"Value error, MAILPIPE_BROKER_URL must be a redis:// or rediss:// URL, not {scheme}: "
+    )
+    assert "from_url cannot follow a Sentinel" in error["msg"]
+    assert "secret" not in error["msg"]
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://localhost:6379/0", "rediss://:secret@broker.example:6380/0?ssl_ca_certs=/ca"]
+)
+def test_redis_and_rediss_broker_urls_are_taken(url: str) -> None:
+    assert Settings(broker_url=url).broker_url == url
+
+
 def test_a_contradiction_in_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MAILPIPE_LEASE_TTL", "7200")
     with pytest.raises(ValidationError, match="MAILPIPE_LEASE_TTL"):

@@ -53,6 +53,21 @@ def test_emails_with_a_job_are_found_queued_delivered_or_counting_down(res) -> N
         connection.release()
 
 
+def test_a_consumer_that_never_acknowledges_leaves_nothing_delivered(res) -> None:  # type: ignore[no-untyped-def]
+    """`celery inspect`, a worker's start-up sync and Flower consume without acks: kombu files
+    none of their messages, so the heartbeat never finds them held by no live worker."""
+    send_job(41)
+    received: list[kombu.Message] = []
+    with app.connection_for_write() as connection:
+        queue = app.amqp.queues[res.settings.queue]
+        with connection.Consumer([queue], callbacks=[lambda _, m: received.append(m)], no_ack=True):
+            while not received:
+                connection.drain_events(timeout=5)
+    assert received[0].headers[brokerstate.EMAIL_ID_HEADER] == 41
+    assert brokerstate.delivered(res.redis) == []
+    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == set()
+
+
 def test_a_long_backlog_is_read_in_chunks_without_losing_one(res) -> None:  # type: ignore[no-untyped-def]
     ids = list(range(1, 2 * brokerstate.SCAN_CHUNK + 17))
     with app.producer_or_acquire() as producer:
