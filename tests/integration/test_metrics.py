@@ -366,7 +366,7 @@ def test_failed_runs_are_counted_once_across_concurrent_reports(res) -> None:  #
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
         for email_id in ids[:3]:
-            assert runs.fail_open_run(session, email_id, "given up")
+            assert runs.fail(session, email_id, "given up")
     time.sleep(metrics.FAILED_RUNS_SETTLE_S + 0.5)  # their window settles
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
