@@ -9,6 +9,7 @@ read once it is spent) and the time limit bound that.
 from __future__ import annotations
 
 import io
+import logging
 from typing import Any
 
 from pypdf import PasswordType, PdfReader, apply_configuration
@@ -18,6 +19,23 @@ from pypdf.generic import DictionaryObject
 from mailpipe.mail.documents.errors import TooLarge, Unreadable
 from mailpipe.mail.documents.limits import DocumentLimits
 from mailpipe.mail.documents.result import Extracted, TextBudget
+
+log = logging.getLogger(__name__)
+
+
+class _PypdfAtDebug(logging.Handler):
+    """pypdf logs what it got past in a document at WARNING, with a dump of the document's
+    objects (a font it cannot fully read: over a thousand lines for the shared PDF corpus). They
+    say nothing an operator can act on, and the dumps are the document's content: each becomes a
+    DEBUG line naming where pypdf reported it, without its text."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.debug("pypdf %s at %s:%d", record.levelname.lower(), record.name, record.lineno)
+
+
+_pypdf_log = logging.getLogger("pypdf")
+_pypdf_log.addHandler(_PypdfAtDebug())
+_pypdf_log.propagate = False
 
 # A stream is inflated whole into memory, and zlib's growing output buffer peaks near twice the
 # limit before pypdf notices it was reached (measured: 358 MiB of growth for a 200 MiB limit). So

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,34 @@ def test_corpus_file_converts_or_fails_with_a_reason(path: Path, convert, limits
         assert document.page_count and document.page_count >= 1
     if path.name in EXPECTED_TEXT:
         assert EXPECTED_TEXT[path.name] in document.text
+
+
+def test_pypdf_s_warnings_about_a_document_are_debug_lines_without_its_content(
+    convert, limits
+) -> None:
+    """The GeoTopo PDF's Type 1 fonts make pypdf warn over a thousand times, each warning with
+    a dump of a font dictionary: what reaches the process's handlers (the root logger's, as a
+    worker has them) is DEBUG lines of mailpipe's, none carrying the dump."""
+    [path] = [p for p in CORPUS if p.name == "GeoTopo-komprimiert.pdf"]
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root, handler = logging.getLogger(), Keep()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        document = convert(attachment(path.read_bytes(), "application/pdf", path.name), limits)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert document.status == "converted"
+    assert [r.name for r in seen if r.name.startswith("pypdf")] == []
+    reported = [r.getMessage() for r in seen if r.name == "mailpipe.mail.documents.pdf"]
+    assert len(reported) > 100
+    assert {r.levelno for r in seen if r.name == "mailpipe.mail.documents.pdf"} == {logging.DEBUG}
+    assert all(m.startswith("pypdf warning at pypdf.") for m in reported)
+    assert not any("Font" in m or "fontTools" in m for m in reported)
