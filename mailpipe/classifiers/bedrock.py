@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Error codes worth another try later. Botocore's standard retry mode has already retried some of
-# them (throttling, 5xx, timeouts) within the call; what reaches us outlasted those retries.
+# Error codes worth another try later, by the task layer: botocore tries each call once
+# (`_MAX_ATTEMPTS`).
 _TRANSIENT_CODES = frozenset(
     {
         "ThrottlingException",
