@@ -35,9 +35,6 @@ class Pause:
     since: float  # unix time (Redis's clock)
     by: str  # AUTO or OPERATOR
 
-    def as_dict(self) -> dict[str, object]:
-        return {"error": self.error, "since": self.since, "by": self.by}
-
     def holds(self, max_pause: float, now: float | None = None) -> bool:
         """Whether the stage's jobs are held: an operator's pause until it is resumed, a fault's
         for `max_pause` seconds (from then on the jobs run, and fail with the fault)."""

@@ -42,12 +42,8 @@ def job_queues(settings: Settings) -> list[str]:
 
 
 def queue_of(task: TaskName, settings: Settings) -> str:
-    return model_queue(settings) if task is TaskName.CLASSIFY_EMAIL else email_queue(settings)
+    return stage_queue(Stage.MODEL if task is TaskName.CLASSIFY_EMAIL else Stage.CPU, settings)
 
 
 def stage_queue(stage: Stage, settings: Settings) -> str:
     return model_queue(settings) if stage is Stage.MODEL else email_queue(settings)
-
-
-def stage_task(stage: Stage) -> TaskName:
-    return TaskName.CLASSIFY_EMAIL if stage is Stage.MODEL else TaskName.PROCESS_EMAIL

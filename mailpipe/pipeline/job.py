@@ -246,18 +246,18 @@ def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stag
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
-    except Throttled as exc:
-        if _write(res, lambda session: runs.give_back_attempt(session, email_id, token)) is None:
-            return Outcome(Kind.CLOSED, error="superseded")
-        return Outcome(Kind.DEFER, exc.retry_after or 1.0, str(exc))
     except Exception as exc:
-        if is_fleet_fault(exc):
+        fleet_fault = is_fleet_fault(exc)
+        if fleet_fault or isinstance(exc, Throttled):
+            # Not the email's attempt to lose: given back, then deferred or paused.
             if (
                 _write(res, lambda session: runs.give_back_attempt(session, email_id, token))
                 is None
             ):
                 return Outcome(Kind.CLOSED, error="superseded")
-            return _after_fleet_fault(res, email_id, stage, exc)
+            if fleet_fault:
+                return _after_fleet_fault(res, email_id, stage, exc)
+            return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
         if not isinstance(exc, PermanentError):
             return _after_failed_attempt(res, email_id, claim, exc)
         # Rejected input: trying again cannot help.
