@@ -1,7 +1,7 @@
-"""What the benchmarks share beyond `mailpipe.harness` (docs/benchmarks.md).
+"""What the benchmarks share beyond the tests' services (docs/benchmarks.md).
 
 The services of a run (its own PostgreSQL database, Redis key prefix, S3 server) come from
-`mailpipe.harness.services`; this module adds where they are on this machine, the environment of a
+`tests.support.services`; this module adds where they are on this machine, the environment of a
 run's processes, the `mailpipe` command of another checkout, and the accounting: CPU meters,
 medians, the machine's description. Nothing here imports a mailpipe module that reads settings at
 import time, so a benchmark can set `os.environ` first.
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mailpipe.harness.services import Database
+from tests.support.services import Database
 
 if TYPE_CHECKING:
     import psutil

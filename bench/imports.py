@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from bench import harness
-from mailpipe.harness.services import delete_prefix
+from tests.support.services import delete_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("pypdf", "docx", "openpyxl", "sqlalchemy", "boto3")

@@ -40,7 +40,7 @@ from datetime import UTC
 from pathlib import Path
 
 from bench import harness
-from mailpipe.harness.services import delete_prefix
+from tests.support.services import delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = harness.database(f"mailpipe_bench_ingest_{RUN}")

@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from bench import harness
-from mailpipe.harness.services import free_port
+from mailpipe.cli.demo.servers import free_port
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = harness.database(f"mailpipe_bench_prof_{RUN}")
@@ -222,8 +222,8 @@ def worker_counts(
 ) -> dict[str, object]:
     import psycopg
 
+    from mailpipe.cli.demo import fleet
     from mailpipe.enqueue import enqueue_emails
-    from mailpipe.harness import fleet
     from mailpipe.storage import flags
 
     counts_dir = WORK / ("counts-noop" if noop else "counts-mailpipe")

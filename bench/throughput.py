@@ -71,8 +71,8 @@ import psutil
 import psycopg
 
 from bench import harness, job_clock
-from mailpipe.harness import fleet
-from mailpipe.harness.services import S3Server, delete_prefix
+from mailpipe.cli.demo import fleet
+from tests.support.services import S3Server, delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = harness.database(f"mailpipe_bench_tp_{RUN}")
