@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -152,11 +151,6 @@ def rotated(variants: list[str], repetition: int) -> list[str]:
     """Each repetition starts with a different variant, so none always runs first (or last)."""
     k = repetition % len(variants)
     return variants[k:] + variants[:k]
-
-
-def clean_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
 
 
 class CpuMeter:
