@@ -38,8 +38,8 @@ import psycopg
 import redis
 
 from bench import harness, workload
-from mailpipe.harness import fleet
-from mailpipe.harness.services import delete_prefix
+from mailpipe.cli.demo import fleet
+from tests.support.services import delete_prefix
 
 TTL_ENV = {
     "MAILPIPE_DEDUP_TTL": "20",

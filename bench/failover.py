@@ -32,8 +32,8 @@ import uuid
 from pathlib import Path
 
 from bench import harness
-from mailpipe.harness import fleet
-from mailpipe.harness.services import Database, delete_prefix
+from mailpipe.cli.demo import fleet
+from tests.support.services import Database, delete_prefix
 
 SOFT_SHUTDOWN_S = 5.0
 VISIBILITY_S = 900

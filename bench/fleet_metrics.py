@@ -37,7 +37,8 @@ import psycopg
 from redis import Redis
 
 from bench import harness
-from mailpipe.harness.services import PrivateRedis, S3Server
+from mailpipe.cli.demo.servers import PrivateRedis
+from tests.support.services import S3Server
 
 WORK = Path(tempfile.mkdtemp(prefix="mailpipe-fleet-metrics-"))
 

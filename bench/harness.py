@@ -1,7 +1,7 @@
-"""What the benchmarks share beyond `mailpipe.harness` (docs/benchmarks.md).
+"""What the benchmarks share beyond the tests' services (docs/benchmarks.md).
 
 The services of a run (its own PostgreSQL database, Redis key prefix, S3 server) come from
-`mailpipe.harness.services`; this module adds where they are on this machine, the environment of a
+`tests.support.services`; this module adds where they are on this machine, the environment of a
 run's processes, the `mailpipe` command of another checkout, and the accounting: CPU meters,
 medians, the machine's description. Nothing here imports a mailpipe module that reads settings at
 import time, so a benchmark can set `os.environ` first.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mailpipe.harness.services import Database
+from tests.support.services import Database
 
 if TYPE_CHECKING:
     import psutil
@@ -152,11 +151,6 @@ def rotated(variants: list[str], repetition: int) -> list[str]:
     """Each repetition starts with a different variant, so none always runs first (or last)."""
     k = repetition % len(variants)
     return variants[k:] + variants[:k]
-
-
-def clean_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
 
 
 class CpuMeter:

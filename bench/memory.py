@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 
 from bench import harness
-from mailpipe.harness.services import delete_prefix
+from tests.support.services import delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = harness.database(f"mailpipe_bench_mem_{RUN}")
@@ -137,9 +137,9 @@ def main() -> int:
     import psycopg
 
     from bench.workload import mixed_workload, small_email
+    from mailpipe.cli.demo import fleet
     from mailpipe.cli.ingest import store_emails
     from mailpipe.enqueue import enqueue_emails
-    from mailpipe.harness import fleet
     from mailpipe.resources import get_resources
     from mailpipe.storage import flags
     from mailpipe.storage.migrate import upgrade

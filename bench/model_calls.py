@@ -56,10 +56,9 @@ from sqlalchemy import func, select
 
 from bench import harness
 from bench.report import table
+from mailpipe.cli.demo import fleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness import fleet
-from mailpipe.harness.services import delete_prefix
 from mailpipe.resources import Resources, get_resources
 from mailpipe.storage import flags
 from mailpipe.storage.migrate import upgrade
@@ -67,6 +66,7 @@ from mailpipe.storage.models import PipelineRun, RunStatus
 
 # The server that records when each call arrived: the same one the worker-level test reads.
 from tests.support.bedrock_server import TimedBedrockServer, invoices
+from tests.support.services import delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = harness.database(f"mailpipe_bench_models_{RUN}")

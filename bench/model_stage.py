@@ -42,8 +42,8 @@ import psutil
 from sqlalchemy import ColumnElement, func, select
 
 from bench import harness
-from mailpipe.harness.services import Database, delete_prefix
 from tests.support.bedrock_server import TimedBedrockServer, invoices
+from tests.support.services import Database, delete_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ Loaded into a benchmark worker with `celery -A mailpipe worker -I bench.noop_tas
 celeryconfig setting applies to it as to `mailpipe.process_email` (acks late, prefetch, JSON,
 task events, the same queue). Its only work is one Redis round trip that counts it and stamps
 when it finished (and, for the first one, when it started), so the benchmark knows when the first
-and the last one ran; and, when the benchmark asks for it, a sleep before that.
+and the last one ran.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ from mailpipe.celery import app
 from mailpipe.coordination.redis_keys import key
 
 NAME = "bench.noop"
-# Seconds each task sleeps before its round trip (bench/throughput.py --noop-sleep).
-SLEEP_ENV = "MAILPIPE_BENCH_NOOP_SLEEP"
-_SLEEP_S = float(os.environ.get(SLEEP_ENV) or 0)
-
 _client: tuple[int, Redis] | None = None
 
 
@@ -47,8 +43,6 @@ def _redis() -> Redis:
 
 @app.task(name=NAME)
 def noop(email_id: int) -> int:
-    if _SLEEP_S:
-        time.sleep(_SLEEP_S)
     pipe = _redis().pipeline(transaction=False)
     now = repr(time.time())
     pipe.incr(done_key())

@@ -36,9 +36,10 @@ from redis import Redis
 
 from bench import harness, workload
 from bench.report import table
-from mailpipe.harness import fleet
-from mailpipe.harness.services import PrivateRedis, S3Server
+from mailpipe.cli.demo import fleet
+from mailpipe.cli.demo.servers import PrivateRedis
 from tests.support.flaky_proxy import FlakyProxy
+from tests.support.services import S3Server
 
 BUCKET = "mailpipe-bench-pauses"
 VARIANTS = {

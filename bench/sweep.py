@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from bench import harness
-from mailpipe.harness.services import delete_prefix
+from tests.support.services import delete_prefix
 
 
 def prepare(size: int, candidates: int) -> str:

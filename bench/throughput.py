@@ -1,10 +1,9 @@
 """End-to-end throughput: the pipeline alone, mailpipe's Celery worker, and a no-op Celery task;
 optionally another mailpipe checkout's worker beside them.
 
-    .venv/bin/python -m bench.throughput [--jobs 1100] [--repeat 3] [--sweep 1,4] [--no-s3]
-                                         [--publish-during] [--baseline-src DIR] [--job-clock]
+    .venv/bin/python -m bench.throughput [--workload mixed|plain] [--jobs 1100] [--repeat 3]
+                                         [--concurrency 2] [--no-s3] [--baseline-src DIR]
                                          [--json FILE]
-                                         [--plot docs/img/throughput.png]
 
 One run, every measurement interleaved (each repetition starts with a different one), on a fresh
 PostgreSQL database, the local Redis under a key prefix of this run, model calls on with the
@@ -22,14 +21,9 @@ Variants, each over the same emails (tables truncated and the emails stored agai
   `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement). The jobs are
   published while the worker's consumer is stopped (a remote control command), then it is
   restarted: the worker drains a full queue, as the limit's processes start with every email id
-  at hand. `--publish-during` publishes them while the worker runs instead, the
-  clock starting at the first publish (this script's method before; the publisher then takes
-  one of the CPUs for its first second or so);
+  at hand;
 - noop: the same number of `bench.noop` tasks (bench/noop_tasks.py, on mailpipe's app, so every
-  celeryconfig setting applies) through the same kind of worker; with `--noop-sleep S`, each
-  sleeps S seconds first, a task as long as a job with none of its work;
-- with `--job-clock`, limit and mailpipe also report what each job process spends inside
-  `process_email` (bench/job_clock.py): CPU, wall time, waits and preemptions, page faults;
+  celeryconfig setting applies) through the same kind of worker;
 - baseline, with `--baseline-src DIR`: the mailpipe variant with the code of the checkout in DIR
   (another commit, made with `git worktree add DIR <commit>`), at the main concurrency with local
   blobs. That checkout is only ever run, never imported here, so it may have another layout: its
@@ -41,10 +35,8 @@ Variants, each over the same emails (tables truncated and the emails stored agai
 Blob storage is a local folder, and for limit and mailpipe at the main concurrency also S3 (moto's
 server on loopback, started here). Times run from the start signal (limit) or the first job's
 start (mailpipe: from the worker log's first "succeeded in" line; noop: the first task's own time
-stamp; with `--publish-during`, the first publish) to the last run closed
-(`max(pipeline_run.closed_at)`) or the last no-op task's own time stamp. `--sweep` adds the same
-three variants at other concurrencies, local blobs, for the plot of throughput against
-concurrency.
+stamp) to the last run closed (`max(pipeline_run.closed_at)`) or the last no-op task's own time
+stamp.
 """
 
 from __future__ import annotations
@@ -70,9 +62,9 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from bench import harness, job_clock
-from mailpipe.harness import fleet
-from mailpipe.harness.services import S3Server, delete_prefix
+from bench import harness
+from mailpipe.cli.demo import fleet
+from tests.support.services import S3Server, delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
 DATABASE = harness.database(f"mailpipe_bench_tp_{RUN}")
@@ -116,8 +108,6 @@ class Measurement:
     # mailpipe, noop: how long publishing the jobs took (the run's first seconds; the worker is
     # already taking them and shares the CPUs with this publisher meanwhile)
     enqueue_s: float | None = None
-    # limit, mailpipe with --job-clock: per job, inside `process_email` (bench/job_clock.py)
-    in_job: dict[str, float] | None = None
 
     @property
     def rate(self) -> float:
@@ -127,25 +117,14 @@ class Measurement:
     def key(self) -> tuple[str, str, int]:
         return (self.variant, self.blobs, self.concurrency)
 
-    @property
-    def around_job_ms(self) -> float | None:
-        """--job-clock: CPU ms per job the job processes spent outside `process_email` (for
-        mailpipe, its children: the job processes' CPU less the main process's)."""
-        if not self.in_job or self.cpu_jobs_s is None:
-            return None
-        children_s = self.cpu_jobs_s - (self.worker_main_cpu_s or 0.0)
-        return children_s / self.jobs * 1000 - self.in_job["cpu_ms"]
 
-
-def _limit_child(overrides, ids, counter, barrier, results, clock) -> None:  # type: ignore[no-untyped-def]
+def _limit_child(overrides, ids, counter, barrier, results) -> None:  # type: ignore[no-untyped-def]
     from mailpipe.pipeline import job
     from mailpipe.resources import Resources
     from mailpipe.settings import Settings
 
     res = Resources.for_jobs(Settings(**overrides))  # committing as a worker's children do
     outcomes: Counter[str] = Counter()
-    if clock:
-        job_clock.install()
     barrier.wait()
     cpu_start = sum(os.times()[:2])
     while True:
@@ -159,8 +138,6 @@ def _limit_child(overrides, ids, counter, barrier, results, clock) -> None:  # t
         except Exception as exc:
             outcomes[f"raised {type(exc).__name__}"] += 1
     res.close()
-    if clock:
-        job_clock.write(clock)
     results.put((dict(outcomes), sum(os.times()[:2]) - cpu_start))
 
 
@@ -214,11 +191,6 @@ class Bench:
         self.busy: float | None = None
         self.enqueue_s: float | None = None
         self.handover: float | None = None
-        # --job-clock: where the limit's processes and the worker's children write their sums
-        self.clock: Path | None = None
-        if args.job_clock:
-            self.clock = WORK / "job-clock"
-            self.clock.mkdir()
         self.url = DATABASE.create().url
         upgrade(self.url)
         self.res = {"local": get_resources()}
@@ -267,7 +239,7 @@ class Bench:
         children = [
             ctx.Process(
                 target=_limit_child,
-                args=(self.overrides[blobs], ids, counter, barrier, results, self.clock),
+                args=(self.overrides[blobs], ids, counter, barrier, results),
             )
             for _ in range(concurrency)
         ]
@@ -329,32 +301,20 @@ class Bench:
         if not replies or any("ok" not in answer for reply in replies for answer in reply.values()):
             raise RuntimeError(f"worker did not {'resume' if on else 'pause'} {queue}: {replies}")
 
-    def _publish_before(self, worker: fleet.CeleryProcess, publish) -> None:  # type: ignore[no-untyped-def]
-        """Unless the jobs are published during the run: pause the consumer, publish them."""
-        if not self.args.publish_during:
-            self._consume(worker, False)
-            publish()
-
-    def _begin(self, worker: fleet.CeleryProcess, publish) -> None:  # type: ignore[no-untyped-def]
-        """The measured part starts: publish now, or resume the paused consumer."""
-        if self.args.publish_during:
-            publish()
-        else:
-            self._consume(worker, True)
-
     def _drain(  # type: ignore[no-untyped-def]
         self, worker: fleet.CeleryProcess, concurrency: int, publish, db, database: str
     ) -> tuple[float, dict[str, int], float]:
         """Publish the jobs and time the worker until every run in `database` is closed."""
         main = psutil.Process(worker.pid)
         jobs_cpu, pg = harness.CpuMeter(), harness.CpuMeter()
-        self._publish_before(worker, publish)
+        self._consume(worker, False)
+        publish()
         jobs_cpu.poll([worker.pid, *worker.child_pids()])
         pg.poll(harness.postgres_backends(db, database))
         cpu_before = sum(main.cpu_times()[:2])
         redis_before = self._redis_cpu_s()
         started = time.time()
-        self._begin(worker, publish)
+        self._consume(worker, True)
         deadline = time.monotonic() + TIMEOUT_S
         while True:
             (closed,) = db.execute(
@@ -371,10 +331,9 @@ class Bench:
             time.sleep(POLL_S)
         cpu = sum(main.cpu_times()[:2]) - cpu_before
         self.cpu = (jobs_cpu.seconds(), pg.seconds(), self._redis_since(redis_before))
-        if not self.args.publish_during:
-            # The worker's next BRPOP (up to a second later), not the control command's
-            # answer, starts the consumption.
-            started = first_job_start(worker.log_path)
+        # The worker's next BRPOP (up to a second later), not the control command's answer,
+        # starts the consumption.
+        started = first_job_start(worker.log_path)
         seconds = _last_closed(db) - started
         self.busy = busy_share(worker.log_path, concurrency, seconds)
         self.handover = handover_ms(worker.log_path)
@@ -383,12 +342,7 @@ class Bench:
     def mailpipe(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], float]:
         from mailpipe.enqueue import enqueue_emails
 
-        env = self.env[blobs]
-        extra: tuple[str, ...] = ()
-        if self.clock:
-            env = {**env, job_clock.FOLDER_ENV: str(self.clock)}
-            extra = ("-I", "bench.job_clock")
-        worker = self._worker(env, concurrency, self._set_model_calls, extra)
+        worker = self._worker(self.env[blobs], concurrency, self._set_model_calls)
         try:
             ids = self._store(blobs)
 
@@ -424,8 +378,9 @@ class Bench:
         from bench import noop_tasks
 
         redis = self.res["local"].redis
-        env = {**self.env[blobs], noop_tasks.SLEEP_ENV: str(self.args.noop_sleep)}
-        worker = self._worker(env, concurrency, self._set_model_calls, ("-I", "bench.noop_tasks"))
+        worker = self._worker(
+            self.env[blobs], concurrency, self._set_model_calls, ("-I", "bench.noop_tasks")
+        )
         try:
             redis.delete(noop_tasks.done_key(), noop_tasks.first_key(), noop_tasks.last_key())
             jobs = len(self.emails)
@@ -440,12 +395,13 @@ class Bench:
                         noop_tasks.noop.apply_async((email_id,), producer=producer)
                 self.enqueue_s = time.time() - published
 
-            self._publish_before(worker, publish)
+            self._consume(worker, False)
+            publish()
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu_before = sum(main.cpu_times()[:2])
             redis_before = self._redis_cpu_s()
             started = time.time()
-            self._begin(worker, publish)
+            self._consume(worker, True)
             deadline = time.monotonic() + TIMEOUT_S
             while int(redis.get(noop_tasks.done_key()) or 0) < jobs:
                 jobs_cpu.poll([worker.pid, *worker.child_pids()])
@@ -455,8 +411,7 @@ class Bench:
             jobs_cpu.poll([worker.pid, *worker.child_pids()])
             cpu = sum(main.cpu_times()[:2]) - cpu_before
             self.cpu = (jobs_cpu.seconds(), None, self._redis_since(redis_before))
-            if not self.args.publish_during:
-                started = float(redis.get(noop_tasks.first_key()))
+            started = float(redis.get(noop_tasks.first_key()))
             seconds = float(redis.get(noop_tasks.last_key())) - started
         finally:
             worker.stop()
@@ -503,13 +458,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
         main.append(("baseline", "local", args.concurrency))
     if not args.no_s3:
         main += [("limit", "s3", args.concurrency), ("mailpipe", "s3", args.concurrency)]
-    sweep = [
-        (variant, "local", c)
-        for c in args.sweep
-        if c != args.concurrency
-        for variant in ("limit", "mailpipe", "noop")
-    ]
-    return main + sweep
+    return main
 
 
 Key = tuple[str, str, int]  # variant, blobs, concurrency
@@ -611,33 +560,6 @@ def print_tables(measurements: list[Measurement], summary: dict[str, object]) ->
         )
 
 
-def print_job_clock(measurements: list[Measurement]) -> None:
-    """--job-clock: medians per variant of what a job process spends inside `process_email` and
-    around it (`Measurement.around_job_ms`)."""
-    groups = _by_key([m for m in measurements if m.in_job])
-    if not groups:
-        return
-    print(
-        "\n| variant | blobs | -c | CPU ms/job in the job | around it | wall ms in the job | "
-        "waits | preemptions | page faults |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for (variant, blobs, c), ms in sorted(groups.items()):
-        rows = [
-            m.in_job | {"around_ms": around}
-            for m in ms
-            if m.in_job and (around := m.around_job_ms) is not None
-        ]
-        if not rows:
-            continue
-        med = {name: harness.median(row[name] for row in rows) for name in rows[0]}
-        print(
-            f"| {variant} | {blobs} | {c} | {med['cpu_ms']:.2f} | {med['around_ms']:.2f} | "
-            f"{med['wall_ms']:.2f} | {med['voluntary_switches']:.1f} | "
-            f"{med['forced_switches']:.1f} | {med['minor_faults']:.1f} |"
-        )
-
-
 # One line per finished job: its end time (local, to the millisecond), child, and run time.
 _SUCCEEDED = re.compile(
     r"^\[([0-9-]+ [0-9:,]+): INFO/(ForkPoolWorker-\d+)\] Task mailpipe\.process_email\[[^]]+\] "
@@ -725,68 +647,6 @@ def print_baseline(summary: dict[str, object]) -> None:
         )
 
 
-def plot(measurements: list[Measurement], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for variant, style in (("limit", "o-"), ("mailpipe", "s-")):
-        points = sorted(
-            {m.concurrency for m in measurements if m.variant == variant and m.blobs == "local"}
-        )
-        med = [
-            harness.median(m.rate for m in measurements if m.key == (variant, "local", c))
-            for c in points
-        ]
-        lo = [min(m.rate for m in measurements if m.key == (variant, "local", c)) for c in points]
-        hi = [max(m.rate for m in measurements if m.key == (variant, "local", c)) for c in points]
-        ax.errorbar(
-            points,
-            med,
-            yerr=[
-                [a - b for a, b in zip(med, lo, strict=True)],
-                [b - a for a, b in zip(med, hi, strict=True)],
-            ],
-            fmt=style,
-            capsize=3,
-            label={
-                "limit": "pipeline alone (plain processes)",
-                "mailpipe": "mailpipe worker (-P prefork)",
-            }[variant],
-        )
-    ax.set_xlabel("concurrency (processes / -c)")
-    ax.set_ylabel("emails/s (median, min-max)")
-    ax.set_xticks(sorted({m.concurrency for m in measurements}))
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    noop_points = sorted({m.concurrency for m in measurements if m.variant == "noop"})
-    if noop_points:
-        ax2 = ax.twinx()
-        med = [
-            harness.median(m.rate for m in measurements if m.key == ("noop", "local", c))
-            for c in noop_points
-        ]
-        ax2.plot(noop_points, med, "^--", color="grey", label="no-op Celery task (right axis)")
-        ax2.set_ylabel("no-op tasks/s")
-        ax2.set_ylim(bottom=0)
-        lines = ax.get_legend_handles_labels()
-        lines2 = ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize=8)
-    else:
-        ax.legend(loc="lower right", fontsize=8)
-    jobs = measurements[0].jobs
-    ax.set_title(
-        f"Mixed workload, {jobs} jobs per run, PostgreSQL + Redis + local blobs, "
-        f"{os.cpu_count()} CPUs",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 def measure(bench: Bench, args: argparse.Namespace) -> list[Measurement]:
     """Every step of the plan, each repetition starting at another step."""
     measurements = []
@@ -810,7 +670,6 @@ def measure(bench: Bench, args: argparse.Namespace) -> list[Measurement]:
                 bench.busy,
                 bench.handover,
                 bench.enqueue_s,
-                job_clock.collect(bench.clock) if bench.clock else None,
             )
             measurements.append(m)
             bench.busy = bench.handover = bench.enqueue_s = None
@@ -831,15 +690,7 @@ def print_measurement(m: Measurement) -> None:
         + (f", children busy {m.child_busy:.0%}" if m.child_busy else "")
         + (f", hand-over {m.handover_ms:.1f} ms" if m.handover_ms else "")
         + (f", enqueue {m.enqueue_s:.2f} s" if m.enqueue_s else "")
-        + f") {m.outcomes}"
-        + (
-            f"\n    in the job: CPU {m.in_job['cpu_ms']:.2f} ms, wall {m.in_job['wall_ms']:.2f} ms, "
-            f"{m.in_job['voluntary_switches']:.1f} waits and "
-            f"{m.in_job['forced_switches']:.1f} preemptions, "
-            f"{m.in_job['minor_faults']:.1f} page faults per job"
-            if m.in_job
-            else ""
-        ),
+        + f") {m.outcomes}",
         flush=True,
     )
 
@@ -851,22 +702,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1100)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument(
-        "--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4]
-    )
     parser.add_argument("--no-s3", action="store_true")
-    parser.add_argument(
-        "--job-clock",
-        action="store_true",
-        help="limit and mailpipe: also the CPU, wall time and context switches per job inside "
-        "process_email (bench/job_clock.py), to tell the job's own cost from what runs around it",
-    )
-    parser.add_argument(
-        "--publish-during",
-        action="store_true",
-        help="publish the jobs while the worker takes them (the clock starts at the first "
-        "publish; the publisher shares the CPUs), instead of into a paused consumer",
-    )
     parser.add_argument(
         "--baseline-src",
         type=Path,
@@ -879,25 +715,13 @@ def main() -> int:
         default="mixed",
         help="mixed: corpus, documents and copies; plain: short plain-text emails only",
     )
-    parser.add_argument(
-        "--noop-sleep",
-        type=float,
-        default=0.0,
-        help="seconds each no-op task sleeps: a task as long as a job, to tell Celery's cost "
-        "per job at that rate from the job's own",
-    )
     parser.add_argument("--seed", type=int, default=8)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     if args.baseline_src:
         args.baseline_src = args.baseline_src.resolve()
         if not (args.baseline_src / "pyproject.toml").is_file():
             parser.error(f"--baseline-src {args.baseline_src}: not a mailpipe checkout")
-        if args.publish_during:
-            # Its `mailpipe ingest` stores the emails as it publishes them: only a paused
-            # consumer keeps the storing out of the measurement.
-            parser.error("--baseline-src is measured into a paused consumer: no --publish-during")
 
     print(f"machine: {harness.machine()}")
     print(f"run {RUN}: database {DATABASE.name}, Redis prefix {PREFIX}, work dir {WORK}")
@@ -924,7 +748,6 @@ def main() -> int:
         print(f"worker logs: {WORK / 'logs'}")
     summary = summarise(measurements)
     print_tables(measurements, summary)
-    print_job_clock(measurements)
     print_baseline(summary)
     if args.json:
         args.json.write_text(
@@ -943,9 +766,6 @@ def main() -> int:
                 default=str,
             )
         )
-    if args.plot and any(m.variant == "limit" for m in measurements):
-        plot(measurements, args.plot)
-        print(f"plot: {args.plot}")
     return 0
 
 

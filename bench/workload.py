@@ -3,7 +3,7 @@
 - `mixed_workload`: the shared corpus emails (every one that ingest accepts), generated emails with
   PDF and DOCX attachments taken from the shared corpus documents, and about 10 % copies (an
   earlier email again with one more Received line: other raw bytes, the same origin, so its run
-  ends as `duplicate`). What `bench/throughput.py` and `bench/profile_job.py` use.
+  ends as `duplicate`). What `bench/throughput.py` and `bench/memory.py` use.
 - `plain_workload`: short plain-text emails only, the job at its cheapest (`bench/throughput.py
   --workload plain`).
 - `small_email`: a short plain-text email, optionally with a small text or CSV attachment; what

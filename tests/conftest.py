@@ -3,7 +3,7 @@ on loopback.
 
 The environment below is set before any mailpipe module reads its settings. A service that is not
 there fails the run with a message that says how to start it; nothing is skipped. The services
-themselves are the harness that the benchmarks and the demo use too (`mailpipe.harness`).
+themselves are the ones the benchmarks use too (`tests/support/services.py`).
 
 Tests of pure code (`NO_SERVICES` below) need none: every other test is marked `services`, so
 `pytest -m "not services"` runs the quick tier with Redis and PostgreSQL stopped.
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from mailpipe.harness.services import Database, S3Server, delete_prefix, free_port
+from mailpipe.cli.demo.servers import free_port
 from tests.support.database import clean
 from tests.support.paths import REPO
+from tests.support.services import Database, S3Server, delete_prefix
 
 RUN_ID = f"{os.getpid()}"
 PG_ADMIN_URL = os.environ.get(

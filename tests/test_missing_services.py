@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mailpipe.harness.services import free_port
+from mailpipe.cli.demo.servers import free_port
 from tests.support.paths import REPO
 
 # Any test module: the run must stop before its first test.

@@ -32,13 +32,14 @@ from pathlib import Path
 import requests
 from PIL import Image, ImageChops
 
+from mailpipe.cli.demo import fleet
+from mailpipe.cli.demo.servers import free_port
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness import fleet
-from mailpipe.harness.services import delete_prefix, free_port
 from mailpipe.resources import get_resources
 from mailpipe.storage import flags
 from mailpipe.storage.migrate import upgrade
+from tests.support.services import delete_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = Path(tempfile.mkdtemp(prefix="mailpipe-flower-shot-"))

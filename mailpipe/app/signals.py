@@ -112,7 +112,7 @@ def _commit_like_a_job_process(**_: Any) -> None:
 @worker_init.connect
 def _freeze_heap_before_fork(**_: Any) -> None:
     """Objects the main process built so far stay shared with the children: the cyclic GC would
-    otherwise touch them in every child and copy their pages (docs/benchmarks.md)."""
+    otherwise touch them in every child and copy their pages (docs/decisions/gc-freeze.md)."""
     gc.collect()
     gc.freeze()
 

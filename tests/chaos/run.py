@@ -42,10 +42,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from mailpipe.harness import fleet as localfleet
-from mailpipe.harness.services import Database, PrivatePostgres, PrivateRedis, S3Server
+from mailpipe.cli.demo import fleet as localfleet
+from mailpipe.cli.demo.servers import PrivateRedis
 from tests.support.flaky_proxy import FlakyProxy
 from tests.support.paths import CORPUS, REPO
+from tests.support.services import Database, PrivatePostgres, S3Server
 
 TERMINAL = ("succeeded", "duplicate", "failed")
 BUCKET = "chaos"

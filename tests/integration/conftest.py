@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mailpipe.harness import fleet as localfleet
-from mailpipe.harness.fleet import CeleryProcess
+from mailpipe.cli.demo import fleet as localfleet
+from mailpipe.cli.demo.fleet import CeleryProcess
 from tests.support.database import clean
 from tests.support.fleet import Fleet
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from mailpipe.harness import fleet as localfleet
+from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
 from tests.support.waits import wait_for, wait_until_closed

@@ -19,12 +19,12 @@ import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import select
 
+from mailpipe.cli.demo.servers import free_port
 from mailpipe.cli.ingest import store_emails
 from mailpipe.cli.main import main
 from mailpipe.coordination import brokerstate, redis_keys
 from mailpipe.coordination.queues import control_queue
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness.services import Database, free_port
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
 from mailpipe.resources import Resources
@@ -33,6 +33,7 @@ from mailpipe.storage.migrate import MIGRATIONS
 from mailpipe.storage.models import EmailMessage as EmailRow
 from mailpipe.storage.models import PipelineRun
 from tests.conftest import PG_ADMIN_URL, RUN_ID
+from tests.support.services import Database
 
 NOT_AN_EMAIL = b"\x00 not an email"
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mailpipe.harness.services import free_port
+from mailpipe.cli.demo.servers import free_port
 
 BIN = Path(sys.executable).parent
 

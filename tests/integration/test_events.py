@@ -11,9 +11,9 @@ from pathlib import Path
 from celery.events.receiver import EventReceiver
 
 from mailpipe.celery import app
+from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness import fleet as localfleet
 from mailpipe.storage import flags
 from tests.support.waits import wait_for, wait_until_closed
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import requests
 
+from mailpipe.cli.demo import fleet as localfleet
+from mailpipe.cli.demo.servers import free_port
 from mailpipe.cli.ingest import store_emails
-from mailpipe.harness import fleet as localfleet
-from mailpipe.harness.services import free_port
 from tests.support.fleet import enqueue_in
 from tests.support.paths import REPO
 from tests.support.waits import wait_for

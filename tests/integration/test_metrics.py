@@ -22,12 +22,12 @@ from typing import Any
 import boto3
 import pytest
 
+from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.brokerstate import ENQUEUED_AT_HEADER
 from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness import fleet as localfleet
 from mailpipe.operations import metrics, sweeper
 from mailpipe.pipeline import runs
 from mailpipe.resources import Resources

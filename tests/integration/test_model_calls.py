@@ -26,10 +26,10 @@ import pytest
 from sqlalchemy import func, select
 
 from mailpipe.celery import app
+from mailpipe.cli.demo import fleet as localfleet
+from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness import fleet as localfleet
-from mailpipe.harness.fleet import CeleryProcess
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel, PipelineRun
 from tests.support.bedrock_server import (

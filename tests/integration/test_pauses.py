@@ -21,8 +21,8 @@ import psutil
 from sqlalchemy import select
 
 from mailpipe.app.pausing import CHECK_EVERY_S
+from mailpipe.cli.demo.fleet import CeleryProcess, control_app
 from mailpipe.cli.ingest import store_emails
-from mailpipe.harness.fleet import CeleryProcess, control_app
 from mailpipe.storage.models import PipelineRun
 from tests.support.bedrock_server import (
     TimedBedrockServer,

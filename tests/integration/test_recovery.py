@@ -17,15 +17,16 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
+from mailpipe.cli.demo import fleet as localfleet
+from mailpipe.cli.demo.servers import PrivateRedis
 from mailpipe.cli.ingest import store_emails
-from mailpipe.harness import fleet as localfleet
-from mailpipe.harness.services import PrivatePostgres, PrivateRedis
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
 from tests.support.bedrock_server import BedrockServer, throttling
 from tests.support.faults import set_claim_fault
+from tests.support.services import PrivatePostgres
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.slow

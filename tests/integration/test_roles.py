@@ -44,9 +44,9 @@ import redis
 import requests
 from sqlalchemy import func, select
 
+from mailpipe.cli.demo.fleet import control_app
+from mailpipe.cli.demo.servers import free_port
 from mailpipe.coordination.queues import control_queue, email_queue, model_queue
-from mailpipe.harness.fleet import control_app
-from mailpipe.harness.services import Database, free_port
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel
@@ -54,6 +54,7 @@ from tests.conftest import PG_ADMIN_URL, REDIS_URL, S3_PORT
 from tests.support.bedrock_server import BedrockServer, invoices
 from tests.support.fleet import enqueue_in
 from tests.support.paths import REPO
+from tests.support.services import Database
 from tests.support.waits import wait_for, wait_until_closed
 
 BIN = Path(sys.executable).parent

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from mailpipe.cli.demo import fleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
-from mailpipe.harness import fleet
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mailpipe.harness import fleet as localfleet
+from mailpipe.cli.demo import fleet as localfleet
 
 GOOD_RULE = '[[rule]]\nlabel = "invoice"\nkeywords = ["invoice"]\n'
 

@@ -15,7 +15,6 @@ from mailpipe.classifiers import ClassificationResult
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import brokerstate, queues, redis_keys
 from mailpipe.enqueue import enqueue_email, enqueue_emails
-from mailpipe.harness.services import delete_prefix
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import store_classification
@@ -25,6 +24,7 @@ from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 from tests.support.bedrock_server import BedrockServer
+from tests.support.services import delete_prefix
 from tests.support.waits import wait_for, wait_until_closed
 
 

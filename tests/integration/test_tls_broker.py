@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from mailpipe.harness.services import PrivateRedis
+from mailpipe.cli.demo.servers import PrivateRedis
 from tests.support.probes import ask_a_job_process
 
 

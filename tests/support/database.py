@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from mailpipe.harness.services import delete_prefix
+from tests.support.services import delete_prefix
 
 
 def clean(res) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import text
 
 from mailpipe.celery import app
-from mailpipe.harness import fleet
+from mailpipe.cli.demo import fleet
 from mailpipe.resources import Resources, get_resources
 from tests.support.waits import wait_for
 

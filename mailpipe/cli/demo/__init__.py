@@ -83,7 +83,7 @@ def redis_answers(url: str) -> bool:
 
 
 def run_demo(console: Console, keep: bool = False, root: Path = DEMO_DIR) -> int:
-    from mailpipe.harness.services import PrivateRedis
+    from mailpipe.cli.demo.servers import PrivateRedis
     from mailpipe.storage.migrate import shown_url
 
     url = broker_url()
@@ -121,9 +121,9 @@ def _run_demo(console: Console, keep: bool, root: Path, url: str) -> int:
     # This process must use the demo's settings too: set them before anything reads them.
     os.environ.update(env)
     from mailpipe import resources
+    from mailpipe.cli.demo import fleet as localfleet
     from mailpipe.cli.ingest import store_emails
     from mailpipe.enqueue import enqueue_emails
-    from mailpipe.harness import fleet as localfleet
     from mailpipe.resources import get_resources
     from mailpipe.settings import get_settings
     from mailpipe.storage import flags

@@ -1,10 +1,9 @@
-"""The services a run of the tests, a benchmark or the demo sets up for itself.
+"""The services a run of the tests or a benchmark sets up for itself, beside the `redis-server`
+of its own that the demo starts too (`mailpipe.cli.demo.servers.PrivateRedis`).
 
 - `Database`: a PostgreSQL database of the run's own on a shared server, created and dropped;
 - `PrivatePostgres`: a PostgreSQL server of the run's own, on a free port, that it may stop and
   start (the machine's server is shared, and a restart would hit every other user of it);
-- `PrivateRedis`: a Redis server of the run's own, on a free port, that it may flush, stop and
-  start (the machine's Redis is shared, and a flush would take every other user's keys with it);
 - `S3Server`: moto's S3-compatible server on loopback, as a subprocess;
 - `delete_prefix`: the run's keys on a shared Redis, and only those (never FLUSHDB).
 
@@ -17,35 +16,13 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for_port(
-    port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 30
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on port {port} within {timeout:.0f} s")
+from mailpipe.cli.demo.servers import free_port, terminate, wait_for_port
 
 
 @dataclass
@@ -94,17 +71,6 @@ def delete_prefix(redis_url: str, prefix: str) -> int:
     return deleted
 
 
-def _terminate(process: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM, then SIGKILL if the process is still there 10 s later."""
-    if process is not None and process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-
-
 @dataclass
 class S3Server:
     """moto's S3-compatible server on loopback, as a subprocess, with one bucket."""
@@ -139,70 +105,7 @@ class S3Server:
         return self
 
     def stop(self) -> None:
-        _terminate(self.process)
-
-
-@dataclass
-class PrivateRedis:
-    """A Redis server of its own: `redis-server` on a free port, bound to 127.0.0.1, keeping
-    nothing on disk (`--save "" --appendonly no`). `stop()` then `start()` is a restart on the
-    same port, with every key gone, as a restarted Redis without persistence comes back.
-    With `tls` (its certificate, its key, and the CA to check clients against), it speaks TLS only,
-    without asking clients for a certificate."""
-
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-    tls: tuple[Path, Path, Path] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
-
-    def start(self) -> PrivateRedis:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server was not found on PATH: install Redis (the redis-server package) "
-                "to run a Redis of the run's own"
-            )
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.tls:
-            cert, key, ca = self.tls
-            listen = [
-                "--port", "0",
-                "--tls-port", str(self.port),
-                "--tls-cert-file", str(cert),
-                "--tls-key-file", str(key),
-                "--tls-ca-cert-file", str(ca),
-                "--tls-auth-clients", "no",
-            ]  # fmt: skip
-        else:
-            listen = ["--port", str(self.port)]
-        command = [
-            binary,
-            *listen,
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", tempfile.gettempdir(),
-            "--daemonize", "no",
-        ]  # fmt: skip
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        try:
-            wait_for_port(self.port, self.process, "redis-server")
-        except RuntimeError as exc:
-            self.stop()
-            log_text = self.log_path.read_text(errors="replace")
-            raise RuntimeError(f"{exc}; its log: {log_text}") from None
-        return self
-
-    def stop(self) -> None:
-        """SIGTERM (the server exits without saving anything), SIGKILL after 10 s."""
-        _terminate(self.process)
+        terminate(self.process)
 
 
 class PrivatePostgres:

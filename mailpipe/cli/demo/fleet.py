@@ -1,5 +1,5 @@
-"""Real `celery worker` and `celery beat` processes on this machine, for the demo, the tests and
-the benchmarks: started as subprocesses exactly as an operator starts them."""
+"""Real `celery worker` and `celery beat` processes on this machine, started as subprocesses
+exactly as an operator starts them: the demo's worker, and the tests' and benchmarks' fleets."""
 
 from __future__ import annotations
 
