@@ -15,6 +15,7 @@ from sqlalchemy import select, update
 from mailpipe.classifiers import ClassificationResult
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import brokerstate, queues, redis_keys
+from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
@@ -248,15 +249,24 @@ def test_a_backlog_that_waits_longer_than_every_ttl_is_never_readded(res) -> Non
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids[:10])  # some waited through a retry or a deferral
     assert len(enqueue_emails(ids, short).sent) == 40
-    deadline = time.monotonic() + 8  # four times the marker's TTL
+    # On Redis's clock, which the markers lapse by: the backlog waits four of their lifetimes.
+    waited_long_enough = redis_time(res.redis) + 4 * short.settings.dedup_ttl
     sweeps = 0
-    while time.monotonic() < deadline:
+
+    def swept_again_and_waited_long_enough() -> bool:
+        nonlocal sweeps
         result = run_sweep(short)
         assert result.readded_ids == [] and result.marked_for_review == 0
         assert depth(res) == 40
         sweeps += 1
-        time.sleep(1)
-    assert sweeps >= 6
+        return sweeps >= 6 and redis_time(res.redis) > waited_long_enough
+
+    wait_for(
+        swept_again_and_waited_long_enough,
+        120,
+        "six sweeps over four lifetimes of a marker",
+        every=short.settings.sweep_interval,
+    )
     assert set(sweep_counts(res).values()) == {0}
     with res.db.session() as session:
         statuses = set(session.scalars(select(PipelineRun.status)))
