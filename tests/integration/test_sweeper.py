@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -283,19 +285,34 @@ def test_a_running_job_is_never_taken_for_lost(res) -> None:  # type: ignore[no-
     assert (result.readded_ids, result.skipped_queued) == ([], 1)
 
 
-def test_two_sweeps_at_once_do_not_double_anything(res) -> None:  # type: ignore[no-untyped-def]
+def test_two_sweeps_at_once_do_not_double_anything(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A sweep starts while another has read the broker and sent nothing yet: the lock keeps it
+    out, and the first sends each job once."""
     ids = store_emails(res, emails(30))
-    res.redis.set(redis_keys.sweep_lock(), "another sweep", ex=60)
-    assert run_sweep(res).ran is False  # the lock keeps a second sweep out
-    res.redis.delete(redis_keys.sweep_lock())
-    from concurrent.futures import ThreadPoolExecutor
+    read_broker = brokerstate.emails_in_broker
+    first_has_read, second_is_done = threading.Event(), threading.Event()
 
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: run_sweep(res), range(2)))
+    def the_first_read_waits_for_the_second_sweep(*args: object) -> set[int]:
+        present = read_broker(*args)  # type: ignore[arg-type]
+        if not first_has_read.is_set():
+            first_has_read.set()
+            second_is_done.wait(60)
+        return present
+
+    monkeypatch.setattr(brokerstate, "emails_in_broker", the_first_read_waits_for_the_second_sweep)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run_sweep, res)
+        try:
+            wait_for(first_has_read.is_set, 60, "the first sweep to read the broker")
+            second = run_sweep(res)
+        finally:
+            second_is_done.set()
+        results = [first.result(60), second]
     readded = [i for r in results for i in r.readded_ids]
     assert sorted(readded) == ids  # each email re-added once in all
     assert depth(res) == 30
     assert set(sweep_counts(res).values()) == {1}
+    assert [r.ran for r in results] == [True, False]
 
 
 def test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
