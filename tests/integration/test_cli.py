@@ -105,19 +105,22 @@ def test_ingest_reads_mbox_maildir_and_files_and_reports_rejections(res, tmp_pat
     assert "photo.png: not an email" in run.stdout
     assert "missing.eml: unreadable" in run.stdout
     with res.db.session() as session:
-        subjects = set(session.scalars(select(EmailRow.blob_key)))
-    assert len(subjects) == 6
-    # Enqueued after the commit, each once, through the deduplicated path.
-    ids = list(range(1, 7))
-    assert all(res.redis.exists(redis_keys.job_marker(i)) or _has_run(res, i) for i in ids)
+        stored = sorted(session.scalars(select(EmailRow.id)))
+        blobs = set(session.scalars(select(EmailRow.blob_key)))
+    assert len(stored) == len(blobs) == 6
+    # Enqueued each once, through the deduplicated path. No worker runs in this module: every
+    # job is still in the queue.
+    assert queued_email_ids(res) == stored
+    assert all(res.redis.exists(redis_keys.job_marker(i)) for i in stored)
 
 
-def _has_run(res, email_id: int) -> bool:  # type: ignore[no-untyped-def]
-    with res.db.session() as session:
-        return (
-            session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id))
-            is not None
-        )
+def queued_email_ids(res: Resources) -> list[int]:
+    """The email of every job waiting in the email queue, one entry a job."""
+    return sorted(
+        json.loads(raw)["headers"][brokerstate.EMAIL_ID_HEADER]
+        for name in brokerstate.priority_lists(res.settings.queue)
+        for raw in res.redis.lrange(name, 0, -1)
+    )
 
 
 def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untyped-def]

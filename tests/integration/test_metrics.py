@@ -401,7 +401,15 @@ def test_the_sweeper_reads_the_backlog_and_sends_nothing(res) -> None:  # type: 
     assert isinstance(metrics.make_sink(settings), metrics.CloudWatchSink)
     assert metrics.make_sink(res.settings).__class__ is metrics.LogMetricsSink  # no namespace
     store_emails(res, [good_email(i) for i in range(3)])
-    result = sweeper.sweep(res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent)
+    # The sweep runs with the settings that give it a CloudWatch namespace: were it to send
+    # figures, they would be there.
+    reporting = Resources(settings)
+    try:
+        result = sweeper.sweep(
+            reporting, enqueue=lambda ids, task: enqueue_emails(ids, reporting, task).sent
+        )
+    finally:
+        reporting.close()
     assert (result.queue_depth, result.backlog_per_task) == (3, 3.0)
     assert cloudwatch().list_metrics(Namespace=namespace)["Metrics"] == []
 

@@ -7,13 +7,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from mailpipe.classifiers import ClassificationResult
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import brokerstate, queues, redis_keys
+from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
@@ -79,6 +83,16 @@ def classify_then_die(res: Resources, email_id: int) -> None:
         runs.mark_classified(run)
 
 
+def answered_earlier(res: Resources, email_id: int, seconds: float) -> None:
+    """The model's answer for `email_id` as if stored `seconds` before it was."""
+    with res.db.transaction() as session:
+        session.execute(
+            update(PipelineRun)
+            .where(PipelineRun.email_id == email_id)
+            .values(classified_at=PipelineRun.classified_at - timedelta(seconds=seconds))
+        )
+
+
 def flags_on(res: Resources) -> bool:
     with res.db.session() as session:
         return flags.model_calls_enabled(session)
@@ -118,19 +132,18 @@ def test_open_runs_follow_the_model_call_rules(res) -> None:  # type: ignore[no-
     classify_then_die(res, answered)
     set_model_calls(res, False)
     assert job.process_email(res, waiting_off).kind is Kind.WAITING  # its CPU stage, done
-    quick = Resources(res.settings.model_copy(update={"stall_after": 2}))
 
     # A run whose CPU stage is not done needs its job either way; the others wait for model
     # calls, or were answered just now.
-    assert run_sweep(quick).readded_ids == [never]
+    assert run_sweep(res).readded_ids == [never]
     purge(res)
 
     set_model_calls(res, True)
     # Never classified: at once. Classified: only once its answer is older than the threshold.
-    assert sorted(run_sweep(quick).readded_ids) == sorted([never, waiting_off])
+    assert sorted(run_sweep(res).readded_ids) == sorted([never, waiting_off])
     purge(res)
-    time.sleep(2.2)
-    assert sorted(run_sweep(quick).readded_ids) == sorted([never, answered, waiting_off])
+    answered_earlier(res, answered, res.settings.stall_after + 1)
+    assert sorted(run_sweep(res).readded_ids) == sorted([never, answered, waiting_off])
 
 
 def test_a_run_past_its_cpu_stage_gets_only_its_model_stage_back(res) -> None:  # type: ignore[no-untyped-def]
@@ -238,15 +251,24 @@ def test_a_backlog_that_waits_longer_than_every_ttl_is_never_readded(res) -> Non
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids[:10])  # some waited through a retry or a deferral
     assert len(enqueue_emails(ids, short).sent) == 40
-    deadline = time.monotonic() + 8  # four times the marker's TTL
+    # On Redis's clock, which the markers lapse by: the backlog waits four of their lifetimes.
+    waited_long_enough = redis_time(res.redis) + 4 * short.settings.dedup_ttl
     sweeps = 0
-    while time.monotonic() < deadline:
+
+    def swept_again_and_waited_long_enough() -> bool:
+        nonlocal sweeps
         result = run_sweep(short)
         assert result.readded_ids == [] and result.marked_for_review == 0
         assert depth(res) == 40
         sweeps += 1
-        time.sleep(1)
-    assert sweeps >= 6
+        return sweeps >= 6 and redis_time(res.redis) > waited_long_enough
+
+    wait_for(
+        swept_again_and_waited_long_enough,
+        120,
+        "six sweeps over four lifetimes of a marker",
+        every=short.settings.sweep_interval,
+    )
     assert set(sweep_counts(res).values()) == {0}
     with res.db.session() as session:
         statuses = set(session.scalars(select(PipelineRun.status)))
@@ -263,19 +285,34 @@ def test_a_running_job_is_never_taken_for_lost(res) -> None:  # type: ignore[no-
     assert (result.readded_ids, result.skipped_queued) == ([], 1)
 
 
-def test_two_sweeps_at_once_do_not_double_anything(res) -> None:  # type: ignore[no-untyped-def]
+def test_two_sweeps_at_once_do_not_double_anything(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A sweep starts while another has read the broker and sent nothing yet: the lock keeps it
+    out, and the first sends each job once."""
     ids = store_emails(res, emails(30))
-    res.redis.set(redis_keys.sweep_lock(), "another sweep", ex=60)
-    assert run_sweep(res).ran is False  # the lock keeps a second sweep out
-    res.redis.delete(redis_keys.sweep_lock())
-    from concurrent.futures import ThreadPoolExecutor
+    read_broker = brokerstate.emails_in_broker
+    first_has_read, second_is_done = threading.Event(), threading.Event()
 
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: run_sweep(res), range(2)))
+    def the_first_read_waits_for_the_second_sweep(*args: object) -> set[int]:
+        present = read_broker(*args)  # type: ignore[arg-type]
+        if not first_has_read.is_set():
+            first_has_read.set()
+            second_is_done.wait(60)
+        return present
+
+    monkeypatch.setattr(brokerstate, "emails_in_broker", the_first_read_waits_for_the_second_sweep)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run_sweep, res)
+        try:
+            wait_for(first_has_read.is_set, 60, "the first sweep to read the broker")
+            second = run_sweep(res)
+        finally:
+            second_is_done.set()
+        results = [first.result(60), second]
     readded = [i for r in results for i in r.readded_ids]
     assert sorted(readded) == ids  # each email re-added once in all
     assert depth(res) == 30
     assert set(sweep_counts(res).values()) == {1}
+    assert [r.ran for r in results] == [True, False]
 
 
 def test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]

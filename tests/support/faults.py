@@ -7,6 +7,8 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
 - ``exit``: ``os._exit(1)``; ``sigkill``: SIGKILL to itself; ``segfault``: a NULL read through
   ctypes; ``memory``: allocation past an address-space limit set for the child;
 - ``slow:SECONDS``: sleeps, then runs the real steps (a slow but healthy job);
+- ``held``: waits until the test releases it (``release``), then runs the real steps: a job
+  that is still running whenever the test needs it to be;
 - ``hang``: sleeps for ever and ignores the soft time limit (a job stuck in C code), so only
   the hard time limit ends it;
 - ``die-after-steps``: runs the real steps (their writes committed), then SIGKILLs its child:
@@ -59,6 +61,15 @@ def classifications_key(email_id: int, prefix: str | None = None) -> str:
 def starts_key(email_id: int, prefix: str | None = None) -> str:
     """A list of the wall-clock times at which deliveries reached the steps."""
     return _key(f"test:starts:{email_id}", prefix)
+
+
+def release_key(email_id: int, prefix: str | None = None) -> str:
+    return _key(f"test:release:{email_id}", prefix)
+
+
+def release(redis: Redis, email_id: int, prefix: str | None = None) -> None:
+    """Let the email's ``held`` delivery go on."""
+    redis.set(release_key(email_id, prefix), 1)
 
 
 def claim_fault_key(email_id: int, prefix: str | None = None) -> str:
@@ -132,6 +143,9 @@ def _run_steps_with_faults(res, email_id: int, *args: object) -> job.Outcome:  #
     res.redis.incr(runs_key(email_id))
     res.redis.rpush(starts_key(email_id), time.time())
     mode = _take_fault(res.redis, email_id)
+    if mode == "held":
+        while not res.redis.exists(release_key(email_id)):
+            time.sleep(0.1)
     if mode == "die-after-steps":
         _real_run_steps(res, email_id, *args)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -19,7 +19,7 @@ from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.coordination.queues import job_queues
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
-from tests.support.faults import runs_key, set_fault, starts_key
+from tests.support.faults import release, runs_key, set_fault, starts_key
 
 
 class Fleet:
@@ -99,6 +99,9 @@ class Fleet:
 
     def set_fault(self, email_id: int, mode: str, times: int | None = None) -> None:
         set_fault(self.res.redis, email_id, mode, times, prefix=self.prefix)
+
+    def release(self, email_id: int) -> None:
+        release(self.res.redis, email_id, prefix=self.prefix)
 
     def runs(self, email_id: int) -> int:
         """Deliveries of the email's job that reached its steps."""

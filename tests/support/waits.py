@@ -8,12 +8,18 @@ from collections.abc import Callable
 from sqlalchemy import select
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout: float = 60.0,
+    what: str = "condition",
+    every: float = 0.1,
+) -> None:
+    """Ask `predicate` every `every` seconds until it is true."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.1)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 

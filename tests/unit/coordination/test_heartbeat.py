@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import kombu.transport.redis
@@ -154,15 +154,47 @@ def test_messages_no_live_worker_holds_go_back_and_held_ones_stay(res) -> None: 
 
 
 def test_one_worker_recovers_at_a_time(res) -> None:  # type: ignore[no-untyped-def]
-    calls: list[str] = []
-    beat = heartbeat.WorkerHeartbeat(
-        res.redis, "w", interval=5, dead_after=10, restore=calls.append
+    # dead_after is long, so that the pass held up below stays well inside its time budget; the
+    # dead worker's last beat is put that far back rather than waited for.
+    dead_after = 60.0
+    delivered = Delivered(res, 3)
+    delivered.holder("dead", dead_after / 3, dead_after).beat()
+    last_beat = heartbeat.redis_time(res.redis) - dead_after - 1
+    res.redis.zadd(redis_keys.workers(), {"dead": last_beat})
+    restores: list[tuple[str, str]] = []
+    in_pass, go_on = threading.Event(), threading.Event()
+
+    def restore_as(worker_id: str) -> Callable[[str], None]:
+        def restore(tag: str) -> None:
+            restores.append((worker_id, tag))
+            if worker_id == "first":  # held up before its first restore, until the other tried
+                in_pass.set()
+                go_on.wait(30)
+            delivered.restore(tag)
+
+        return restore
+
+    first, second = (
+        heartbeat.WorkerHeartbeat(
+            res.redis, worker_id, interval=1, dead_after=dead_after, restore=restore_as(worker_id)
+        )
+        for worker_id in ("first", "second")
     )
-    res.redis.set(redis_keys.reaper_lock(), "another worker", ex=5)
-    assert beat.recover() is None
-    res.redis.delete(redis_keys.reaper_lock())
-    # Nothing to recover, but it ran and gave the lock back.
-    assert beat.recover() == heartbeat.Recovery(restored=[], left=0)
+    passes: list[heartbeat.Recovery | None] = []
+    first_pass = threading.Thread(target=lambda: passes.append(first.recover()))
+    first_pass.start()
+    try:
+        wait_for(in_pass.is_set, 30, "the first pass to reach the dead worker's messages")
+        assert second.recover() is None
+    finally:
+        go_on.set()
+        first_pass.join(30)
+        delivered.close()
+    [recovery] = passes
+    assert recovery is not None
+    assert (sorted(recovery.restored), recovery.left) == (sorted(delivered.tags), 0)
+    assert sorted(restores) == sorted(("first", tag) for tag in delivered.tags)
+    assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
     assert not res.redis.exists(redis_keys.reaper_lock())
 
 
