@@ -2,11 +2,11 @@
 
     .venv/bin/python docs/tools/flower_screenshot.py [--out docs/img/flower.png]
 
-Starts Flower from the repository root as the Procfile does (so flowerconfig.py applies; loopback
+Starts Flower from the repository root as the Procfile does (`--conf=./flowerconfig.py`; loopback
 port, basic auth with a throwaway password), a real prefork worker on a SQLite file and a blob
 folder in a temporary directory and the local Redis under a key prefix of its own, and runs the
-bundled demo emails, one empty email (its run fails in the pipeline) and two jobs for email ids
-that do not exist (the task fails: RunFailed). Headless Chromium takes the Broker page while
+bundled demo emails, one empty email and two jobs for email ids that do not exist (their runs
+fail, and their tasks raise RunFailed: FAILURE in Flower). Headless Chromium takes the Broker page while
 the jobs wait (before the worker starts), then the Workers and Tasks pages once they have run;
 the three are stacked into one PNG.
 
@@ -130,6 +130,7 @@ def main() -> None:
                 "-A",
                 "mailpipe",
                 "flower",
+                "--conf=./flowerconfig.py",
                 "--address=127.0.0.1",
                 f"--port={port}",
             ],

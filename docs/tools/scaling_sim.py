@@ -27,11 +27,13 @@ wait, with the delays that matter on AWS:
   shutdown under REMAP_SIGTERM=SIGQUIT);
 * cost is task-minutes from launch to stop, as Fargate bills them.
 
-Not modelled: prefetched messages (the app runs with a prefetch of one per process, so the Redis
-queue length is the backlog), broker or database limits, the model-call rate limit.
+Not modelled: prefetched messages (two per process, out of the Redis queue's count; small against
+the backlog), broker or database limits, the model role and its call rate limit.
 
-    .venv/bin/python docs/tools/scaling_sim.py --mean-job-time 1.5 --targets 10,20,40,80,160 \\
-        --plot docs/img/scaling.png --json out.json
+    .venv/bin/python docs/tools/scaling_sim.py --mean-job-time 0.026 --base-rate 115.4 \\
+        --targets 577,1154,2308,4615,9231 --plot docs/img/scaling.png --json out.json
+
+docs/scaling.md has every command and where the job time comes from.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ below, still win over this file.
 - Offline workers leave the dashboard 10 minutes after their last heartbeat
   (`purge_offline_workers`): every ECS task is a new worker name, so they would pile up.
 - The tasks page shows each job's email id (args), its outcome (result: succeeded, duplicate,
-  failed, deferred) and the exception of a task that raised.
+  handed_off, deferred...) and the exception of a task that raised.
 - `MAILPIPE_LOG_FORMAT=json`: Flower's log records as JSON lines (mailpipe.app.logs).
 """
 
@@ -43,8 +43,10 @@ _PURGE_OFFLINE_WORKERS_S = 600
 if _options.purge_offline_workers is None:  # not given on the command line or in FLOWER_*
     purge_offline_workers = _PURGE_OFFLINE_WORKERS_S
 
-# A run the pipeline failed ends its task normally with the result 'failed' (search
-# "result:failed"); only a task that raised (an unknown email id, a bug) is a FAILURE.
+# A run the pipeline failed (rejected input, attempts used up, an unknown email id) raises
+# RunFailed with the run's error, so its task is a FAILURE with that exception (the Tasks page's
+# Failed filter, or search "state:FAILURE"); a job that ends otherwise has its outcome as its
+# result.
 tasks_columns = "name,args,state,exception,result,worker,received,runtime"
 
 

@@ -93,9 +93,9 @@ _CREDENTIAL_ERRORS = (
 # on noticeably, short enough that a brief burst does not stall the email for minutes.
 THROTTLE_RETRY_AFTER_S = 10.0
 
-# Worst case of one `classify` call: 3 attempts x (connect 5 s + read 30 s) + botocore's backoff
-# (under 4 s at 3 attempts) is about 110 s. That stays under the fleet rate limiter's slot TTL
-# (120 s), so a slow call never loses its slot, and well inside the task soft time limit.
+# Worst case of one `classify` call: one try (`_MAX_ATTEMPTS`) of connect 5 s + read 30 s, about
+# 35 s. That stays well under the fleet rate limiter's slot TTL (120 s), so a slow call never
+# loses its slot; the model role's threads enforce no Celery time limit, so these end the call.
 # A label call answers in seconds (a few hundred output tokens), so 30 s of silence means trouble.
 _CONNECT_TIMEOUT_S = 5.0
 _READ_TIMEOUT_S = 30.0

@@ -647,6 +647,8 @@ def test_worker_scales_on_backlog_per_task(template):
     assert metric["Dimensions"] == [{"Name": "Queue", "Value": {"Ref": "QueueName"}}]
     assert params["QueueName"]["Default"] == "mailpipe"
     assert config["TargetValue"] == {"Ref": "BacklogPerTaskTarget"}
+    # The default target is acceptable wait (60 s) x concurrency / mean job time (0.026 s).
+    assert params["BacklogPerTaskTarget"]["Default"] == round(60 * 2 / 0.026)
     assert config["ScaleOutCooldown"] == {"Ref": "ScaleOutCooldownSeconds"}
     assert config["ScaleInCooldown"] == {"Ref": "ScaleInCooldownSeconds"}
     assert config["DisableScaleIn"] is False

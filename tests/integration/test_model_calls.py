@@ -1,6 +1,7 @@
 """Model calls through real prefork workers, as the model provider sees them.
 
-Several `celery worker -P prefork` processes classify with the `bedrock` backend against the local
+A `celery worker -P prefork` of the CPU stage hands each email off to `celery worker -P threads`
+processes of the model role, which classify with the `bedrock` backend against the local
 `converse` server (tests/support/bedrock_server.py) on loopback; the test process stores and
 enqueues the emails, as upstream storage does. The fleet-wide limit is checked where it matters,
 at the provider: from the times the calls arrived there, not from the limiter's own bookkeeping

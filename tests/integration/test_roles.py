@@ -3,6 +3,9 @@
 - Each line of the Procfile is started verbatim through `sh -c`, from the repository root (where
   a Procfile runner starts it), with an environment of the test's own: its own Redis key prefix,
   database, blob folder, health files and loopback port.
+- The README's local fleet (`mailpipe db upgrade && honcho start ...`) is started as written
+  through `sh -c`, from the repository root, and stopped with SIGTERM to its process group, as a
+  terminal's Ctrl-C stops it: nothing it started may be left.
 - Each ECS task definition's command is started as the container would start it (exec form, the
   image's ENV, the task's `environment`, its `secrets` given values of the test's own and nothing
   else), outside Docker: the image's paths are mapped to this checkout's (the Dockerfile's COPY
@@ -33,12 +36,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import boto3
+import psutil
 import pytest
 import redis
 import requests
@@ -46,10 +50,11 @@ from sqlalchemy import func, select
 
 from mailpipe.cli.demo.fleet import control_app
 from mailpipe.cli.demo.servers import free_port
+from mailpipe.coordination import redis_keys
 from mailpipe.coordination.queues import control_queue, email_queue, model_queue
-from mailpipe.settings import Settings
+from mailpipe.settings import Settings, get_settings
 from mailpipe.storage import flags
-from mailpipe.storage.models import Classification, EmailLabel
+from mailpipe.storage.models import Classification, EmailLabel, SweepReport
 from tests.conftest import PG_ADMIN_URL, REDIS_URL, S3_PORT
 from tests.support.bedrock_server import BedrockServer, invoices
 from tests.support.fleet import enqueue_in
@@ -366,6 +371,102 @@ def test_procfile_flower_asks_for_its_credentials(procfile_env, tmp_path) -> Non
         wait_flower_ready(flower, port, (user, password))
     finally:
         flower.stop()
+
+
+# --- the README's local fleet ------------------------------------------------------------------
+
+
+def readme_fleet_command() -> str:
+    """The README's command line that starts the local fleet, as written."""
+    blocks = re.findall(r"```console\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    (command,) = [line for block in blocks for line in block.splitlines() if "honcho start" in line]
+    return command
+
+
+def fleet_processes(env: dict[str, str]) -> list[psutil.Process]:
+    """Every live process started with `env`'s Redis key prefix: whatever the fleet started,
+    wherever it was reparented."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("MAILPIPE_REDIS_PREFIX") == env["MAILPIPE_REDIS_PREFIX"]:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def alive_and(role: Role, ready: Callable[[], bool]) -> Callable[[], bool]:
+    """`ready`, failing at once with the role's output if the role has exited."""
+
+    def check() -> bool:
+        role.check_alive()
+        return ready()
+
+    return check
+
+
+def sweeps_reported(url: str) -> int:
+    from mailpipe.storage.db import Database as Engine
+
+    database = Engine(url)
+    try:
+        with database.session() as session:
+            return session.scalar(select(func.count()).select_from(SweepReport)) or 0
+    finally:
+        database.engine.dispose()
+
+
+def test_the_readme_fleet_starts_every_role_and_stops_at_sigterm(
+    procfile_env, database, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """The README's `mailpipe db upgrade && honcho start ...` through `sh -c`, from the repository
+    root, on a database not yet migrated and without Flower's credentials (loopback): the schema
+    is migrated, each worker answers a ping and consumes its queues, beat holds the beat lock and
+    its sweeps run, Flower answers. SIGTERM to the process group, as a terminal's Ctrl-C, stops
+    every process the fleet started, and none is left."""
+    env = {k: v for k, v in procfile_env.items() if k != "MAILPIPE_FLOWER_BASIC_AUTH"}
+    env["MAILPIPE_DATABASE_URL"] = database.url
+    beat_lock = env["MAILPIPE_REDIS_PREFIX"] + redis_keys.beat_lock().removeprefix(
+        get_settings().redis_prefix
+    )
+    client = redis.Redis.from_url(REDIS_URL)
+    flower = f"http://127.0.0.1:{env['FLOWER_PORT']}"
+    before = set(REPO.glob("celerybeat-schedule*"))
+    fleet = Role(
+        ["sh", "-c", readme_fleet_command()], env, REPO, tmp_path / "fleet.log", group=True
+    )
+    try:
+        wait_for(alive_and(fleet, lambda: migrated(database.url)), 120, "the schema")
+        for role, nodename in (("worker", WORKER_NODE), ("model", MODEL_NODE)):
+            wait_worker_ready(fleet, env, nodename)
+            assert consumed_queues(env, nodename) == queues_of_the_roles(env)[role]
+        wait_for(alive_and(fleet, lambda: bool(client.exists(beat_lock))), 60, "beat's lock")
+        wait_for(alive_and(fleet, lambda: sweeps_reported(database.url) >= 3), 60, "beat's sweeps")
+
+        def flower_answers() -> bool:
+            try:
+                return requests.get(f"{flower}/healthcheck", timeout=2).status_code == 200
+            except requests.ConnectionError:
+                return False
+
+        wait_for(alive_and(fleet, flower_answers), 60, "Flower to answer /healthcheck")
+        assert requests.get(f"{flower}/", timeout=5).status_code == 200
+        started = fleet_processes(env)
+        commands = [" ".join(process.cmdline()) for process in started]
+        for part in ("honcho start", "--pool=prefork", "--pool=threads", "beat", "flower"):
+            assert any(part in command for command in commands), commands
+        # As a terminal's Ctrl-C: honcho passes SIGTERM to each role's process group.
+        os.killpg(fleet.process.pid, signal.SIGTERM)
+        fleet.process.wait(60)  # the shell, at once; then honcho, once every role has stopped
+        assert fleet.group_gone(60), fleet.output()[-4000:]
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [process.cmdline() for process in alive]
+        assert fleet_processes(env) == []
+    finally:
+        fleet.stop()
+        for left in set(REPO.glob("celerybeat-schedule*")) - before:
+            left.unlink()
 
 
 # --- the ECS task definitions ------------------------------------------------------------------
