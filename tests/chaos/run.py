@@ -904,6 +904,11 @@ def problems(report: dict[str, Any]) -> list[str]:
         if report[what]["emails"]:
             found.append(f"{what.replace('_', ' ')}: {report[what]['examples']}")
     depth = report["queue_depth"]
+    if depth["peak_before_flush"] is not None and depth["peak_before_flush"] > report["emails"]:
+        found.append(
+            f"queue depth peaked at {depth['peak_before_flush']} before the flush, above "
+            f"{report['emails']}"
+        )
     if depth["peak"] is not None and depth["peak"] > depth["bound"]:
         found.append(f"queue depth peaked at {depth['peak']}, above {depth['bound']}")
     return found
@@ -945,6 +950,10 @@ def print_table(report: dict[str, Any]) -> None:
             "sweeps (re-adds before / after the flush)",
             f"{sweeps['count']} ({sweeps['readded_before_flush']} / "
             f"{sweeps['readded_after_flush']})",
+        ),
+        (
+            "peak queue depth before the flush (bound)",
+            f"{depth['peak_before_flush']} ({report['emails']})",
         ),
         ("peak queue depth (bound)", f"{depth['peak']} ({depth['bound']})"),
         ("time to drain (s)", report["drain_seconds"]),

@@ -122,6 +122,7 @@ def test_a_backlog_older_than_the_ttls_drains_under_chaos_without_loss(tmp_path:
     # flush, at most one each and fewer than N. Hence peak <= N + R. A peak above it means a job
     # sent while a copy of it waited: what lapsed markers would cause without the broker check.
     depth, sweeps = report["queue_depth"], report["sweeps"]
+    assert depth["peak_before_flush"] <= EMAILS, (depth, sweeps)
     assert depth["bound"] == EMAILS + sweeps["readded_after_flush"]
     assert depth["peak"] <= depth["bound"], (depth, sweeps)
 
