@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 EMAILS = 500
 POISON = 5
-# It drains in about 30 s on 2 CPUs; the deadline allows a machine many times slower, and the
-# run's own start and stop (its servers, four workers) get the rest of the outer budget.
+# It drained in 214 s on 2 CPUs that other test runs kept busy (docs/chaos.md); the deadline
+# allows that, and the run's own start and stop (its servers, four workers) get the rest of the
+# outer budget.
 DEADLINE_S = 240
 BUDGET_S = DEADLINE_S + 120
 
