@@ -16,9 +16,11 @@ Scenarios (`--scenario`):
 
 Faults, in both: a worker child SIGKILLed every few seconds, one worker SIGKILLed whole, one
 worker sent SIGTERM (soft shutdown), one Redis flush, one PostgreSQL restart, a spell of S3
-errors, and a few poison jobs that segfault their child on every delivery. Each stopped worker is
-replaced, so two keep running. The workers load `tests.support.faults`, which counts per email
-the deliveries that reached the job's steps and the model's answers taken.
+errors, a few poison jobs that segfault their child on every delivery, and a few model stages
+that die once their answer is stored. Each stopped worker is replaced, so two keep running. The
+workers load `tests.support.faults`, which counts per email the deliveries that reached the
+job's steps; the model stage calls a local Bedrock stand-in, which counts the calls per email.
+The run records which emails each fault cut, and checks that work was repeated only for them.
 
 It prints a table, writes the report as JSON (`--json`; docs/chaos.md lists its fields), and
 exits 1 when a check fails.
@@ -37,13 +39,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.demo.servers import PrivateRedis
+from tests.support.bedrock_server import CountingBedrockServer, bedrock_env, email_key
 from tests.support.flaky_proxy import FlakyProxy
 from tests.support.paths import CORPUS, REPO
 from tests.support.services import Database, PrivatePostgres, S3Server
@@ -65,16 +69,26 @@ ONE_OFF_GAP_S = 2.0
 CHILD_SIGKILL_EVERY_S = 3.0
 S3_ERRORS_S = 4.0
 DEPTH_SAMPLE_EVERY_S = 0.1
+# Emails whose model stage dies once the model's answer is stored (tests.support.faults), so that
+# the run sees the next delivery take the stored answer instead of paying for a second call.
+ANSWER_FAULTS = 5
+# How often the leases are read while a fault that lasts (the PostgreSQL restart) is under way.
+LEASE_SAMPLE_EVERY_S = 0.01
+# How long the leases are still read after a SIGKILL: the kernel ends the process meanwhile, so a
+# job it took between the first read and the signal is seen.
+KILL_SETTLES_S = 0.05
 EXAMPLES = 10  # ids listed per figure in the report
 
 # FLUSHDB in one atomic script that carries the test's own keys over (`mailpipe:test:*`: the
 # fault settings and the counters of tests.support.faults). Everything mailpipe and kombu keep
 # goes, as in a real flush; what the report counts stays. Returns the queue's depth and the
-# unacked messages just before the flush, and how many test keys were kept.
+# unacked messages just before the flush, how many test keys were kept, and the emails' leases
+# the flush took (their jobs, still running, were cut off from the fleet's coordination).
 FLUSH_KEEPING_TEST_KEYS = """
 local depth = 0
 for _, name in ipairs(KEYS) do depth = depth + redis.call('LLEN', name) end
 local unacked = redis.call('HLEN', ARGV[2])
+local leases = redis.call('KEYS', ARGV[3])
 local kept = {}
 for _, key in ipairs(redis.call('KEYS', ARGV[1])) do
   kept[#kept + 1] = {key, redis.call('PTTL', key), redis.call('DUMP', key)}
@@ -85,13 +99,43 @@ for _, k in ipairs(kept) do
   if ttl < 0 then ttl = 0 end
   redis.call('RESTORE', k[1], ttl, k[3])
 end
-return {depth, unacked, #kept}
+return {depth, unacked, #kept, leases}
+"""
+
+# In the run's own database: every row written to `classification` or `email_label` (inserted,
+# updated, deleted) is logged with its transaction, in that transaction, so the log holds the
+# committed writes only. An email whose answer or labels were written by two transactions was
+# classified or labelled twice.
+RECORD_WRITES = """
+CREATE TABLE chaos_write (
+    table_name text NOT NULL, email_id bigint NOT NULL, txid bigint NOT NULL DEFAULT txid_current()
+);
+CREATE FUNCTION chaos_record_write() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO chaos_write (table_name, email_id) VALUES (TG_TABLE_NAME, OLD.email_id);
+    ELSE
+        INSERT INTO chaos_write (table_name, email_id) VALUES (TG_TABLE_NAME, NEW.email_id);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER chaos_write AFTER INSERT OR UPDATE OR DELETE ON classification
+    FOR EACH ROW EXECUTE FUNCTION chaos_record_write();
+CREATE TRIGGER chaos_write AFTER INSERT OR UPDATE OR DELETE ON email_label
+    FOR EACH ROW EXECUTE FUNCTION chaos_record_write();
+"""
+WRITTEN_MORE_THAN_ONCE = """
+SELECT email_id, count(DISTINCT txid) FROM chaos_write WHERE table_name = :table_name
+GROUP BY email_id HAVING count(DISTINCT txid) > 1 ORDER BY email_id
 """
 
 
-def chaos_env(database_url: str, redis_url: str, s3_url: str) -> dict[str, str]:
+def chaos_env(
+    database_url: str, redis_url: str, s3_url: str, model: CountingBedrockServer, workdir: Path
+) -> dict[str, str]:
     """The environment of the run and of every process it starts: nothing MAILPIPE_ is inherited
-    (a test run's settings point at the machine's services), windows are shortened."""
+    (a test run's settings point at the machine's services), windows are shortened, the model
+    stage calls the stand-in."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAILPIPE_")}
     env.update(
         {
@@ -101,7 +145,10 @@ def chaos_env(database_url: str, redis_url: str, s3_url: str) -> dict[str, str]:
             "MAILPIPE_QUEUE": "mailpipe",
             "MAILPIPE_BLOB_URL": f"s3://{BUCKET}/blobs",
             "MAILPIPE_S3_ENDPOINT_URL": s3_url,
-            "MAILPIPE_MODEL_BACKEND": "rules",
+            # The stand-in answers at once: at the default fleet limit (5 calls/s) the limiter,
+            # not the faults, would set the model stage's pace.
+            "MAILPIPE_MODEL_RATE_PER_S": "1000",
+            "MAILPIPE_MODEL_BURST": "1000",
             "MAILPIPE_VISIBILITY_TIMEOUT": "30",
             "MAILPIPE_TASK_SOFT_TIME_LIMIT": "15",
             "MAILPIPE_TASK_TIME_LIMIT": "20",
@@ -112,6 +159,9 @@ def chaos_env(database_url: str, redis_url: str, s3_url: str) -> dict[str, str]:
             # accept), so a job waits in the queue far longer than its marker lives.
             "MAILPIPE_SWEEP_INTERVAL": "3",
             "MAILPIPE_DEDUP_TTL": "6",
+            # A job that dies once its answer is stored, its message already lost (the flush took
+            # it from a worker's reserved messages), is re-added this long after the answer.
+            "MAILPIPE_STALL_AFTER": "10",
             "MAILPIPE_SOFT_SHUTDOWN_TIMEOUT": "5",
             "MAILPIPE_BEAT_LOCK_TIMEOUT": "10",
             # As deployed: SIGTERM starts the soft shutdown.
@@ -122,6 +172,7 @@ def chaos_env(database_url: str, redis_url: str, s3_url: str) -> dict[str, str]:
             "AWS_SECRET_ACCESS_KEY": "chaos",
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
+            **bedrock_env(model, workdir),
         }
     )
     return env
@@ -186,6 +237,13 @@ def build_emails(n: int, poison: int, seed: int) -> tuple[list[bytes], list[int]
     return emails, list(range(first_poison, first_poison + poison))
 
 
+def answer_fault_positions(raws: list[bytes], rng: random.Random) -> list[int]:
+    """ANSWER_FAULTS generated emails with no copy in the run: each of them is classified."""
+    seen = Counter(raws)
+    eligible = [p for p, raw in enumerate(raws) if seen[raw] == 1 and b"Message-ID: <chaos-" in raw]
+    return sorted(rng.sample(eligible, ANSWER_FAULTS))
+
+
 class DepthSampler:
     """The email queue's depth, read every `every` seconds in a thread of its own."""
 
@@ -236,6 +294,10 @@ class Chaos:
         self.ids: list[int] = []
         self.closed = 0  # emails whose run is closed, as last read
         self.poison_ids: list[int] = []
+        self.answer_fault_ids: list[int] = []
+        # The emails whose delivery a fault cut, and the faults that cut them: any work of the
+        # delivery may have to be done again, and only that work.
+        self.cut: defaultdict[int, set[str]] = defaultdict(set)
         self.t0 = time.monotonic()
         self.fleet_started: float | None = None
         self.flushed_at: float | None = None  # monotonic
@@ -267,7 +329,11 @@ class Chaos:
             s3.start(BUCKET)
             self.proxy = FlakyProxy(s3.url).start()
             stack.callback(self.proxy.stop)
-            self.env = chaos_env(database_url, self.redis_server.url, self.proxy.url)
+            self.model = CountingBedrockServer().start()
+            stack.callback(self.model.stop)
+            self.env = chaos_env(
+                database_url, self.redis_server.url, self.proxy.url, self.model, self.workdir
+            )
             # Before any mailpipe module reads its settings (they are read once per process).
             for name in [name for name in os.environ if name.startswith("MAILPIPE_")]:
                 del os.environ[name]
@@ -277,6 +343,8 @@ class Chaos:
             return self._run()
 
     def _run(self) -> dict[str, Any]:
+        from sqlalchemy import text
+
         from mailpipe.cli.ingest import store_emails
         from mailpipe.coordination import brokerstate
         from mailpipe.enqueue import enqueue_emails
@@ -284,18 +352,22 @@ class Chaos:
         from mailpipe.storage import flags
         from mailpipe.storage.db import once_more_if_disconnected
         from mailpipe.storage.migrate import upgrade
-        from tests.support.faults import set_fault
+        from tests.support.faults import set_answer_fault, set_fault
 
         res = get_resources()
         upgrade(res.settings.database_url)
         with res.db.transaction() as session:
             flags.set_model_calls(session, True)
+            session.execute(text(RECORD_WRITES))
         raws, poison_positions = build_emails(self.n, self.poison, self.seed)
         for start in range(0, len(raws), 500):
             self.ids.extend(store_emails(res, raws[start : start + 500]))
         self.poison_ids = [self.ids[p] for p in poison_positions]
         for email_id in self.poison_ids:
             set_fault(res.redis, email_id, "segfault")
+        self.answer_fault_ids = [self.ids[p] for p in answer_fault_positions(raws, self.rng)]
+        for email_id in self.answer_fault_ids:
+            set_answer_fault(res.redis, email_id)
         lists = brokerstate.priority_lists(res.settings.queue)
 
         def depth() -> int:
@@ -414,21 +486,32 @@ class Chaos:
             target, pids = self.rng.choice(live)
             pid = self.rng.choice(pids)
             try:
-                os.kill(pid, signal.SIGKILL)
-                self.log("child_sigkill", worker=target.nodename, pid=pid)
+                with self._leased_meanwhile() as leased:
+                    os.kill(pid, signal.SIGKILL)
+                    time.sleep(KILL_SETTLES_S)
             except ProcessLookupError:
-                pass
+                return
+            cut = self._record_cut("child_sigkill", _held_by(leased, {pid}))
+            self.log("child_sigkill", worker=target.nodename, pid=pid, cut=cut)
 
     def _worker_sigkill(self) -> None:
         victim = self.workers.pop(0)
-        victim.kill()
-        self.log("worker_sigkill", worker=victim.nodename)
+        with self._leased_meanwhile() as leased:
+            pids = {victim.pid, *victim.child_pids()}
+            victim.kill()
+        cut = self._record_cut("worker_sigkill", _held_by(leased, pids))
+        self.log("worker_sigkill", worker=victim.nodename, cut=cut)
         self.workers.append(self._worker("chaos-c"))
 
     def _worker_sigterm(self) -> None:
+        # Its children finish their jobs within the soft shutdown, or are cut off at its end;
+        # they take no new one, so the jobs it may cut are those they hold now.
         victim = self.workers.pop(0)
-        victim.signal(signal.SIGTERM)
-        self.log("worker_sigterm", worker=victim.nodename)
+        with self._leased_meanwhile() as leased:
+            pids = set(victim.child_pids())
+            victim.signal(signal.SIGTERM)
+        cut = self._record_cut("worker_sigterm", _held_by(leased, pids))
+        self.log("worker_sigterm", worker=victim.nodename, cut=cut)
         self.workers.append(self._worker("chaos-d"))
 
     def _redis_flush(self) -> None:
@@ -439,24 +522,75 @@ class Chaos:
         res = get_resources()
         lists = brokerstate.priority_lists(res.settings.queue)
         self.flushed_at, self.flushed_at_utc = time.monotonic(), utcnow()
-        depth, unacked, kept = res.redis.eval(
+        depth, unacked, kept, leases = res.redis.eval(
             FLUSH_KEEPING_TEST_KEYS,
             len(lists),
             *lists,
             redis_keys.key("test:*"),
             brokerstate.unacked_key(),
+            redis_keys.key("lease:*"),
         )
-        self.log("redis_flush", queue_before=depth, unacked_before=unacked, test_keys_kept=kept)
+        cut = self._record_cut("redis_flush", {_email_of(key) for key in leases})
+        self.log(
+            "redis_flush",
+            queue_before=depth,
+            unacked_before=unacked,
+            test_keys_kept=kept,
+            cut=cut,
+        )
 
     def _postgres_restart(self) -> None:
+        # Every job that held a lease while the server was down may have lost a transaction.
         began = time.monotonic()
-        self.postgres.stop()
-        self.postgres.start()
-        self.log("postgres_restart", down_s=round(time.monotonic() - began, 2))
+        with self._leased_meanwhile() as leased:
+            self.postgres.stop()
+            self.postgres.start()
+        cut = self._record_cut("postgres_restart", _held_by(leased))
+        self.log("postgres_restart", down_s=round(time.monotonic() - began, 2), cut=cut)
 
     def _s3_errors(self) -> None:
         self.proxy.fail_for(S3_ERRORS_S)
         self.log("s3_errors", seconds=S3_ERRORS_S)
+
+    def _leases(self) -> set[tuple[int, int]]:
+        """The leases held now, as (pid of the holder, email): a lease holds `host:pid:token`
+        (mailpipe.coordination.leases)."""
+        from mailpipe.coordination import redis_keys
+        from mailpipe.resources import get_resources
+
+        redis = get_resources().redis
+        keys = list(redis.scan_iter(match=redis_keys.key("lease:*"), count=1000))
+        values = redis.mget(keys) if keys else []
+        return {
+            (int(value.split(b":")[1]), _email_of(key))
+            for key, value in zip(keys, values, strict=True)
+            if value is not None
+        }
+
+    @contextlib.contextmanager
+    def _leased_meanwhile(self) -> Iterator[set[tuple[int, int]]]:
+        """Every lease held at some moment of the block: read as it begins and ends, and every
+        LEASE_SAMPLE_EVERY_S between."""
+        leased = self._leases()
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(LEASE_SAMPLE_EVERY_S):
+                leased.update(self._leases())
+
+        sampler = threading.Thread(target=sample, name="lease-sampler", daemon=True)
+        sampler.start()
+        try:
+            yield leased
+        finally:
+            stop.set()
+            sampler.join()
+            leased.update(self._leases())
+
+    def _record_cut(self, fault: str, emails: set[int]) -> list[int]:
+        for email_id in emails:
+            self.cut[email_id].add(fault)
+        return sorted(emails)
 
     def _open_count(self, res: Any) -> int:
         from sqlalchemy import func, select
@@ -483,21 +617,27 @@ class Chaos:
         from sqlalchemy import func, select, text
 
         from mailpipe.storage.models import Classification, EmailMessage, PipelineRun, SweepReport
-        from tests.support.faults import classifications_key, runs_key
+        from tests.support.faults import answer_fault_key, runs_key
 
         ids, poison = self.ids, set(self.poison_ids)
         pipe = res.redis.pipeline(transaction=False)
         for email_id in ids:
             pipe.get(runs_key(email_id))
-        for email_id in ids:
-            pipe.get(classifications_key(email_id))
+        for email_id in self.answer_fault_ids:
+            pipe.get(answer_fault_key(email_id))
         counts = [int(value or 0) for value in pipe.execute()]
         step_runs = dict(zip(ids, counts[: len(ids)], strict=True))
-        taken = dict(zip(ids, counts[len(ids) :], strict=True))
+        answer_faults_left = counts[len(ids) :]
         rerun = {i: r for i, r in step_runs.items() if r > 1 and i not in poison}
-        classified_again = {i: c for i, c in taken.items() if c > 1}
 
         with res.db.session() as session:
+            self._record_cut("s3_errors", self._refused_by_s3(session))
+            prompts, unmatched_calls = self._model_calls(session, res.settings)
+            classified = set(session.scalars(select(Classification.email_id)))
+            classified_again, labelled_again = (
+                dict(session.execute(text(WRITTEN_MORE_THAN_ONCE), {"table_name": name}).all())
+                for name in ("classification", "email_label")
+            )
             statuses = dict(
                 session.execute(
                     select(PipelineRun.status, func.count()).group_by(PipelineRun.status)
@@ -559,22 +699,55 @@ class Chaos:
         readded_before = sum(readded for at, readded, _ in sweeps if not after_flush(at))
         happened = {event["fault"] for event in self.events}
         schedule = ["child_sigkill", *(fault for _, fault in SCHEDULE)]
+        calls = {email_id: n for emails, n in prompts for email_id in emails}
+        called_again = [(emails, n) for emails, n in prompts if n > len(emails)]
+        by_fault = Counter(fault for faults in self.cut.values() for fault in faults)
         report: dict[str, Any] = {
             "scenario": self.scenario,
             "emails": len(ids),
             "terminal": {s: terminal.get(s, 0) for s in TERMINAL},
             "lost": len(ids) - sum(terminal.get(s, 0) for s in TERMINAL),
+            "cut": {"emails": len(self.cut), "by_fault": dict(sorted(by_fault.items()))},
             "reruns": {
                 "emails": len(rerun),
                 "extra_runs": sum(r - 1 for r in rerun.values()),
                 "examples": dict(sorted(rerun.items())[:EXAMPLES]),
+                "outside_cuts": sorted(set(rerun) - set(self.cut)),
+            },
+            "model_calls": {
+                "calls": sum(n for _, n in prompts) + unmatched_calls,
+                "prompts": len(prompts),
+                "prompts_of_several_emails": [emails for emails, _ in prompts if len(emails) > 1],
+                "called_more_than_once": sum(len(emails) for emails, _ in called_again),
+                "extra_calls": sum(n - len(emails) for emails, n in called_again),
+                "examples": called_again[:EXAMPLES],
+                "outside_cuts": sorted(
+                    email_id
+                    for emails, _ in called_again
+                    if not self.cut.keys() & set(emails)
+                    for email_id in emails
+                ),
+                "unmatched": unmatched_calls,
+                "classified_without_a_call": sorted(
+                    email_id
+                    for emails, n in prompts
+                    if n < len(classified & set(emails))
+                    for email_id in emails
+                ),
+            },
+            "answer_faults": {
+                "emails": self.answer_fault_ids,
+                "fired": sum(1 for left in answer_faults_left if left <= 0),
+                "calls": {i: calls.get(i, 0) for i in self.answer_fault_ids},
             },
             "classified_more_than_once": {
                 "emails": len(classified_again),
-                "extra_classifications": sum(c - 1 for c in classified_again.values()),
-                "examples": dict(sorted(classified_again.items())[:EXAMPLES]),
+                "examples": dict(list(classified_again.items())[:EXAMPLES]),
             },
-            "classifications_taken": sum(taken.values()),
+            "labels_written_more_than_once": {
+                "emails": len(labelled_again),
+                "examples": dict(list(labelled_again.items())[:EXAMPLES]),
+            },
             "classifications": classifications,
             "artifacts_on_copies": artifacts_on_copies,
             "succeeded_without_one_classification": succeeded_without_one_classification,
@@ -608,6 +781,48 @@ class Chaos:
         report["problems"] = problems(report)
         return report
 
+    def _refused_by_s3(self, session: Any) -> set[int]:
+        """The emails whose blobs S3 refused during its errors: a raw email (kept once for an
+        email and its copies) or a document's text."""
+        from sqlalchemy import select
+
+        from mailpipe.storage.models import EmailMessage
+
+        by_blob: defaultdict[str, set[int]] = defaultdict(set)
+        for email_id, blob_key in session.execute(select(EmailMessage.id, EmailMessage.blob_key)):
+            by_blob[blob_key].add(email_id)
+        emails: set[int] = set()
+        for path in self.proxy.failed_paths:
+            key = path.partition("?")[0].removeprefix(f"/{BUCKET}/blobs/")
+            if key.startswith("text/"):
+                emails.add(int(key.split("/")[1]))
+            else:
+                emails |= by_blob.get(key, set())
+        return emails
+
+    def _model_calls(self, session: Any, settings: Any) -> tuple[list[tuple[list[int], int]], int]:
+        """The calls the stand-in counted for each prompt, rebuilt from what the emails' model
+        stage read, with those emails (one, unless two emails that are not copies read alike:
+        their calls are counted together); and the calls about no email of the run."""
+        from sqlalchemy import select
+
+        from mailpipe.classifiers import input_from_json
+        from mailpipe.classifiers.prompt import build_prompt
+        from mailpipe.storage.models import ModelInput
+
+        emails: defaultdict[str, list[int]] = defaultdict(list)
+        rows = session.execute(
+            select(ModelInput.email_id, ModelInput.input).execution_options(yield_per=500)
+        )
+        for email_id, stored in rows:
+            prompt = build_prompt(
+                input_from_json(stored), settings.labels, settings.classifier_text_budget
+            )
+            emails[email_key(prompt.user)].append(email_id)
+        left = self.model.calls
+        prompts = [(sorted(ids), left.pop(key, 0)) for key, ids in emails.items()]
+        return sorted(prompts), sum(left.values())
+
     def _stop_processes(self) -> None:
         """SIGTERM to every process at once, then SIGKILL to any still up after 20 s."""
         for process in self.processes:
@@ -625,6 +840,15 @@ class Chaos:
         from mailpipe.resources import get_resources
 
         get_resources().close()
+
+
+def _email_of(lease_key: bytes) -> int:
+    return int(lease_key.rsplit(b":", 1)[1])
+
+
+def _held_by(leased: set[tuple[int, int]], pids: set[int] | None = None) -> set[int]:
+    """The emails of `leased` whose lease a process of `pids` (any, when None) held."""
+    return {email_id for pid, email_id in leased if pids is None or pid in pids}
 
 
 def _running(pid: int) -> bool:
@@ -664,7 +888,27 @@ def problems(report: dict[str, Any]) -> list[str]:
         )
     if report["faults_missing"]:
         found.append(f"faults that did not happen: {report['faults_missing']}")
+    if report["reruns"]["outside_cuts"]:
+        found.append(f"steps run again for emails no fault cut: {report['reruns']['outside_cuts']}")
+    calls = report["model_calls"]
+    if calls["outside_cuts"]:
+        found.append(f"model called again for emails no fault cut: {calls['outside_cuts']}")
+    if calls["unmatched"] or calls["classified_without_a_call"]:
+        found.append(
+            f"model calls not told apart by email: {calls['unmatched']} about no email, "
+            f"classified without a call: {calls['classified_without_a_call']}"
+        )
+    if report["answer_faults"]["fired"] != len(report["answer_faults"]["emails"]):
+        found.append(f"answer faults that did not fire: {report['answer_faults']}")
+    for what in ("classified_more_than_once", "labels_written_more_than_once"):
+        if report[what]["emails"]:
+            found.append(f"{what.replace('_', ' ')}: {report[what]['examples']}")
     depth = report["queue_depth"]
+    if depth["peak_before_flush"] is not None and depth["peak_before_flush"] > report["emails"]:
+        found.append(
+            f"queue depth peaked at {depth['peak_before_flush']} before the flush, above "
+            f"{report['emails']}"
+        )
     if depth["peak"] is not None and depth["peak"] > depth["bound"]:
         found.append(f"queue depth peaked at {depth['peak']}, above {depth['bound']}")
     return found
@@ -672,19 +916,30 @@ def problems(report: dict[str, Any]) -> list[str]:
 
 def print_table(report: dict[str, Any]) -> None:
     depth, sweeps = report["queue_depth"], report["sweeps"]
+    calls, answers = report["model_calls"], report["answer_faults"]
     rows: list[tuple[str, object]] = [
         ("scenario", report["scenario"]),
         ("emails", report["emails"]),
         *((f"  {status}", count) for status, count in report["terminal"].items()),
         ("lost", report["lost"]),
+        ("emails a fault cut", report["cut"]["emails"]),
         (
-            "steps run more than once",
-            f"{report['reruns']['emails']} emails, {report['reruns']['extra_runs']} extra runs",
+            "steps run more than once (outside cuts)",
+            f"{report['reruns']['emails']} emails, {report['reruns']['extra_runs']} extra runs "
+            f"({len(report['reruns']['outside_cuts'])})",
+        ),
+        ("model calls", calls["calls"]),
+        (
+            "  more than once per email (outside cuts)",
+            f"{calls['called_more_than_once']} emails, {calls['extra_calls']} extra calls "
+            f"({len(calls['outside_cuts'])})",
         ),
         (
-            "classification taken more than once",
-            f"{report['classified_more_than_once']['emails']} emails",
+            "  answer faults fired (their calls)",
+            f"{answers['fired']} ({sorted(answers['calls'].values())})",
         ),
+        ("classified more than once", report["classified_more_than_once"]["emails"]),
+        ("labels written more than once", report["labels_written_more_than_once"]["emails"]),
         ("artifacts on copies", report["artifacts_on_copies"]),
         ("succeeded without one classification", report["succeeded_without_one_classification"]),
         ("marked for review", report["needs_review"]),
@@ -695,6 +950,10 @@ def print_table(report: dict[str, Any]) -> None:
             "sweeps (re-adds before / after the flush)",
             f"{sweeps['count']} ({sweeps['readded_before_flush']} / "
             f"{sweeps['readded_after_flush']})",
+        ),
+        (
+            "peak queue depth before the flush (bound)",
+            f"{depth['peak_before_flush']} ({report['emails']})",
         ),
         ("peak queue depth (bound)", f"{depth['peak']} ({depth['bound']})"),
         ("time to drain (s)", report["drain_seconds"]),

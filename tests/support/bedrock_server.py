@@ -24,24 +24,29 @@ From a shell (prints the URL, serves until SIGINT or SIGTERM)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import re
 import signal
+import sys
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import unquote
 
 log = logging.getLogger(__name__)
 
 _CONVERSE_PATH = re.compile(r"^/model/(?P<model_id>[^/]+)/converse$")
+# The opening of a fence around the email's text in the prompt, with its random nonce
+# (mailpipe.classifiers.prompt.build_prompt).
+_FENCE_NONCE = re.compile(r"<<<EMAIL_DATA (?P<nonce>[0-9a-f]+)\n")
 # Bedrock appends a namespace to the error type; botocore keeps the part before the colon.
 _ERROR_NAMESPACE = "http://internal.amazon.com/coral/com.amazon.bedrock/"
 
@@ -205,7 +210,7 @@ class BedrockServer:
         self._lock = threading.Lock()
         self._queue: deque[Responder] = deque()
         self._requests: list[ConverseRequest] = []
-        self._httpd = ThreadingHTTPServer((host, port), _Handler)
+        self._httpd = _Server((host, port), _Handler)
         self._httpd.bedrock = self  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
 
@@ -225,7 +230,7 @@ class BedrockServer:
         with self._lock:
             self._queue.extend(responders)
 
-    def start(self) -> BedrockServer:
+    def start(self) -> Self:
         # A short poll interval keeps `stop` quick (it waits for the serving loop's next poll).
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
@@ -242,16 +247,20 @@ class BedrockServer:
         if self._thread is not None:
             self._thread.join()
 
-    def __enter__(self) -> BedrockServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def record(self, request: ConverseRequest) -> None:
+        """Keep `request` (called under the server's lock)."""
+        self._requests.append(request)
+
     def answer(self, request: ConverseRequest) -> Reply:
         """Record `request` and answer it with the next queued responder or the default."""
         with self._lock:
-            self._requests.append(request)
+            self.record(request)
             responder = self._queue.popleft() if self._queue else self.default
         started = time.monotonic()
         time.sleep(self.delay)
@@ -259,6 +268,14 @@ class BedrockServer:
         if "metrics" in reply.body:
             reply.body["metrics"]["latencyMs"] = round((time.monotonic() - started) * 1000)
         return reply
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed while it waited for its answer (the chaos run SIGKILLs worker
+        # children) resets its connection: expected, not worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -353,6 +370,34 @@ class TimedBedrockServer(BedrockServer):
         """The answers' HTTP statuses, in the order the calls arrived."""
         with self._timing:
             return [call.status for call in sorted(self.calls, key=lambda call: call.arrived)]
+
+
+def email_key(user_text: str) -> str:
+    """Which email a prompt is about: a digest of its user text without the fences' random nonce,
+    the same for every call about one email (the model's input is kept between the stages)."""
+    match = _FENCE_NONCE.search(user_text)
+    if match is not None:
+        user_text = user_text.replace(match["nonce"], "")
+    return hashlib.sha256(user_text.encode()).hexdigest()
+
+
+class CountingBedrockServer(BedrockServer):
+    """The local Bedrock server, counting the calls per email (`email_key`) instead of keeping
+    each request, so that a run of thousands of calls holds a counter per email, not every
+    prompt. `requests` stays empty."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._calls: Counter[str] = Counter()
+
+    @property
+    def calls(self) -> Counter[str]:
+        """Calls received so far per `email_key` (a copy)."""
+        with self._lock:
+            return Counter(self._calls)
+
+    def record(self, request: ConverseRequest) -> None:
+        self._calls[email_key(request.user_text)] += 1
 
 
 def bedrock_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:

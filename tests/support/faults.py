@@ -20,11 +20,13 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
 A claim fault (``set_claim_fault``) makes the delivery wait inside its claim transaction, after
 the run's row is locked, for the given seconds: a window in which to restart the database.
 
+An answer fault (``set_answer_fault``) SIGKILLs the model stage's process once the transaction
+that stores the model's answer for the email has committed, before the labels: a job that dies
+after the paid call, whose next delivery must take the stored answer instead of calling again.
+
 A fault can be limited to its first N deliveries (``times``). Every delivery that reaches the
 steps is counted under ``runs_key`` and its start time kept under ``starts_key``, so tests can
-tell how often and when the steps really ran; every answer of the model taken for an email (each
-call of ``job._store_classification``, which every classification goes through) is counted under
-``classifications_key``.
+tell how often and when the steps really ran.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 
 from billiard.exceptions import SoftTimeLimitExceeded
 from redis import Redis
+from sqlalchemy import event
 
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
@@ -52,10 +55,9 @@ def runs_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:runs:{email_id}", prefix)
 
 
-def classifications_key(email_id: int, prefix: str | None = None) -> str:
-    """How many times a delivery took the model's answer for the email (stored it in its
-    transaction, whether or not that transaction then committed)."""
-    return _key(f"test:classifications:{email_id}", prefix)
+def answer_fault_key(email_id: int, prefix: str | None = None) -> str:
+    """How many more deliveries die once they have stored the model's answer for the email."""
+    return _key(f"test:answerfault:{email_id}", prefix)
 
 
 def starts_key(email_id: int, prefix: str | None = None) -> str:
@@ -80,6 +82,12 @@ def set_claim_fault(
     redis: Redis, email_id: int, seconds: float, times: int = 1, prefix: str | None = None
 ) -> None:
     redis.hset(claim_fault_key(email_id, prefix), mapping={"seconds": seconds, "left": times})
+
+
+def set_answer_fault(
+    redis: Redis, email_id: int, times: int = 1, prefix: str | None = None
+) -> None:
+    redis.set(answer_fault_key(email_id, prefix), times)
 
 
 def set_fault(
@@ -159,14 +167,25 @@ job._run_steps = _run_steps_with_faults
 _real_store_classification = job._store_classification
 
 
-def _store_classification_counted(session, run, email_id: int, result) -> None:  # type: ignore[no-untyped-def]
+def _store_classification_with_faults(session, run, email_id: int, result) -> None:  # type: ignore[no-untyped-def]
     _real_store_classification(session, run, email_id, result)
     from mailpipe.resources import get_resources
 
-    get_resources().redis.incr(classifications_key(email_id))
+    redis = get_resources().redis
+    if int(redis.get(answer_fault_key(email_id)) or 0) > 0:
+        # Counted down only once the answer is committed: a transaction rolled back (a delivery
+        # superseded, the database restarting) stored nothing, so nothing is cut after it.
+        event.listen(
+            session, "after_commit", lambda _: _die_after_answer(redis, email_id), once=True
+        )
 
 
-job._store_classification = _store_classification_counted
+def _die_after_answer(redis: Redis, email_id: int) -> None:
+    if redis.decr(answer_fault_key(email_id)) >= 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+job._store_classification = _store_classification_with_faults
 
 _real_claim_attempt = runs.claim_attempt
 

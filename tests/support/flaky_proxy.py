@@ -28,7 +28,8 @@ class FlakyProxy:
         self._failing_until = 0.0
         self._denied_with: str | None = None  # the S3 error code of a 403, while denying
         self._lock = threading.Lock()
-        self.failed_requests = 0  # answered with an injected error (a thread per request)
+        # The paths of the requests answered with an injected error (a thread per request).
+        self.failed_paths: list[str] = []
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -37,7 +38,7 @@ class FlakyProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                injected = proxy._injected_error()
+                injected = proxy._injected_error(self.path)
                 if injected is not None:
                     status, error = injected
                     self.send_response(status)
@@ -91,7 +92,11 @@ class FlakyProxy:
         """From now on answer every request with 403 and S3's error `code`, until `deny(False)`."""
         self._denied_with = code if on else None
 
-    def _injected_error(self) -> tuple[int, bytes] | None:
+    @property
+    def failed_requests(self) -> int:
+        return len(self.failed_paths)
+
+    def _injected_error(self, path: str) -> tuple[int, bytes] | None:
         denied_with = self._denied_with
         if denied_with is not None:
             answer = (403, _s3_error_body(denied_with))
@@ -100,7 +105,7 @@ class FlakyProxy:
         else:
             return None
         with self._lock:
-            self.failed_requests += 1
+            self.failed_paths.append(path)
         return answer
 
     def stop(self) -> None:
