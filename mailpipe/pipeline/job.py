@@ -27,11 +27,9 @@ outcome to Celery's actions in one place.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 from redis import RedisError
 from sqlalchemy.exc import DBAPIError
@@ -66,6 +64,7 @@ from mailpipe.pipeline.documents import (
 )
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.pipeline.origin import find_origin, link_to_origin, record_origin
+from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.db import once_more_if_disconnected, upsert
@@ -77,31 +76,6 @@ from mailpipe.storage.models import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Kind(enum.StrEnum):
-    SUCCEEDED = "succeeded"
-    DUPLICATE = "duplicate"
-    WAITING = "waiting"  # open: the documents are stored, model calls are off
-    CLOSED = "already_closed"  # nothing done: the run was closed, or a later claim holds it
-    FAILED = "failed"
-    RETRY = "retry"  # an attempt failed and attempts remain: send again after `delay`
-    DEFER = "deferred"  # not an attempt: send again after `delay`
-    PAUSED = "paused"  # not an attempt: the stage is paused, the job goes back to its queue
-    HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
-
-
-@dataclass(frozen=True)
-class Outcome:
-    kind: Kind
-    delay: float = 0.0  # RETRY, DEFER: seconds before the next delivery
-    error: str | None = None  # why, for FAILED, RETRY, DEFER and PAUSED
-    deferred_since: float | None = None  # DEFER: when this job was first deferred (unix time)
-
-    @property
-    def follows_up(self) -> bool:
-        """Another delivery of the job is to be sent."""
-        return self.kind in (Kind.RETRY, Kind.DEFER, Kind.PAUSED, Kind.HANDED_OFF)
 
 
 def process_email(
@@ -191,9 +165,9 @@ def run_claimed(
     rows one would."""
     settings = res.settings
 
-    def claim_in_a_transaction() -> tuple[runs.ClaimResult, bool]:
+    def claim_in_a_transaction() -> runs.Claim | Outcome:
         with res.db.transaction() as session:
-            result = runs.claim_attempt(
+            return runs.claim_attempt(
                 session,
                 email_id,
                 settings.max_attempts,
@@ -201,12 +175,12 @@ def run_claimed(
                 stage=stage,
                 cut_off_at=lambda: shutdowns.cut_off_at(res.redis, email_id),
                 max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
+                model_calls=lambda: res.model_calls(session),
+                backoff=lambda attempt: retry_delay(settings, attempt),
             )
-            model_calls = result.claim is runs.Claim.CONVERTED and res.model_calls(session)
-            return result, model_calls
 
     try:
-        claimed = once_more_if_disconnected(claim_in_a_transaction)
+        claim = once_more_if_disconnected(claim_in_a_transaction)
     except Exception as exc:
         if is_fleet_fault(exc):
             return _after_fleet_fault(res, email_id, stage, exc)
@@ -216,27 +190,12 @@ def run_claimed(
         return Outcome(
             Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {describe(exc)}"
         )
-    claim, model_calls = claimed
-    if claim.claim is runs.Claim.NO_EMAIL:
-        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
-    if claim.claim is runs.Claim.CLOSED:
-        return Outcome(Kind.CLOSED)
-    if claim.claim is runs.Claim.CONVERTED:
-        # A second delivery of a CPU stage already done (redelivered, or sent again once model
-        # calls are on): the model stage is next, sent again in case the first hand-off was
-        # lost with its worker. Two of them run once: the lease and the claim see to it.
-        return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
-    if claim.claim is runs.Claim.NOT_CONVERTED:
-        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
-    if claim.claim is runs.Claim.EXHAUSTED:
-        log.error("email %s: failed: %s", email_id, claim.error)
-        return Outcome(Kind.FAILED, error=claim.error)
-    if claim.claim is runs.Claim.BACK_OFF:
-        return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
+    if isinstance(claim, Outcome):
+        return claim
     return _attempt(res, email_id, claim, stage)
 
 
-def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stage) -> Outcome:
+def _attempt(res: Resources, email_id: int, claim: runs.Claim, stage: Stage) -> Outcome:
     settings = res.settings
     token = claim.token
     try:
@@ -273,7 +232,7 @@ def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stag
 
 
 def _after_failed_attempt(
-    res: Resources, email_id: int, claim: runs.ClaimResult, exc: Exception
+    res: Resources, email_id: int, claim: runs.Claim, exc: Exception
 ) -> Outcome:
     """A failed attempt that is not the email's fault: recorded, and retried while attempts
     remain."""
@@ -394,7 +353,7 @@ def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
     return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
 
 
-def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcome:
+def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
     """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
     Every write is fenced by the claim: the run's update in each transaction finds the run
     still open at this claim, or raises Superseded and rolls back the whole transaction
@@ -405,7 +364,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
     documents are converted."""
     settings = res.settings
     token = claim.token
-    assert claim.blob_key is not None  # a claim that lets the CPU stage go says where the email is
+    assert claim.blob_key is not None  # a claim of the CPU stage says where the email is
     raw = res.blobs.get(claim.blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
         raw,
@@ -462,7 +421,6 @@ def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcom
                 classified=True,
                 parse_defects=defects,
             )
-            assert claim.run_id is not None  # a claim that lets an attempt go names its run
             store_classification(session, claim.run_id, email_id, result)
             sync_model_labels(session, email_id, result.labels)
         else:

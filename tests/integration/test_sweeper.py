@@ -19,7 +19,7 @@ from mailpipe.harness.services import delete_prefix
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import store_classification
-from mailpipe.pipeline.job import Kind
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
