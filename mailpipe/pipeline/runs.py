@@ -1,15 +1,20 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
+A delivery claims an attempt (`claim_attempt`), which answers with the job's outcome when the
+claim decides it, or with the `Claim` to run the steps under. Each transaction of the steps then
+asks this module once, with one act: `parsed`, `converted`, `classified` or `close` (the one way
+a delivery closes its run), `current` before it reads, or after an error `give_back` or
+`record_failed_attempt`. `fail` fails a run from outside any claim.
+
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
 delivery's claim, a token that grows by one at every claim and is never reset (`claims`), so a
-stale delivery can never pass for a later one. It is fenced in one of two ways: it starts with
-`current`, which locks the run and checks that it is still open and still at this claim; or its
-update of the run (`end_attempt`, `converted`) is one UPDATE on the same two conditions, which
-raises Superseded, rolling back the whole transaction, when it finds no such row. A delivery
-whose lease lapsed while a later one claimed the run, or one that finishes after the run was
-closed (by another delivery, by the sweeper), is thereby fenced off: it writes nothing more.
-Either way the run is locked before the email row, the order of every transaction that locks
-both.
+stale delivery can never pass for a later one. It is fenced in one of two ways: its act locks
+the run and checks that it is still open and still at this claim (`current`); or its act is one
+UPDATE on the same two conditions, which raises Superseded, rolling back the whole transaction,
+when it finds no such row. A delivery whose lease lapsed while a later one claimed the run, or
+one that finishes after the run was closed (by another delivery, by the sweeper), is thereby
+fenced off: it writes nothing more. Either way the act comes before any write to the email row,
+so the run is locked before the email row, the order of every transaction that locks both.
 
 `attempts` is apart from the fence: the attempts of the current stage that count toward
 MAILPIPE_MAX_RETRIES. A deferral and a shutdown's cut-off give theirs back; the model stage
@@ -270,12 +275,14 @@ def current(session: Session, email_id: int, token: int) -> PipelineRun:
     return run
 
 
-def give_back_attempt(session: Session, email_id: int, token: int) -> None:
-    """Undo the count of an attempt that did no work worth counting (deferred: throttled,
-    rate-limited, a fleet-wide fault, model calls switched off)."""
+def parsed(
+    session: Session, email_id: int, token: int, parse_defects: dict[str, Any] | None
+) -> None:
+    """The email is parsed and is no copy: its documents are converted next, outside this
+    transaction. Locks the run as `current` does, and keeps what the parser got past."""
     run = current(session, email_id, token)
-    run.attempts = max(0, run.attempts - 1)
-    run.attempt_started_at = None
+    if parse_defects is not None:
+        run.parse_defects = parse_defects
 
 
 def converted(
@@ -283,29 +290,34 @@ def converted(
 ) -> None:
     """The CPU stage is done (the documents and the model's input are stored): the run waits
     for its classification stage, with a fresh attempt budget for it (its sweeps go on counting
-    over both stages). Fenced as `end_attempt`."""
+    over both stages). Fenced as `close`."""
     values = {"converted_at": utcnow(), "attempts": 0, "attempt_started_at": None, "error": None}
     _update_fenced(session, email_id, token, values, parse_defects)
 
 
-def end_attempt(
+def classified(session: Session, email_id: int, token: int) -> None:
+    """The model's answer is stored in this transaction: a later attempt syncs the labels from
+    it and never calls the model again. Fenced as `close`."""
+    _update_fenced(session, email_id, token, {"classified_at": utcnow()}, None)
+
+
+def close(
     session: Session,
     email_id: int,
     token: int,
     status: RunStatus,
     *,
+    error: str | None = None,
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
-    """Close the run in this attempt's transaction, in one UPDATE fenced like `current`: when the
-    run is closed already or a later claim holds it, it updates nothing and raises Superseded,
-    and the transaction rolls back every write the delivery made in it. It locks the run, so it
-    comes before any write to the email row. `classified`: the model's answer is stored in this
-    transaction."""
-    now = utcnow()
-    values = {"status": status, "error": None, "attempt_started_at": None, "closed_at": now}
+    """Close the run in this delivery's transaction, in one UPDATE fenced like `current`: when
+    the run is closed already or a later claim holds it, it updates nothing and raises
+    Superseded, and the transaction rolls back every write the delivery made in it. `error`: why
+    it failed. `classified`: the model's answer is stored in this transaction."""
+    values = _closed(status, error)
     if classified:
-        values["classified_at"] = now
+        values["classified_at"] = values["closed_at"]
     _update_fenced(session, email_id, token, values, parse_defects)
 
 
@@ -325,40 +337,34 @@ def _update_fenced(
         raise Superseded(f"email {email_id}: the run is not at claim {token}")
 
 
-def mark_classified(run: PipelineRun) -> None:
-    """The model's answer is stored: a later attempt syncs labels from it, never calls again."""
-    run.classified_at = utcnow()
-
-
-def finish(run: PipelineRun, status: RunStatus, error: str | None = None) -> None:
-    """Close a run already locked through `current`."""
-    _close(run, status, error)
+def give_back(session: Session, email_id: int, token: int) -> None:
+    """Undo the count of an attempt that did no work worth counting (deferred: throttled,
+    rate-limited, a fleet-wide fault, model calls switched off)."""
+    run = current(session, email_id, token)
+    run.attempts = max(0, run.attempts - 1)
+    run.attempt_started_at = None
 
 
 def record_failed_attempt(
-    session: Session, email_id: int, token: int, error: str, max_attempts: int
-) -> bool:
-    """Record a failed attempt; True when attempts remain, False when the run failed for good."""
+    session: Session, email_id: int, token: int, error: str, max_attempts: int, delay: float
+) -> Outcome:
+    """Record a failed attempt: retried after `delay` while attempts remain, the run failed for
+    good once none do."""
     run = current(session, email_id, token)
-    run.attempt_started_at = None
     if run.attempts >= max_attempts:
-        _close(run, RunStatus.FAILED, f"gave up after {run.attempts} attempts: {error}")
-        return False
+        return _give_up(run, f"gave up after {run.attempts} attempts: {error}")
+    run.attempt_started_at = None
     run.error = _clip(error)
-    return True
+    return Outcome(Kind.RETRY, delay, error)
 
 
-def fail(session: Session, email_id: int, error: str, token: int | None = None) -> bool:
-    """Fail the open run: the one at claim `token` (Superseded otherwise), or with None whatever
-    its claim (a job deferred past its bound, rejected input found before any claim); False if it
-    is closed already."""
-    if token is not None:
-        run = current(session, email_id, token)
-    else:
-        run = _locked_run(session, email_id)
-        if run.status is not RunStatus.OPEN:
-            return False
-    _close(run, RunStatus.FAILED, error)
+def fail(session: Session, email_id: int, error: str) -> bool:
+    """Fail the open run whatever its claim, from outside any delivery's claim (a job deferred
+    or paused past its bound); False if it is closed already."""
+    run = _locked_run(session, email_id)
+    if run.status is not RunStatus.OPEN:
+        return False
+    _fail(run, error)
     return True
 
 
@@ -378,12 +384,7 @@ def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[in
         session.scalars(
             update(PipelineRun)
             .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-            .values(
-                status=RunStatus.FAILED,
-                error=_clip(reason),
-                closed_at=utcnow(),
-                attempt_started_at=None,
-            )
+            .values(_closed(RunStatus.FAILED, reason))
             .returning(PipelineRun.email_id)
         )
     )
@@ -454,16 +455,26 @@ def _locked_run(session: Session, email_id: int) -> PipelineRun:
     return session.scalars(statement).one()
 
 
-def _close(run: PipelineRun, status: RunStatus, error: str | None) -> None:
-    run.status = status
-    run.error = _clip(error) if error else run.error if status is RunStatus.FAILED else None
-    run.attempt_started_at = None
-    run.closed_at = utcnow()
+def _closed(status: RunStatus, error: str | None = None) -> dict[str, Any]:
+    """What a closed run holds, however it was closed: no attempt running, and the error it
+    failed with (none for a run that did not fail)."""
+    return {
+        "status": status,
+        "error": _clip(error) if error else None,
+        "attempt_started_at": None,
+        "closed_at": utcnow(),
+    }
+
+
+def _fail(run: PipelineRun, error: str) -> None:
+    """Fail a run locked in this transaction (`_locked_run`)."""
+    for column, value in _closed(RunStatus.FAILED, error).items():
+        setattr(run, column, value)
 
 
 def _give_up(run: PipelineRun, error: str) -> Outcome:
     """Fail a locked run whose attempts, or shutdown windows, are used up."""
-    _close(run, RunStatus.FAILED, error)
+    _fail(run, error)
     log.error("email %s: failed: %s", run.email_id, run.error)
     return Outcome(Kind.FAILED, error=run.error)
 

@@ -142,8 +142,8 @@ MUTANTS = [
     Mutant(
         "transient-one-attempt-more",
         "mailpipe/pipeline/runs.py",
-        "    run.attempt_started_at = None\n    if run.attempts >= max_attempts:",
-        "    run.attempt_started_at = None\n    if run.attempts > max_attempts:",
+        "    if run.attempts >= max_attempts:\n        return _give_up(run, f",
+        "    if run.attempts > max_attempts:\n        return _give_up(run, f",
         "a fifth attempt after transient errors",
     ),
     Mutant(

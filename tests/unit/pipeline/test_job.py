@@ -292,7 +292,7 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
         runs.converted(session, email_id, a.token)
     with res.db.transaction() as session:
-        runs.end_attempt(session, email_id, c.token, RunStatus.SUCCEEDED)
+        runs.close(session, email_id, c.token, RunStatus.SUCCEEDED)
     assert run_of(res, email_id).status is RunStatus.SUCCEEDED
 
 
