@@ -55,7 +55,7 @@ STEPS = (
     ("_run_steps", "mailpipe/pipeline/job.py"),
     ("get", "mailpipe/storage/blobs.py"),
     ("parse_email", "mailpipe/mail/parse.py"),
-    ("record_origin", "mailpipe/pipeline/origin.py"),
+    ("find_origin", "mailpipe/pipeline/origin.py"),
     ("convert_documents", "mailpipe/pipeline/documents.py"),
     ("document_rows", "mailpipe/pipeline/documents.py"),
     ("store_documents", "mailpipe/pipeline/documents.py"),
