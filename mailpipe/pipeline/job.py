@@ -192,170 +192,14 @@ def run_claimed(
     if isinstance(claim, Outcome):
         return claim
     try:
-        if stage is Stage.MODEL:
-            return _classify_steps(res, email_id, claim)
-        return _run_steps(res, email_id, claim)
+        if stage is Stage.CPU:
+            return _run_steps(res, email_id, claim)
+        return _classify_steps(res, email_id, claim)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
         return _after_error(res, email_id, claim, stage, exc)
-
-
-def _after_error(
-    res: Resources, email_id: int, claim: runs.Claim, stage: Stage, exc: Exception
-) -> Outcome:
-    """An attempt that raised, by whose fault it was (mailpipe.errors)."""
-    token = claim.token
-    fleet_fault = is_fleet_fault(exc)
-    if fleet_fault or isinstance(exc, Throttled):
-        # Not the email's attempt to lose: given back, then deferred or paused.
-        superseded = _write(res, lambda session: runs.give_back(session, email_id, token), None)
-        if superseded is not None:
-            return superseded
-        if fleet_fault:
-            return _after_fleet_fault(res, email_id, stage, exc)
-        return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
-    if not isinstance(exc, PermanentError):
-        return _after_failed_attempt(res, email_id, claim, exc)
-    # Rejected input: trying again cannot help.
-    error = describe(exc)
-    log.warning("email %s: rejected: %s", email_id, error)
-
-    def fail(session: Session) -> Outcome:
-        runs.close(session, email_id, token, RunStatus.FAILED, error=error)
-        return Outcome(Kind.FAILED, error=error)
-
-    # The database is out: the attempt stays counted, the next one records how it ended.
-    return _write(res, fail, Outcome(Kind.RETRY, retry_delay(res.settings, claim.attempt), error))
-
-
-def _after_failed_attempt(
-    res: Resources, email_id: int, claim: runs.Claim, exc: Exception
-) -> Outcome:
-    """A failed attempt that is not the email's fault: recorded, and retried while attempts
-    remain."""
-    settings = res.settings
-    attempt = claim.attempt
-    if is_soft_time_limit(exc):
-        error = f"soft time limit ({settings.task_soft_time_limit} s) exceeded"
-        log.warning("email %s: attempt %s: %s", email_id, attempt, error)
-    elif is_transient(exc):
-        error = describe(exc)
-    else:
-        # A bug or a library error no one classified: the run records what it was, the log its
-        # traceback, except a database error's, whose text can quote an email's values.
-        error = f"unexpected {describe(exc)}"
-        if isinstance(exc, DBAPIError):
-            log.error("email %s: attempt %s: %s", email_id, attempt, error)
-        else:
-            log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
-    delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
-    # Retried, whether or not the error could be recorded: the attempt was counted at the claim.
-    outcome = _write(
-        res,
-        lambda session: runs.record_failed_attempt(
-            session, email_id, claim.token, error, settings.max_attempts, delay
-        ),
-        Outcome(Kind.RETRY, delay, error),
-    )
-    if outcome.kind is Kind.RETRY:
-        log.info(
-            "email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error
-        )
-    return outcome
-
-
-def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Exception) -> Outcome:
-    """A fault of the fleet, not of the email (its attempt already given back): counted toward
-    the stage's pause; the job goes back to its queue when the stage is paused, and defers like
-    a throttled job until then."""
-    settings = res.settings
-    error = describe(exc)
-    try:
-        pause = pauses.record_fault(
-            res.redis,
-            stage,
-            email_id,
-            error,
-            threshold=settings.pause_after_emails,
-            window=settings.pause_window,
-        )
-    except RedisError:
-        pause = None
-    if pause is None:
-        log.warning("email %s: fleet-wide fault at the %s stage: %s", email_id, stage, error)
-        return Outcome(Kind.DEFER, settings.retry_backoff_base, error)
-    if not pause.holds(settings.max_pause):
-        paused_for = time.time() - pause.since
-        return _fail_unclaimed(
-            res,
-            email_id,
-            f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
-            f"({settings.max_pause:g} s), by a fleet-wide fault: {error}",
-        )
-    return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
-
-
-def _fail_unclaimed(res: Resources, email_id: int, error: str) -> Outcome:
-    """Fail the run from outside a claim: its job waited past a bound."""
-
-    def fail(session: Session) -> bool:
-        runs.fail(session, email_id, error)
-        return True
-
-    failed = _write(res, fail, False)
-    log.error("email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)")
-    return Outcome(Kind.FAILED, error=error)
-
-
-def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | Outcome:
-    """Run `write` in a transaction and return what it returns: the outcome CLOSED when this
-    delivery was superseded, `unwritten` when the database could not take it (a transient
-    error, logged)."""
-    try:
-        with res.db.transaction() as session:
-            written = write(session)
-        return written
-    except runs.Superseded as exc:
-        log.warning("%s; this delivery stops without writing", exc)
-        return Outcome(Kind.CLOSED, error="superseded")
-    except Exception as exc:
-        if not is_transient(exc):
-            raise
-        log.warning("could not record the outcome: %s", describe(exc))
-        return unwritten
-
-
-def _bounded_deferral(
-    res: Resources, email_id: int, queue: str, outcome: Outcome, deferred_since: float | None
-) -> Outcome:
-    settings = res.settings
-    now = time.time()
-    since = deferred_since or now
-    delay = min(max(outcome.delay, 0.5), settings.retry_backoff_max)
-    if now + delay - since > settings.max_deferral:
-        return _fail_unclaimed(
-            res,
-            email_id,
-            f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
-            f"({settings.max_deferral} s): {outcome.error}",
-        )
-    try:
-        pipe = res.redis.pipeline(transaction=False)
-        pipe.zadd(redis_keys.deferred(queue), {str(email_id): now + delay})
-        pipe.incr(redis_keys.deferrals_counter())
-        pipe.execute()
-    except RedisError:
-        log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)
-    log.info("email %s: deferred %.1fs: %s", email_id, delay, outcome.error)
-    return Outcome(Kind.DEFER, delay, outcome.error, since)
-
-
-def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
-    """Doubles with the time already waited, from the backoff base up to its maximum."""
-    waited = time.time() - deferred_since if deferred_since else 0.0
-    return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
 
 
 def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
@@ -517,3 +361,159 @@ def _close_with_labels(
 ) -> None:
     runs.close(session, email_id, token, RunStatus.SUCCEEDED)
     sync_model_labels(session, email_id, result.labels)
+
+
+def _after_error(
+    res: Resources, email_id: int, claim: runs.Claim, stage: Stage, exc: Exception
+) -> Outcome:
+    """An attempt that raised, by whose fault it was (mailpipe.errors)."""
+    token = claim.token
+    fleet_fault = is_fleet_fault(exc)
+    if fleet_fault or isinstance(exc, Throttled):
+        # Not the email's attempt to lose: given back, then deferred or paused.
+        superseded = _write(res, lambda session: runs.give_back(session, email_id, token), None)
+        if superseded is not None:
+            return superseded
+        if fleet_fault:
+            return _after_fleet_fault(res, email_id, stage, exc)
+        return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
+    if not isinstance(exc, PermanentError):
+        return _after_failed_attempt(res, email_id, claim, exc)
+    # Rejected input: trying again cannot help.
+    error = describe(exc)
+    log.warning("email %s: rejected: %s", email_id, error)
+
+    def fail(session: Session) -> Outcome:
+        runs.close(session, email_id, token, RunStatus.FAILED, error=error)
+        return Outcome(Kind.FAILED, error=error)
+
+    # The database is out: the attempt stays counted, the next one records how it ended.
+    return _write(res, fail, Outcome(Kind.RETRY, retry_delay(res.settings, claim.attempt), error))
+
+
+def _after_failed_attempt(
+    res: Resources, email_id: int, claim: runs.Claim, exc: Exception
+) -> Outcome:
+    """A failed attempt that is not the email's fault: recorded, and retried while attempts
+    remain."""
+    settings = res.settings
+    attempt = claim.attempt
+    if is_soft_time_limit(exc):
+        error = f"soft time limit ({settings.task_soft_time_limit} s) exceeded"
+        log.warning("email %s: attempt %s: %s", email_id, attempt, error)
+    elif is_transient(exc):
+        error = describe(exc)
+    else:
+        # A bug or a library error no one classified: the run records what it was, the log its
+        # traceback, except a database error's, whose text can quote an email's values.
+        error = f"unexpected {describe(exc)}"
+        if isinstance(exc, DBAPIError):
+            log.error("email %s: attempt %s: %s", email_id, attempt, error)
+        else:
+            log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
+    delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
+    # Retried, whether or not the error could be recorded: the attempt was counted at the claim.
+    outcome = _write(
+        res,
+        lambda session: runs.record_failed_attempt(
+            session, email_id, claim.token, error, settings.max_attempts, delay
+        ),
+        Outcome(Kind.RETRY, delay, error),
+    )
+    if outcome.kind is Kind.RETRY:
+        log.info(
+            "email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error
+        )
+    return outcome
+
+
+def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Exception) -> Outcome:
+    """A fault of the fleet, not of the email (its attempt already given back): counted toward
+    the stage's pause; the job goes back to its queue when the stage is paused, and defers like
+    a throttled job until then."""
+    settings = res.settings
+    error = describe(exc)
+    try:
+        pause = pauses.record_fault(
+            res.redis,
+            stage,
+            email_id,
+            error,
+            threshold=settings.pause_after_emails,
+            window=settings.pause_window,
+        )
+    except RedisError:
+        pause = None
+    if pause is None:
+        log.warning("email %s: fleet-wide fault at the %s stage: %s", email_id, stage, error)
+        return Outcome(Kind.DEFER, settings.retry_backoff_base, error)
+    if not pause.holds(settings.max_pause):
+        paused_for = time.time() - pause.since
+        return _fail_unclaimed(
+            res,
+            email_id,
+            f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
+            f"({settings.max_pause:g} s), by a fleet-wide fault: {error}",
+        )
+    return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
+
+
+def _fail_unclaimed(res: Resources, email_id: int, error: str) -> Outcome:
+    """Fail the run from outside a claim: its job waited past a bound."""
+
+    def fail(session: Session) -> bool:
+        runs.fail(session, email_id, error)
+        return True
+
+    failed = _write(res, fail, False)
+    log.error("email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)")
+    return Outcome(Kind.FAILED, error=error)
+
+
+def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | Outcome:
+    """Run `write` in a transaction and return what it returns: the outcome CLOSED when this
+    delivery was superseded, `unwritten` when the database could not take it (a transient
+    error, logged)."""
+    try:
+        with res.db.transaction() as session:
+            written = write(session)
+        return written
+    except runs.Superseded as exc:
+        log.warning("%s; this delivery stops without writing", exc)
+        return Outcome(Kind.CLOSED, error="superseded")
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        log.warning("could not record the outcome: %s", describe(exc))
+        return unwritten
+
+
+def _bounded_deferral(
+    res: Resources, email_id: int, queue: str, outcome: Outcome, deferred_since: float | None
+) -> Outcome:
+    settings = res.settings
+    now = time.time()
+    since = deferred_since or now
+    delay = min(max(outcome.delay, 0.5), settings.retry_backoff_max)
+    if now + delay - since > settings.max_deferral:
+        return _fail_unclaimed(
+            res,
+            email_id,
+            f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
+            f"({settings.max_deferral} s): {outcome.error}",
+        )
+    try:
+        pipe = res.redis.pipeline(transaction=False)
+        pipe.zadd(redis_keys.deferred(queue), {str(email_id): now + delay})
+        pipe.incr(redis_keys.deferrals_counter())
+        pipe.execute()
+    except RedisError:
+        log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)
+    log.info("email %s: deferred %.1fs: %s", email_id, delay, outcome.error)
+    return Outcome(Kind.DEFER, delay, outcome.error, since)
+
+
+def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
+    """Doubles with the time already waited, from the backoff base up to its maximum."""
+    waited = time.time() - deferred_since if deferred_since else 0.0
+    return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
