@@ -21,7 +21,7 @@ from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.errors import RunFailed, TransientError
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
-from mailpipe.pipeline.job import Kind, Outcome
+from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources, get_resources
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,11 @@ outcome to Celery's actions in one place.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TypeVar
 
 from redis import RedisError
 from sqlalchemy.exc import DBAPIError
@@ -65,43 +65,16 @@ from mailpipe.pipeline.documents import (
     texts_for_classifier,
 )
 from mailpipe.pipeline.labels import sync_model_labels
-from mailpipe.pipeline.origin import find_origin, link_to_origin, record_origin
+from mailpipe.pipeline.origin import OriginResult, find_origin, link_to_origin
+from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.db import once_more_if_disconnected, upsert
-from mailpipe.storage.models import (
-    ModelInput,
-    PipelineRun,
-    RunStatus,
-    utcnow,
-)
+from mailpipe.storage.models import ModelInput, RunStatus, utcnow
 
 log = logging.getLogger(__name__)
 
-
-class Kind(enum.StrEnum):
-    SUCCEEDED = "succeeded"
-    DUPLICATE = "duplicate"
-    WAITING = "waiting"  # open: the documents are stored, model calls are off
-    CLOSED = "already_closed"  # nothing done: the run was closed, or a later claim holds it
-    FAILED = "failed"
-    RETRY = "retry"  # an attempt failed and attempts remain: send again after `delay`
-    DEFER = "deferred"  # not an attempt: send again after `delay`
-    PAUSED = "paused"  # not an attempt: the stage is paused, the job goes back to its queue
-    HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
-
-
-@dataclass(frozen=True)
-class Outcome:
-    kind: Kind
-    delay: float = 0.0  # RETRY, DEFER: seconds before the next delivery
-    error: str | None = None  # why, for FAILED, RETRY, DEFER and PAUSED
-    deferred_since: float | None = None  # DEFER: when this job was first deferred (unix time)
-
-    @property
-    def follows_up(self) -> bool:
-        """Another delivery of the job is to be sent."""
-        return self.kind in (Kind.RETRY, Kind.DEFER, Kind.PAUSED, Kind.HANDED_OFF)
+T = TypeVar("T")
 
 
 def process_email(
@@ -191,9 +164,9 @@ def run_claimed(
     rows one would."""
     settings = res.settings
 
-    def claim_in_a_transaction() -> tuple[runs.ClaimResult, bool]:
+    def claim_in_a_transaction() -> runs.Claim | Outcome:
         with res.db.transaction() as session:
-            result = runs.claim_attempt(
+            return runs.claim_attempt(
                 session,
                 email_id,
                 settings.max_attempts,
@@ -201,12 +174,12 @@ def run_claimed(
                 stage=stage,
                 cut_off_at=lambda: shutdowns.cut_off_at(res.redis, email_id),
                 max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
+                model_calls=lambda: res.model_calls(session),
+                backoff=lambda attempt: retry_delay(settings, attempt),
             )
-            model_calls = result.claim is runs.Claim.CONVERTED and res.model_calls(session)
-            return result, model_calls
 
     try:
-        claimed = once_more_if_disconnected(claim_in_a_transaction)
+        claim = once_more_if_disconnected(claim_in_a_transaction)
     except Exception as exc:
         if is_fleet_fault(exc):
             return _after_fleet_fault(res, email_id, stage, exc)
@@ -216,64 +189,210 @@ def run_claimed(
         return Outcome(
             Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {describe(exc)}"
         )
-    claim, model_calls = claimed
-    if claim.claim is runs.Claim.NO_EMAIL:
-        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
-    if claim.claim is runs.Claim.CLOSED:
-        return Outcome(Kind.CLOSED)
-    if claim.claim is runs.Claim.CONVERTED:
-        # A second delivery of a CPU stage already done (redelivered, or sent again once model
-        # calls are on): the model stage is next, sent again in case the first hand-off was
-        # lost with its worker. Two of them run once: the lease and the claim see to it.
-        return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
-    if claim.claim is runs.Claim.NOT_CONVERTED:
-        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
-    if claim.claim is runs.Claim.EXHAUSTED:
-        log.error("email %s: failed: %s", email_id, claim.error)
-        return Outcome(Kind.FAILED, error=claim.error)
-    if claim.claim is runs.Claim.BACK_OFF:
-        return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
-    return _attempt(res, email_id, claim, stage)
-
-
-def _attempt(res: Resources, email_id: int, claim: runs.ClaimResult, stage: Stage) -> Outcome:
-    settings = res.settings
-    token = claim.token
+    if isinstance(claim, Outcome):
+        return claim
     try:
-        if stage is Stage.MODEL:
-            return _classify_steps(res, email_id, token, claim.classified)
-        return _run_steps(res, email_id, claim)
+        if stage is Stage.CPU:
+            return _run_steps(res, email_id, claim)
+        return _classify_steps(res, email_id, claim)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
-        fleet_fault = is_fleet_fault(exc)
-        if fleet_fault or isinstance(exc, Throttled):
-            # Not the email's attempt to lose: given back, then deferred or paused.
-            if (
-                _write(res, lambda session: runs.give_back_attempt(session, email_id, token))
-                is None
-            ):
-                return Outcome(Kind.CLOSED, error="superseded")
-            if fleet_fault:
-                return _after_fleet_fault(res, email_id, stage, exc)
-            return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
-        if not isinstance(exc, PermanentError):
-            return _after_failed_attempt(res, email_id, claim, exc)
-        # Rejected input: trying again cannot help.
-        error = describe(exc)
-        log.warning("email %s: rejected: %s", email_id, error)
-        closed = _write(res, lambda session: runs.fail(session, email_id, error, token))
-        if closed is None:
-            return Outcome(Kind.CLOSED, error="superseded")
-        if closed is False:
-            # The database is out: the attempt stays counted, the next one records how it ended.
-            return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), error)
+        return _after_error(res, email_id, claim, stage, exc)
+
+
+def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
+    """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
+    Each transaction asks `runs` once, with a write fenced by the claim that comes before any
+    write to the email row: it finds the run still open at this claim, or raises Superseded and
+    rolls back the whole transaction.
+
+    An email without attachments takes one transaction for all of it. With attachments, the
+    origin is recorded in a transaction of its own first, so that a copy stops before its
+    documents are converted."""
+    settings = res.settings
+    token = claim.token
+    assert claim.blob_key is not None  # a claim of the CPU stage says where the email is
+    raw = res.blobs.get(claim.blob_key, max_bytes=settings.max_email_bytes)
+    parsed = parse_email(
+        raw,
+        ParseLimits(
+            max_bytes=settings.max_email_bytes,
+            max_depth=settings.max_mime_depth,
+            max_parts=settings.max_mime_parts,
+            body_max_chars=settings.body_text_max_chars,
+        ),
+    )
+    defects = _defects(parsed)
+
+    to_link = None  # the origin, when the last transaction below finds it
+    if parsed.attachments:
+        with res.db.transaction() as session:
+            origin = _origin_unless_copy(session, email_id, token, parsed, defects)
+            if origin is None:
+                return Outcome(Kind.DUPLICATE)
+            runs.parsed(session, email_id, token, defects)
+            link_to_origin(session, email_id, parsed, origin)
+
+    documents = convert_documents(parsed, settings)
+    rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
+    email_text = email_for_classifier(
+        parsed, texts_for_classifier(documents), settings.classifier_text_budget
+    )
+    with res.db.transaction() as session:
+        if not parsed.attachments:
+            to_link = _origin_unless_copy(session, email_id, token, parsed, defects)
+            if to_link is None:
+                return Outcome(Kind.DUPLICATE)
+        store_documents(session, rows)
+        model_calls = res.model_calls(session)
+        # A local classifier answers in well under a millisecond: in this transaction, with no
+        # hand-off and no second one.
+        classified_here = model_calls and not res.classifier.remote
+        if classified_here:
+            result = res.classifier.classify(email_text)
+            runs.close(
+                session,
+                email_id,
+                token,
+                RunStatus.SUCCEEDED,
+                classified=True,
+                parse_defects=defects,
+            )
+            store_classification(session, claim.run_id, email_id, result)
+            sync_model_labels(session, email_id, result.labels)
+        else:
+            runs.converted(session, email_id, token, defects)
+            # What the model will read is kept, so that its stage never parses the email again.
+            upsert(
+                session,
+                ModelInput,
+                [
+                    {
+                        "email_id": email_id,
+                        "input": input_as_json(email_text),
+                        "created_at": utcnow(),
+                    }
+                ],
+                ["email_id"],
+            )
+        if to_link is not None:
+            link_to_origin(session, email_id, parsed, to_link)
+    if classified_here:
+        return Outcome(Kind.SUCCEEDED)
+    return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
+
+
+def _origin_unless_copy(
+    session: Session,
+    email_id: int,
+    token: int,
+    parsed: ParsedEmail,
+    defects: dict[str, object] | None,
+) -> OriginResult | None:
+    """The email's origin, found or recorded (which locks neither the run nor the email row),
+    to link once the run is locked. None for a copy: its run is closed `duplicate` here and it
+    is linked to the first email."""
+    origin = find_origin(session, email_id, parsed)
+    if origin.duplicate_of is None:
+        return origin
+    runs.close(session, email_id, token, RunStatus.DUPLICATE, parse_defects=defects)
+    link_to_origin(session, email_id, parsed, origin)
+    return None
+
+
+def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
+    """What the parser got past (a malformed header line skipped, a broken part), for the run;
+    None when it read cleanly."""
+    if not parsed.defect_count:
+        return None
+    return {
+        "count": parsed.defect_count,
+        "skipped_header_lines": list(parsed.skipped_header_lines),
+    }
+
+
+def _classify_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
+    """The model stage after the claim: the model's answer, kept at once, then the labels."""
+    settings = res.settings
+    token = claim.token
+    with res.db.transaction() as session:
+        if not res.model_calls(session):
+            runs.give_back(session, email_id, token)
+            return Outcome(Kind.WAITING)
+        if claim.classified:
+            # An earlier attempt stored the model's answer and died before the labels: no
+            # second call, the labels come from the stored answer.
+            _close_with_labels(session, email_id, token, stored_result(session, claim.run_id))
+            return Outcome(Kind.SUCCEEDED)
+        runs.current(session, email_id, token)  # a delivery fenced off calls no model
+        email_text = input_from_json(session.get_one(ModelInput, email_id).input)
+
+    if res.classifier.remote:
+        limiter = FleetRateLimiter(
+            res.redis,
+            rate_per_s=settings.model_rate_per_s,
+            burst=settings.model_burst,
+            max_in_flight=settings.model_max_in_flight,
+        )
+        # A thread waits its turn here, cheaply; past the wait the job is deferred.
+        result = classify_remote(res.classifier, email_text, limiter, wait=settings.model_slot_wait)
+    else:
+        result = res.classifier.classify(email_text)
+    # The answer is kept before anything else: a job that dies after the call never pays for it
+    # twice (the sweeper re-adds such a run after MAILPIPE_STALL_AFTER).
+    with res.db.transaction() as session:
+        _store_classification(session, email_id, claim, result)
+    with res.db.transaction() as session:
+        _close_with_labels(session, email_id, token, result)
+    return Outcome(Kind.SUCCEEDED)
+
+
+def _store_classification(
+    session: Session, email_id: int, claim: runs.Claim, result: ClassificationResult
+) -> None:
+    runs.classified(session, email_id, claim.token)
+    store_classification(session, claim.run_id, email_id, result)
+
+
+def _close_with_labels(
+    session: Session, email_id: int, token: int, result: ClassificationResult
+) -> None:
+    runs.close(session, email_id, token, RunStatus.SUCCEEDED)
+    sync_model_labels(session, email_id, result.labels)
+
+
+def _after_error(
+    res: Resources, email_id: int, claim: runs.Claim, stage: Stage, exc: Exception
+) -> Outcome:
+    """An attempt that raised, by whose fault it was (mailpipe.errors)."""
+    token = claim.token
+    fleet_fault = is_fleet_fault(exc)
+    if fleet_fault or isinstance(exc, Throttled):
+        # Not the email's attempt to lose: given back, then deferred or paused.
+        superseded = _write(res, lambda session: runs.give_back(session, email_id, token), None)
+        if superseded is not None:
+            return superseded
+        if fleet_fault:
+            return _after_fleet_fault(res, email_id, stage, exc)
+        return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
+    if not isinstance(exc, PermanentError):
+        return _after_failed_attempt(res, email_id, claim, exc)
+    # Rejected input: trying again cannot help.
+    error = describe(exc)
+    log.warning("email %s: rejected: %s", email_id, error)
+
+    def fail(session: Session) -> Outcome:
+        runs.close(session, email_id, token, RunStatus.FAILED, error=error)
         return Outcome(Kind.FAILED, error=error)
+
+    # The database is out: the attempt stays counted, the next one records how it ended.
+    return _write(res, fail, Outcome(Kind.RETRY, retry_delay(res.settings, claim.attempt), error))
 
 
 def _after_failed_attempt(
-    res: Resources, email_id: int, claim: runs.ClaimResult, exc: Exception
+    res: Resources, email_id: int, claim: runs.Claim, exc: Exception
 ) -> Outcome:
     """A failed attempt that is not the email's fault: recorded, and retried while attempts
     remain."""
@@ -293,22 +412,19 @@ def _after_failed_attempt(
         else:
             log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
     delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
-    outcome: dict[str, bool] = {}
-
-    def record(session: Session) -> None:
-        outcome["may_retry"] = runs.record_failed_attempt(
-            session, email_id, claim.token, error, settings.max_attempts
-        )
-
-    written = _write(res, record)
-    if written is None:
-        return Outcome(Kind.CLOSED, error="superseded")
-    if written and not outcome["may_retry"]:
-        log.error("email %s: failed after %s attempts: %s", email_id, attempt, error)
-        return Outcome(Kind.FAILED, error=f"gave up after {attempt} attempts: {error}")
     # Retried, whether or not the error could be recorded: the attempt was counted at the claim.
-    log.info("email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error)
-    return Outcome(Kind.RETRY, delay, error)
+    outcome = _write(
+        res,
+        lambda session: runs.record_failed_attempt(
+            session, email_id, claim.token, error, settings.max_attempts, delay
+        ),
+        Outcome(Kind.RETRY, delay, error),
+    )
+    if outcome.kind is Kind.RETRY:
+        log.info(
+            "email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error
+        )
+    return outcome
 
 
 def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Exception) -> Outcome:
@@ -333,31 +449,43 @@ def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Excepti
         return Outcome(Kind.DEFER, settings.retry_backoff_base, error)
     if not pause.holds(settings.max_pause):
         paused_for = time.time() - pause.since
-        failure = (
+        return _fail_unclaimed(
+            res,
+            email_id,
             f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
-            f"({settings.max_pause:g} s), by a fleet-wide fault: {error}"
+            f"({settings.max_pause:g} s), by a fleet-wide fault: {error}",
         )
-        _write(res, lambda session: runs.fail(session, email_id, failure))
-        log.error("email %s: %s", email_id, failure)
-        return Outcome(Kind.FAILED, error=failure)
     return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
 
 
-def _write(res: Resources, write) -> bool | None:
-    """Run `write` in a transaction: True when done, None when the attempt was superseded,
-    False when the database could not take it (a transient error, logged)."""
+def _fail_unclaimed(res: Resources, email_id: int, error: str) -> Outcome:
+    """Fail the run from outside a claim: its job waited past a bound."""
+
+    def fail(session: Session) -> bool:
+        runs.fail(session, email_id, error)
+        return True
+
+    failed = _write(res, fail, False)
+    log.error("email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)")
+    return Outcome(Kind.FAILED, error=error)
+
+
+def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | Outcome:
+    """Run `write` in a transaction and return what it returns: the outcome CLOSED when this
+    delivery was superseded, `unwritten` when the database could not take it (a transient
+    error, logged)."""
     try:
         with res.db.transaction() as session:
-            write(session)
-        return True
+            written = write(session)
+        return written
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
-        return None
+        return Outcome(Kind.CLOSED, error="superseded")
     except Exception as exc:
         if not is_transient(exc):
             raise
         log.warning("could not record the outcome: %s", describe(exc))
-        return False
+        return unwritten
 
 
 def _bounded_deferral(
@@ -368,15 +496,12 @@ def _bounded_deferral(
     since = deferred_since or now
     delay = min(max(outcome.delay, 0.5), settings.retry_backoff_max)
     if now + delay - since > settings.max_deferral:
-        error = (
+        return _fail_unclaimed(
+            res,
+            email_id,
             f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
-            f"({settings.max_deferral} s): {outcome.error}"
+            f"({settings.max_deferral} s): {outcome.error}",
         )
-        failed = _write(res, lambda session: runs.fail(session, email_id, error))
-        log.error(
-            "email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)"
-        )
-        return Outcome(Kind.FAILED, error=error)
     try:
         pipe = res.redis.pipeline(transaction=False)
         pipe.zadd(redis_keys.deferred(queue), {str(email_id): now + delay})
@@ -392,158 +517,3 @@ def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
     """Doubles with the time already waited, from the backoff base up to its maximum."""
     waited = time.time() - deferred_since if deferred_since else 0.0
     return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
-
-
-def _run_steps(res: Resources, email_id: int, claim: runs.ClaimResult) -> Outcome:
-    """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
-    Every write is fenced by the claim: the run's update in each transaction finds the run
-    still open at this claim, or raises Superseded and rolls back the whole transaction
-    (`runs.current`, `runs.end_attempt`, `runs.converted`).
-
-    An email without attachments takes one transaction for all of it. With attachments, the
-    origin is recorded in a transaction of its own first, so that a copy stops before its
-    documents are converted."""
-    settings = res.settings
-    token = claim.token
-    assert claim.blob_key is not None  # a claim that lets the CPU stage go says where the email is
-    raw = res.blobs.get(claim.blob_key, max_bytes=settings.max_email_bytes)
-    parsed = parse_email(
-        raw,
-        ParseLimits(
-            max_bytes=settings.max_email_bytes,
-            max_depth=settings.max_mime_depth,
-            max_parts=settings.max_mime_parts,
-            body_max_chars=settings.body_text_max_chars,
-        ),
-    )
-    defects = _defects(parsed)
-
-    origin = None  # found in the steps' transaction below, when it was not recorded before
-    if parsed.attachments:
-        with res.db.transaction() as session:
-            run = runs.current(session, email_id, token)
-            if record_origin(session, email_id, parsed).duplicate_of is not None:
-                runs.end_attempt(
-                    session, email_id, token, RunStatus.DUPLICATE, parse_defects=defects
-                )
-                return Outcome(Kind.DUPLICATE)
-            if defects is not None:
-                run.parse_defects = defects
-
-    documents = convert_documents(parsed, settings)
-    rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
-    email_text = email_for_classifier(
-        parsed, texts_for_classifier(documents), settings.classifier_text_budget
-    )
-    # The run's fenced update locks the run before the email row is written, in the order of
-    # every transaction that locks both (the claim, the sweeper's, `reopen`); the origin and the
-    # documents, written before it, lock neither.
-    with res.db.transaction() as session:
-        if not parsed.attachments:
-            origin = find_origin(session, email_id, parsed)
-            if origin.duplicate_of is not None:
-                runs.end_attempt(
-                    session, email_id, token, RunStatus.DUPLICATE, parse_defects=defects
-                )
-                link_to_origin(session, email_id, parsed, origin)
-                return Outcome(Kind.DUPLICATE)
-        store_documents(session, rows)
-        model_calls = res.model_calls(session)
-        # A local classifier answers in well under a millisecond: in this transaction, with no
-        # hand-off and no second one.
-        classified_here = model_calls and not res.classifier.remote
-        if classified_here:
-            result = res.classifier.classify(email_text)
-            runs.end_attempt(
-                session,
-                email_id,
-                token,
-                RunStatus.SUCCEEDED,
-                classified=True,
-                parse_defects=defects,
-            )
-            assert claim.run_id is not None  # a claim that lets an attempt go names its run
-            store_classification(session, claim.run_id, email_id, result)
-            sync_model_labels(session, email_id, result.labels)
-        else:
-            runs.converted(session, email_id, token, defects)
-            # What the model will read is kept, so that its stage never parses the email again.
-            upsert(
-                session,
-                ModelInput,
-                [
-                    {
-                        "email_id": email_id,
-                        "input": input_as_json(email_text),
-                        "created_at": utcnow(),
-                    }
-                ],
-                ["email_id"],
-            )
-        if origin is not None:
-            link_to_origin(session, email_id, parsed, origin)
-    if classified_here:
-        return Outcome(Kind.SUCCEEDED)
-    return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
-
-
-def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
-    """What the parser got past (a malformed header line skipped, a broken part), for the run;
-    None when it read cleanly."""
-    if not parsed.defect_count:
-        return None
-    return {
-        "count": parsed.defect_count,
-        "skipped_header_lines": list(parsed.skipped_header_lines),
-    }
-
-
-def _classify_steps(res: Resources, email_id: int, token: int, classified: bool) -> Outcome:
-    """The model stage after the claim: the model's answer, kept at once, then the labels."""
-    settings = res.settings
-    with res.db.transaction() as session:
-        run = runs.current(session, email_id, token)
-        if not res.model_calls(session):
-            runs.give_back_attempt(session, email_id, token)
-            return Outcome(Kind.WAITING)
-        if classified:
-            # An earlier attempt stored the model's answer and died before the labels: no
-            # second call, the labels come from the stored answer.
-            _sync_and_close(session, run, email_id, stored_result(session, run.id))
-            return Outcome(Kind.SUCCEEDED)
-        email_text = input_from_json(session.get_one(ModelInput, email_id).input)
-
-    if res.classifier.remote:
-        limiter = FleetRateLimiter(
-            res.redis,
-            rate_per_s=settings.model_rate_per_s,
-            burst=settings.model_burst,
-            max_in_flight=settings.model_max_in_flight,
-        )
-        # A thread waits its turn here, cheaply; past the wait the job is deferred.
-        result = classify_remote(res.classifier, email_text, limiter, wait=settings.model_slot_wait)
-    else:
-        result = res.classifier.classify(email_text)
-    # The answer is kept before anything else: a job that dies after the call never pays for it
-    # twice (the sweeper re-adds such a run after MAILPIPE_STALL_AFTER).
-    with res.db.transaction() as session:
-        run = runs.current(session, email_id, token)
-        _store_classification(session, run, email_id, result)
-    with res.db.transaction() as session:
-        run = runs.current(session, email_id, token)
-        _sync_and_close(session, run, email_id, result)
-    return Outcome(Kind.SUCCEEDED)
-
-
-def _store_classification(
-    session: Session, run: PipelineRun, email_id: int, result: ClassificationResult
-) -> None:
-    store_classification(session, run.id, email_id, result)
-    runs.mark_classified(run)
-
-
-def _sync_and_close(
-    session: Session, run: PipelineRun, email_id: int, result: ClassificationResult
-) -> None:
-    sync_model_labels(session, email_id, result.labels)
-    runs.finish(run, RunStatus.SUCCEEDED)

@@ -42,14 +42,6 @@ class OriginResult:
     duplicate_of: int | None  # the first email with this origin, when this one is a copy
 
 
-def record_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginResult:
-    """Find or create the email's origin and link the email to it (`find_origin`, then
-    `link_to_origin`)."""
-    origin = find_origin(session, email_id, parsed)
-    link_to_origin(session, email_id, parsed, origin)
-    return origin
-
-
 def find_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginResult:
     """Idempotent: the first email to record a fingerprint owns it, whoever runs it again.
 

@@ -1,15 +1,20 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
+A delivery claims an attempt (`claim_attempt`), which answers with the job's outcome when the
+claim decides it, or with the `Claim` to run the steps under. Each transaction of the steps then
+asks this module once, with one act: `parsed`, `converted`, `classified` or `close` (the one way
+a delivery closes its run), `current` before it reads, or after an error `give_back` or
+`record_failed_attempt`. `fail` fails a run from outside any claim.
+
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
 delivery's claim, a token that grows by one at every claim and is never reset (`claims`), so a
-stale delivery can never pass for a later one. It is fenced in one of two ways: it starts with
-`current`, which locks the run and checks that it is still open and still at this claim; or its
-update of the run (`end_attempt`, `converted`) is one UPDATE on the same two conditions, which
-raises Superseded, rolling back the whole transaction, when it finds no such row. A delivery
-whose lease lapsed while a later one claimed the run, or one that finishes after the run was
-closed (by another delivery, by the sweeper), is thereby fenced off: it writes nothing more.
-Either way the run is locked before the email row, the order of every transaction that locks
-both.
+stale delivery can never pass for a later one. It is fenced in one of two ways: its act locks
+the run and checks that it is still open and still at this claim (`current`); or its act is one
+UPDATE on the same two conditions, which raises Superseded, rolling back the whole transaction,
+when it finds no such row. A delivery whose lease lapsed while a later one claimed the run, or
+one that finishes after the run was closed (by another delivery, by the sweeper), is thereby
+fenced off: it writes nothing more. Either way the act comes before any write to the email row,
+so the run is locked before the email row, the order of every transaction that locks both.
 
 `attempts` is apart from the fence: the attempts of the current stage that count toward
 MAILPIPE_MAX_RETRIES. A deferral and a shutdown's cut-off give theirs back; the model stage
@@ -18,7 +23,7 @@ starts with a fresh budget. `sweep_count` covers both stages and only a reopen r
 
 from __future__ import annotations
 
-import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,34 +34,25 @@ from sqlalchemy import ColumnElement, and_, bindparam, literal, select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.coordination.queues import Stage
+from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, table, utcnow
+
+log = logging.getLogger(__name__)
 
 # Errors are for operators: long tracebacks belong in the log, not in the row.
 MAX_ERROR_CHARS = 2000
 
 
-class Claim(enum.Enum):
-    GO = "go"  # this delivery runs the job
-    CLOSED = "closed"  # the run is already closed: stop without touching anything
-    EXHAUSTED = "exhausted"  # every attempt is used, or every shutdown window: failed just now
-    BACK_OFF = (
-        "back_off"  # the last attempt was cut off; it is recorded, the next waits its backoff
-    )
-    CONVERTED = "converted"  # the CPU stage is done: only the classification stage is left
-    NOT_CONVERTED = "not_converted"  # the classification stage came before the CPU stage
-    NO_EMAIL = "no_email"  # there is no email_message row with this id
-
-
 @dataclass(frozen=True)
-class ClaimResult:
-    claim: Claim
+class Claim:
+    """An attempt counted for this delivery: its steps run under it."""
+
     attempt: int  # the stage's attempts, this one included
-    error: str | None = None
-    classified: bool = False  # the run holds the model's answer from an earlier attempt
-    run_id: int | None = None  # GO: the run's id
-    blob_key: str | None = None  # GO at the CPU stage: where the raw email is stored
-    token: int = 0  # GO: the fence every later write of this delivery is checked against
+    token: int  # the fence every later write of this delivery is checked against
+    run_id: int
+    blob_key: str | None  # at the CPU stage: where the raw email is stored
+    classified: bool  # the run holds the model's answer from an earlier attempt
 
 
 class Superseded(Exception):
@@ -72,8 +68,12 @@ def claim_attempt(
     stage: Stage = Stage.CPU,
     cut_off_at: Callable[[], float | None] = lambda: None,
     max_shutdown_cutoffs: int = 10,
-) -> ClaimResult:
-    """Count one attempt of `stage`, or say why it must not run now.
+    model_calls: Callable[[], bool] = lambda: False,
+    backoff: Callable[[int], float] = lambda attempt: 0.0,
+) -> Claim | Outcome:
+    """Count one attempt of `stage` and return its `Claim`, or return the job's outcome when it
+    must not run now (no such email, a closed run, a stage done or not yet due, no attempt left,
+    a cut-off attempt's backoff).
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
@@ -81,6 +81,8 @@ def claim_attempt(
     `cut_off_at`: asked when the last attempt ended without a result; when its worker cut the
     email's job off at the end of its shutdown window, and that attempt had started before, the
     attempt is given back.
+    `model_calls`: asked when the CPU stage is done already: whether the model stage is next.
+    `backoff`: the seconds an attempt cut off by the hard time limit waits, from its number.
 
     The usual case, a run that is new or open and ready for this stage, is counted in one
     statement (`_count_if_ready`), which also reads where the email is stored; every other case
@@ -92,16 +94,19 @@ def claim_attempt(
             return counted
     blob_key = session.execute(_BLOB_KEY, {"run_email_id": email_id}).scalar()
     if blob_key is None:
-        return ClaimResult(Claim.NO_EMAIL, 0)
+        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
     ensure_runs(session, [email_id])
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
-        return ClaimResult(Claim.CLOSED, run.attempts)
+        return Outcome(Kind.CLOSED)
     converted = run.converted_at is not None
     if stage is Stage.CPU and converted:
-        return ClaimResult(Claim.CONVERTED, run.attempts)
+        # A second delivery of a CPU stage already done (redelivered, or sent again once model
+        # calls are on): the model stage is next, sent again in case the first hand-off was
+        # lost with its worker. Two of them run once: the lease and the claim see to it.
+        return Outcome(Kind.HANDED_OFF if model_calls() else Kind.WAITING)
     if stage is Stage.MODEL and not converted:
-        return ClaimResult(Claim.NOT_CONVERTED, run.attempts)
+        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
     if run.attempt_started_at is not None:
         started = run.attempt_started_at
         run.attempt_started_at = None
@@ -110,7 +115,7 @@ def claim_attempt(
                 f"attempt {run.attempts} was cut off by the hard time limit ({cut_off:g} s)"
             )
             if run.attempts < max_attempts:
-                return ClaimResult(Claim.BACK_OFF, run.attempts, run.error)
+                return Outcome(Kind.RETRY, backoff(run.attempts), run.error)
         elif _cut_off_after(cut_off_at(), started):
             run.attempts = max(0, run.attempts - 1)
             run.cutoffs += 1
@@ -119,35 +124,29 @@ def claim_attempt(
                 "worker stopped before the job ended; the attempt was given back"
             )
             if run.cutoffs >= max_shutdown_cutoffs:
-                _close(
+                return _give_up(
                     run,
-                    RunStatus.FAILED,
                     f"cut off by shutdown {run.cutoffs} times: the job runs longer than any "
                     "worker's soft-shutdown window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it",
                 )
-                return ClaimResult(Claim.EXHAUSTED, run.attempts, run.error)
         else:
             run.error = _clip(
                 f"attempt {run.attempts} ended without a result: its worker process died or was "
                 "killed, or stopped renewing its lease"
             )
     if run.attempts >= max_attempts:
-        _close(
-            run,
-            RunStatus.FAILED,
-            f"gave up after {run.attempts} attempts: {run.error or 'no error recorded'}",
+        return _give_up(
+            run, f"gave up after {run.attempts} attempts: {run.error or 'no error recorded'}"
         )
-        return ClaimResult(Claim.EXHAUSTED, run.attempts, run.error)
     run.attempts += 1
     run.claims += 1
     run.attempt_started_at = utcnow()
-    return ClaimResult(
-        Claim.GO,
+    return Claim(
         run.attempts,
-        classified=run.classified_at is not None,
+        token=run.claims,
         run_id=run.id,
         blob_key=blob_key,
-        token=run.claims,
+        classified=run.classified_at is not None,
     )
 
 
@@ -160,7 +159,7 @@ def _cut_off_after(marked_at: float | None, started: datetime) -> bool:
 
 def _count_if_ready(
     session: Session, email_id: int, max_attempts: int, stage: Stage
-) -> ClaimResult | None:
+) -> Claim | None:
     """Count an attempt of a run that is open, has no attempt running, has attempts left and is
     at `stage`, in one statement; None when the run is in any other state (or missing, for the
     model stage; or when there is no such email). For the CPU stage a missing run is created with
@@ -177,13 +176,12 @@ def _count_if_ready(
     if stage is Stage.CPU and claims == 1:
         # Created just now: the email is flagged as having a run, as `ensure_runs` does.
         session.execute(_FLAG_HAS_RUN, {"flag_email_id": email_id})
-    return ClaimResult(
-        Claim.GO,
+    return Claim(
         attempts,
-        classified=classified_at is not None,
+        token=claims,
         run_id=run_id,
         blob_key=blob_key,
-        token=claims,
+        classified=classified_at is not None,
     )
 
 
@@ -277,12 +275,14 @@ def current(session: Session, email_id: int, token: int) -> PipelineRun:
     return run
 
 
-def give_back_attempt(session: Session, email_id: int, token: int) -> None:
-    """Undo the count of an attempt that did no work worth counting (deferred: throttled,
-    rate-limited, a fleet-wide fault, model calls switched off)."""
+def parsed(
+    session: Session, email_id: int, token: int, parse_defects: dict[str, Any] | None
+) -> None:
+    """The email is parsed and is no copy: its documents are converted next, outside this
+    transaction. Locks the run as `current` does, and keeps what the parser got past."""
     run = current(session, email_id, token)
-    run.attempts = max(0, run.attempts - 1)
-    run.attempt_started_at = None
+    if parse_defects is not None:
+        run.parse_defects = parse_defects
 
 
 def converted(
@@ -290,29 +290,34 @@ def converted(
 ) -> None:
     """The CPU stage is done (the documents and the model's input are stored): the run waits
     for its classification stage, with a fresh attempt budget for it (its sweeps go on counting
-    over both stages). Fenced as `end_attempt`."""
+    over both stages). Fenced as `close`."""
     values = {"converted_at": utcnow(), "attempts": 0, "attempt_started_at": None, "error": None}
     _update_fenced(session, email_id, token, values, parse_defects)
 
 
-def end_attempt(
+def classified(session: Session, email_id: int, token: int) -> None:
+    """The model's answer is stored in this transaction: a later attempt syncs the labels from
+    it and never calls the model again. Fenced as `close`."""
+    _update_fenced(session, email_id, token, {"classified_at": utcnow()}, None)
+
+
+def close(
     session: Session,
     email_id: int,
     token: int,
     status: RunStatus,
     *,
+    error: str | None = None,
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
-    """Close the run in this attempt's transaction, in one UPDATE fenced like `current`: when the
-    run is closed already or a later claim holds it, it updates nothing and raises Superseded,
-    and the transaction rolls back every write the delivery made in it. It locks the run, so it
-    comes before any write to the email row. `classified`: the model's answer is stored in this
-    transaction."""
-    now = utcnow()
-    values = {"status": status, "error": None, "attempt_started_at": None, "closed_at": now}
+    """Close the run in this delivery's transaction, in one UPDATE fenced like `current`: when
+    the run is closed already or a later claim holds it, it updates nothing and raises
+    Superseded, and the transaction rolls back every write the delivery made in it. `error`: why
+    it failed. `classified`: the model's answer is stored in this transaction."""
+    values = _closed(status, error)
     if classified:
-        values["classified_at"] = now
+        values["classified_at"] = values["closed_at"]
     _update_fenced(session, email_id, token, values, parse_defects)
 
 
@@ -332,40 +337,34 @@ def _update_fenced(
         raise Superseded(f"email {email_id}: the run is not at claim {token}")
 
 
-def mark_classified(run: PipelineRun) -> None:
-    """The model's answer is stored: a later attempt syncs labels from it, never calls again."""
-    run.classified_at = utcnow()
-
-
-def finish(run: PipelineRun, status: RunStatus, error: str | None = None) -> None:
-    """Close a run already locked through `current`."""
-    _close(run, status, error)
+def give_back(session: Session, email_id: int, token: int) -> None:
+    """Undo the count of an attempt that did no work worth counting (deferred: throttled,
+    rate-limited, a fleet-wide fault, model calls switched off)."""
+    run = current(session, email_id, token)
+    run.attempts = max(0, run.attempts - 1)
+    run.attempt_started_at = None
 
 
 def record_failed_attempt(
-    session: Session, email_id: int, token: int, error: str, max_attempts: int
-) -> bool:
-    """Record a failed attempt; True when attempts remain, False when the run failed for good."""
+    session: Session, email_id: int, token: int, error: str, max_attempts: int, delay: float
+) -> Outcome:
+    """Record a failed attempt: retried after `delay` while attempts remain, the run failed for
+    good once none do."""
     run = current(session, email_id, token)
-    run.attempt_started_at = None
     if run.attempts >= max_attempts:
-        _close(run, RunStatus.FAILED, f"gave up after {run.attempts} attempts: {error}")
-        return False
+        return _give_up(run, f"gave up after {run.attempts} attempts: {error}")
+    run.attempt_started_at = None
     run.error = _clip(error)
-    return True
+    return Outcome(Kind.RETRY, delay, error)
 
 
-def fail(session: Session, email_id: int, error: str, token: int | None = None) -> bool:
-    """Fail the open run: the one at claim `token` (Superseded otherwise), or with None whatever
-    its claim (a job deferred past its bound, rejected input found before any claim); False if it
-    is closed already."""
-    if token is not None:
-        run = current(session, email_id, token)
-    else:
-        run = _locked_run(session, email_id)
-        if run.status is not RunStatus.OPEN:
-            return False
-    _close(run, RunStatus.FAILED, error)
+def fail(session: Session, email_id: int, error: str) -> bool:
+    """Fail the open run whatever its claim, from outside any delivery's claim (a job deferred
+    or paused past its bound); False if it is closed already."""
+    run = _locked_run(session, email_id)
+    if run.status is not RunStatus.OPEN:
+        return False
+    _fail(run, error)
     return True
 
 
@@ -385,12 +384,7 @@ def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[in
         session.scalars(
             update(PipelineRun)
             .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-            .values(
-                status=RunStatus.FAILED,
-                error=_clip(reason),
-                closed_at=utcnow(),
-                attempt_started_at=None,
-            )
+            .values(_closed(RunStatus.FAILED, reason))
             .returning(PipelineRun.email_id)
         )
     )
@@ -461,11 +455,28 @@ def _locked_run(session: Session, email_id: int) -> PipelineRun:
     return session.scalars(statement).one()
 
 
-def _close(run: PipelineRun, status: RunStatus, error: str | None) -> None:
-    run.status = status
-    run.error = _clip(error) if error else run.error if status is RunStatus.FAILED else None
-    run.attempt_started_at = None
-    run.closed_at = utcnow()
+def _closed(status: RunStatus, error: str | None = None) -> dict[str, Any]:
+    """What a closed run holds, however it was closed: no attempt running, and the error it
+    failed with (none for a run that did not fail)."""
+    return {
+        "status": status,
+        "error": _clip(error) if error else None,
+        "attempt_started_at": None,
+        "closed_at": utcnow(),
+    }
+
+
+def _fail(run: PipelineRun, error: str) -> None:
+    """Fail a run locked in this transaction (`_locked_run`)."""
+    for column, value in _closed(RunStatus.FAILED, error).items():
+        setattr(run, column, value)
+
+
+def _give_up(run: PipelineRun, error: str) -> Outcome:
+    """Fail a locked run whose attempts, or shutdown windows, are used up."""
+    _fail(run, error)
+    log.error("email %s: failed: %s", run.email_id, run.error)
+    return Outcome(Kind.FAILED, error=run.error)
 
 
 def _clip(text: str) -> str:

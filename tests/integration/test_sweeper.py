@@ -22,7 +22,7 @@ from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import store_classification
-from mailpipe.pipeline.job import Kind
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
@@ -80,7 +80,7 @@ def classify_then_die(res: Resources, email_id: int) -> None:
     with res.db.transaction() as session:
         run = runs.current(session, email_id, token)
         store_classification(session, run.id, email_id, ClassificationResult((), "m", "p"))
-        runs.mark_classified(run)
+        runs.classified(session, email_id, token)
 
 
 def answered_earlier(res: Resources, email_id: int, seconds: float) -> None:

@@ -51,8 +51,8 @@ MUTANTS = [
     Mutant(
         "claim-runs-closed",
         "mailpipe/pipeline/runs.py",
-        "    if run.status is not RunStatus.OPEN:\n        return ClaimResult(Claim.CLOSED",
-        "    if False:\n        return ClaimResult(Claim.CLOSED",
+        "    if run.status is not RunStatus.OPEN:\n        return Outcome(Kind.CLOSED",
+        "    if False:\n        return Outcome(Kind.CLOSED",
         "a closed run is run again",
     ),
     Mutant(
@@ -65,8 +65,8 @@ MUTANTS = [
     Mutant(
         "claim-one-attempt-more",
         "mailpipe/pipeline/runs.py",
-        "    if run.attempts >= max_attempts:\n        _close(\n            run,",
-        "    if run.attempts > max_attempts:\n        _close(\n            run,",
+        "    if run.attempts >= max_attempts:\n        return _give_up(\n            run,",
+        "    if run.attempts > max_attempts:\n        return _give_up(\n            run,",
         "a fifth attempt",
     ),
     Mutant(
@@ -79,8 +79,8 @@ MUTANTS = [
     Mutant(
         "cut-off-never-fails",
         "mailpipe/pipeline/runs.py",
-        "            if run.attempts < max_attempts:\n                return ClaimResult(Claim.BACK_OFF",
-        "            if True:\n                return ClaimResult(Claim.BACK_OFF",
+        "            if run.attempts < max_attempts:\n                return Outcome(Kind.RETRY",
+        "            if True:\n                return Outcome(Kind.RETRY",
         "a job cut off by the hard time limit retries for ever",
     ),
     Mutant(
@@ -142,8 +142,8 @@ MUTANTS = [
     Mutant(
         "transient-one-attempt-more",
         "mailpipe/pipeline/runs.py",
-        "    run.attempt_started_at = None\n    if run.attempts >= max_attempts:",
-        "    run.attempt_started_at = None\n    if run.attempts > max_attempts:",
+        "    if run.attempts >= max_attempts:\n        return _give_up(run, f",
+        "    if run.attempts > max_attempts:\n        return _give_up(run, f",
         "a fifth attempt after transient errors",
     ),
     Mutant(

@@ -167,8 +167,8 @@ job._run_steps = _run_steps_with_faults
 _real_store_classification = job._store_classification
 
 
-def _store_classification_with_faults(session, run, email_id: int, result) -> None:  # type: ignore[no-untyped-def]
-    _real_store_classification(session, run, email_id, result)
+def _store_classification_with_faults(session, email_id: int, *args: object) -> None:  # type: ignore[no-untyped-def]
+    _real_store_classification(session, email_id, *args)
     from mailpipe.resources import get_resources
 
     redis = get_resources().redis

@@ -12,8 +12,8 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import email_for_classifier, store_classification
-from mailpipe.pipeline.job import Kind
 from mailpipe.pipeline.labels import sync_model_labels
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel, EmailMessage, PipelineRun, RunStatus

@@ -15,7 +15,7 @@ from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
-from mailpipe.pipeline.job import Kind
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
@@ -292,7 +292,7 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
         runs.converted(session, email_id, a.token)
     with res.db.transaction() as session:
-        runs.end_attempt(session, email_id, c.token, RunStatus.SUCCEEDED)
+        runs.close(session, email_id, c.token, RunStatus.SUCCEEDED)
     assert run_of(res, email_id).status is RunStatus.SUCCEEDED
 
 
@@ -313,14 +313,14 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
                 session, email_id, 4, cut_off_at=time.time, max_shutdown_cutoffs=3
             )
         run = run_of(res, email_id)
-        assert (claim.claim, run.attempts, run.cutoffs) == (runs.Claim.GO, 2, cut)
+        assert (type(claim), run.attempts, run.cutoffs) == (runs.Claim, 2, cut)
         assert run.error.startswith(f"cut off by shutdown ({cut} of at most 3)")
     with res.db.transaction() as session:
         claim = runs.claim_attempt(
             session, email_id, 4, cut_off_at=time.time, max_shutdown_cutoffs=3
         )
     run = run_of(res, email_id)
-    assert (claim.claim, run.status, run.cutoffs) == (runs.Claim.EXHAUSTED, RunStatus.FAILED, 3)
+    assert (claim.kind, run.status, run.cutoffs) == (Kind.FAILED, RunStatus.FAILED, 3)
     assert run.error.startswith("cut off by shutdown 3 times")
 
 

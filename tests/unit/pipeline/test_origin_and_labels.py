@@ -6,7 +6,7 @@ from mailpipe.classifiers import LabelScore
 from mailpipe.cli.ingest import store_emails
 from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline.labels import sync_model_labels
-from mailpipe.pipeline.origin import fingerprint, record_origin
+from mailpipe.pipeline.origin import find_origin, fingerprint, link_to_origin
 from mailpipe.storage.models import EmailLabel, EmailMessage, EmailOrigin
 
 LIMITS = ParseLimits(1 << 20, 25, 100, 10_000)
@@ -31,12 +31,16 @@ def test_fingerprint_links_copies_and_keeps_different_emails_apart() -> None:
     assert fingerprint(no_id_1) != fingerprint(no_id_2)
 
 
-def test_record_origin_is_idempotent_and_links_the_copy(res) -> None:  # type: ignore[no-untyped-def]
+def test_the_origin_is_idempotent_and_links_the_copy(res) -> None:  # type: ignore[no-untyped-def]
     first_id, copy_id = store_emails(res, [email("m1@x", "b", "mx1"), email("m1@x", "b", "mx2")])
+    first_email = parse_email(email("m1@x", "b", "mx1"), LIMITS)
+    copy_email = parse_email(email("m1@x", "b", "mx2"), LIMITS)
     for _ in range(2):  # running the step twice changes nothing
         with res.db.transaction() as session:
-            first = record_origin(session, first_id, parse_email(email("m1@x", "b", "mx1"), LIMITS))
-            copy = record_origin(session, copy_id, parse_email(email("m1@x", "b", "mx2"), LIMITS))
+            first = find_origin(session, first_id, first_email)
+            link_to_origin(session, first_id, first_email, first)
+            copy = find_origin(session, copy_id, copy_email)
+            link_to_origin(session, copy_id, copy_email, copy)
         assert first.duplicate_of is None
         assert copy.duplicate_of == first_id
         assert copy.origin_id == first.origin_id

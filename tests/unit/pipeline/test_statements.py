@@ -13,7 +13,7 @@ from sqlalchemy import event
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.pipeline import job
-from mailpipe.pipeline.job import Kind
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 

@@ -11,7 +11,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from mailpipe.cli.ingest import store_emails
 from mailpipe.errors import describe
 from mailpipe.pipeline import job
-from mailpipe.pipeline.job import Kind
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import db, flags
 from mailpipe.storage.models import EmailMessage, EmailOrigin, PipelineRun

@@ -1,0 +1,32 @@
+"""What one delivery of an email's job comes to: the one result of the claim (`runs`), the
+steps (`job`) and the task shell, which maps it to Celery's actions."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Kind(enum.StrEnum):
+    SUCCEEDED = "succeeded"
+    DUPLICATE = "duplicate"
+    WAITING = "waiting"  # open: the documents are stored, model calls are off
+    CLOSED = "already_closed"  # nothing done: the run was closed, or a later claim holds it
+    FAILED = "failed"
+    RETRY = "retry"  # an attempt failed and attempts remain: send again after `delay`
+    DEFER = "deferred"  # not an attempt: send again after `delay`
+    PAUSED = "paused"  # not an attempt: the stage is paused, the job goes back to its queue
+    HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: Kind
+    delay: float = 0.0  # RETRY, DEFER: seconds before the next delivery
+    error: str | None = None  # why, for FAILED, RETRY, DEFER and PAUSED
+    deferred_since: float | None = None  # DEFER: when this job was first deferred (unix time)
+
+    @property
+    def follows_up(self) -> bool:
+        """Another delivery of the job is to be sent."""
+        return self.kind in (Kind.RETRY, Kind.DEFER, Kind.PAUSED, Kind.HANDED_OFF)
