@@ -84,6 +84,18 @@ def _quick_tier(config: pytest.Config) -> bool:
     return config.getoption("markexpr", "") == "not services"
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The quick tier does not import the modules whose every test it would deselect (the
+    services' own imports take seconds in each process)."""
+    if not _quick_tier(config):
+        return None
+    path = collection_path.relative_to(REPO).as_posix()
+    wanted = path.startswith(NO_SERVICES) or any(
+        entry.startswith(path + "/") for entry in NO_SERVICES
+    )
+    return None if wanted else True
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Redis and PostgreSQL are there, or the run stops with how to start them (not for the
     quick tier, which needs neither).
