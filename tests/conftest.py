@@ -11,6 +11,7 @@ Tests of pure code (`NO_SERVICES` below) need none: every other test is marked `
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         entry.startswith(path + "/") for entry in NO_SERVICES
     )
     return None if wanted else True
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What is loaded by now (modules, classes, the collected tests) lives to the end of the run:
+    frozen, it is left out of the full garbage collections that a test's garbage (a botocore
+    client's tens of thousands of objects) sets off."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
