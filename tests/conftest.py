@@ -11,6 +11,7 @@ Tests of pure code (`NO_SERVICES` below) need none: every other test is marked `
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _quick_tier(config: pytest.Config) -> bool:
     return config.getoption("markexpr", "") == "not services"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The quick tier does not import the modules whose every test it would deselect (the
+    services' own imports take seconds in each process)."""
+    if not _quick_tier(config):
+        return None
+    path = collection_path.relative_to(REPO).as_posix()
+    wanted = path.startswith(NO_SERVICES) or any(
+        entry.startswith(path + "/") for entry in NO_SERVICES
+    )
+    return None if wanted else True
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What is loaded by now (modules, classes, the collected tests) lives to the end of the run:
+    frozen, it is left out of the full garbage collections that a test's garbage (a botocore
+    client's tens of thousands of objects) sets off."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

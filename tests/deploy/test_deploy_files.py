@@ -605,28 +605,39 @@ def test_dockerignore_applies_to_the_documented_build():
 # --- CloudFormation ----------------------------------------------------------------------------
 
 
-def cfn_lint(path: Path) -> list[dict]:
-    exe = Path(sys.executable).parent / "cfn-lint"
-    proc = subprocess.run(
-        [str(exe), "--format", "json", "--", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode in (0, 2, 4, 6, 8, 10, 12, 14), proc.stderr
-    return json.loads(proc.stdout or "[]")
-
-
-def test_template_passes_cfn_lint():
-    findings = cfn_lint(TEMPLATE)
-    problems = [f for f in findings if f["Level"] in ("Error", "Warning")]
-    assert not problems, json.dumps(problems, indent=1)
-
-
-def test_cfn_lint_catches_a_broken_template(tmp_path):
-    broken = tmp_path / "broken.yaml"
+@pytest.fixture(scope="module")
+def cfn_lint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """cfn-lint's findings for the template and for a broken copy of it, by file name, from one
+    run: cfn-lint takes seconds to load its rules."""
+    broken = tmp_path_factory.mktemp("cfn") / "broken.yaml"
     text = TEMPLATE.read_text().replace(
         "ScalableDimension: ecs:service:DesiredCount", "ScalableDimension: ecs:service:Desired"
     )
     broken.write_text(text.replace("Statistic: Maximum", "Statistic: Largest"))
-    assert [f for f in cfn_lint(broken) if f["Level"] == "Error"]
+    exe = Path(sys.executable).parent / "cfn-lint"
+    proc = subprocess.run(
+        [str(exe), "--format", "json", "--", str(TEMPLATE), str(broken)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode in (0, 2, 4, 6, 8, 10, 12, 14), proc.stderr
+    findings = json.loads(proc.stdout or "[]")
+    by_file = {
+        name: [f for f in findings if f["Filename"] == str(path)]
+        for name, path in (("template", TEMPLATE), ("broken", broken))
+    }
+    assert sum(map(len, by_file.values())) == len(findings), findings
+    return by_file
+
+
+def test_template_passes_cfn_lint(cfn_lint):
+    problems = [f for f in cfn_lint["template"] if f["Level"] in ("Error", "Warning")]
+    assert not problems, json.dumps(problems, indent=1)
+
+
+def test_cfn_lint_catches_a_broken_template(cfn_lint):
+    assert [f for f in cfn_lint["broken"] if f["Level"] == "Error"]
 
 
 def test_worker_scales_on_backlog_per_task(template):

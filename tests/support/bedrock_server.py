@@ -207,6 +207,7 @@ class BedrockServer:
     ) -> None:
         self.delay = delay
         self.default = default
+        self._script = (delay, default)
         self._lock = threading.Lock()
         self._queue: deque[Responder] = deque()
         self._requests: list[ConverseRequest] = []
@@ -229,6 +230,13 @@ class BedrockServer:
         """Answer the next requests with these, in order."""
         with self._lock:
             self._queue.extend(responders)
+
+    def reset(self) -> None:
+        """Back to the script it started with: no answers queued, no requests recorded."""
+        with self._lock:
+            self._queue.clear()
+            self._requests.clear()
+            self.delay, self.default = self._script
 
     def start(self) -> Self:
         # A short poll interval keeps `stop` quick (it waits for the serving loop's next poll).

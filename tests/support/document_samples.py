@@ -43,6 +43,9 @@ DEFAULT_LIMITS = DocumentLimits(
     max_text_chars=2_000_000,
     max_depth=25,
 )
+# The shared corpus's files are tested for what they convert to, not for the time limit
+# (test_document_timeout.py is): the largest takes seconds, and a loaded machine many more.
+CORPUS_LIMITS = dataclasses.replace(DEFAULT_LIMITS, time_limit=300.0)
 
 
 def attachment(
@@ -144,6 +147,17 @@ def docx_bytes(paragraphs: Iterable[str] = ("Hello from a DOCX.",), table: bool 
     out = io.BytesIO()
     document.save(out)
     return out.getvalue()
+
+
+def docx_with_text(text: str) -> bytes:
+    """A DOCX of one paragraph of `text`, put into the part directly: python-docx adds text a
+    character at a time, which takes seconds for megabytes."""
+    package = docx_bytes(["PLACEHOLDER"])
+    with zipfile.ZipFile(io.BytesIO(package)) as archive:
+        body = archive.read("word/document.xml")
+    return rezip(
+        package, replace={"word/document.xml": body.replace(b"PLACEHOLDER", text.encode())}
+    )
 
 
 def xlsx_bytes(rows: Iterable[Iterable[object]] = (("name", "amount"), ("Alice", 42))) -> bytes:

@@ -1,5 +1,6 @@
 """The layers of the package, and which ones each layer pulls in when imported in a clean
-interpreter: imports run one way, from the command line and the Celery face down to storage.
+interpreter (as far as mailpipe goes: `tests.support.forked`): imports run one way, from the
+command line and the Celery face down to storage.
 
     .venv/bin/pytest tests/unit/test_layers.py -s      # prints the table
 """
@@ -7,10 +8,10 @@ interpreter: imports run one way, from the command line and the Celery face down
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from tests.support.forked import run_forked
 
 # Bottom to top. A layer may import the layers before it in this list, never one after it; the
 # four middle ones are peers that do not import one another.
@@ -80,9 +81,31 @@ EXPECTED = {
 # Libraries an upstream process that only enqueues must not pay for.
 CONVERTERS = ("pypdf", "docx", "openpyxl", "numpy", "boto3", "sqlalchemy")
 
+# Imported once before the modules above are, each in a child of that interpreter: the libraries
+# that take most of an import's time. One left out costs time, not correctness.
+LIBRARIES = (
+    "alembic",
+    "boto3",
+    "bs4",
+    "celery.app",
+    "celery.worker",
+    "click",
+    "docx",
+    "email.policy",
+    "kombu.transport.redis",
+    "openpyxl",
+    "psycopg",
+    "pydantic_settings",
+    "pypdf",
+    "redis",
+    "rich",
+    "sqlalchemy.dialects.postgresql",
+    "sqlalchemy.orm",
+)
+
 _PROBE = """
 import importlib, json, sys
-importlib.import_module(sys.argv[1])
+importlib.import_module({module!r})
 print(json.dumps(sorted(sys.modules)))
 """
 
@@ -97,17 +120,22 @@ def layer_of(module: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def imported(module: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, module], capture_output=True, text=True, check=True
-    ).stdout
-    return json.loads(out)
+def imported(modules: list[str], preload: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """The modules loaded after importing each of `modules`, each in a child of its own."""
+    found = run_forked([(_PROBE.format(module=module), {}) for module in modules], preload)
+    return dict(zip(modules, map(json.loads, found), strict=True))
+
+
+@pytest.fixture(scope="module")
+def pulled_in() -> dict[str, list[str]]:
+    return imported(sorted(EXPECTED), LIBRARIES)
 
 
 @pytest.mark.parametrize("module", sorted(EXPECTED))
-def test_each_layer_pulls_in_only_the_layers_below_it(module: str) -> None:
-    modules = imported(module)
-    layers = {layer for layer in map(layer_of, modules) if layer is not None}
+def test_each_layer_pulls_in_only_the_layers_below_it(
+    module: str, pulled_in: dict[str, list[str]]
+) -> None:
+    layers = {layer for layer in map(layer_of, pulled_in[module]) if layer is not None}
     print(f"\n{module:<34} -> {', '.join(name for name in LAYERS if name in layers)}")
     assert layers == EXPECTED[module]
 
@@ -124,5 +152,6 @@ def test_the_expected_layers_respect_the_order() -> None:
 
 
 def test_enqueueing_imports_no_document_converter_nor_storage_library() -> None:
-    modules = imported("mailpipe.enqueue")
+    # Nothing imported before: the libraries are what this test is about.
+    modules = imported(["mailpipe.enqueue"])["mailpipe.enqueue"]
     assert not [m for m in modules if m.split(".")[0] in CONVERTERS]

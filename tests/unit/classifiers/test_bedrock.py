@@ -49,10 +49,16 @@ def fake_aws(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
 
 
-@pytest.fixture
-def server() -> Iterator[BedrockServer]:
+@pytest.fixture(scope="module")
+def running_server() -> Iterator[BedrockServer]:
     with BedrockServer() as running:
         yield running
+
+
+@pytest.fixture
+def server(running_server: BedrockServer) -> BedrockServer:
+    running_server.reset()
+    return running_server
 
 
 def make_classifier(server: BedrockServer, **overrides: object) -> BedrockClassifier:

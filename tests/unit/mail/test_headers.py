@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import email.parser
 import email.policy
 import string
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from mailpipe.mail import headers, parse
 from mailpipe.mail.parse import ParseLimits, parse_email
-from tests.support.paths import CORPUS
+from tests.support.corpus import CORPUS_LIMITS, CorpusFile
 
 LIMITS = ParseLimits(max_bytes=1 << 24, max_depth=25, max_parts=500, body_max_chars=100_000)
-CORPUS_EMAILS = CORPUS / "emails"
 NAMES = ("Subject", "From", "To", "Cc", "Message-ID", "Date")
 # The same examples on every run, and nothing written to the working tree.
 CHECKED = settings(deadline=None, derandomize=True, database=None)
@@ -174,43 +173,34 @@ def test_other_values_are_left_to_the_policy(name: str, raw: str) -> None:
     assert headers.plain_value(name, raw) is None
 
 
-def corpus_emails() -> list[Path]:
-    found = sorted(p for p in CORPUS_EMAILS.rglob("*") if p.is_file())
-    assert found, f"no emails under {CORPUS_EMAILS}"
-    return found
-
-
 def test_corpus_emails_parse_the_same_with_and_without_plain_values(
-    monkeypatch: pytest.MonkeyPatch,
+    parsed_corpus: list[CorpusFile], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every field of every parsed corpus email, and how many headers took the plain path."""
-    parsed: dict[Path, object] = {}
-    plain_read = 0
-    for path in corpus_emails():
-        try:
-            parsed[path] = parse_email(path.read_bytes(), LIMITS)
-        except Exception as exc:  # an email the parser rejects must be rejected alike
-            parsed[path] = repr(exc)
     with monkeypatch.context() as patched:
         patched.setattr(parse, "plain_value", lambda name, raw: None)
-        for path, expected in parsed.items():
+        for file in parsed_corpus:
             try:
-                again: object = parse_email(path.read_bytes(), LIMITS)
-            except Exception as exc:
-                again = repr(exc)
-            assert again == expected, path.name
-    for path, result in parsed.items():
-        if not isinstance(result, str):
-            plain_read += sum(
-                headers.plain_value(name, value) is not None
-                for name, value in _top_headers(path.read_bytes())
-            )
+                again: object = parse_email(file.raw, CORPUS_LIMITS)
+            except Exception as exc:  # an email the parser rejects must be rejected alike
+                again = exc
+            assert _compared(again) == _compared(file.parsed), file.path.name
+    plain_read = sum(
+        headers.plain_value(name, value) is not None
+        for file in parsed_corpus
+        if not isinstance(file.parsed, Exception)
+        for name, value in _top_headers(file.raw)
+    )
     # The corpus is real mail: its emails must still average more than one header read plainly.
-    assert plain_read > len(parsed)
+    assert plain_read > len(parsed_corpus)
+
+
+def _compared(outcome: object) -> object:
+    return repr(outcome) if isinstance(outcome, Exception) else outcome
 
 
 def _top_headers(raw: bytes) -> list[tuple[str, str]]:
-    message = email.message_from_bytes(raw, policy=email.policy.default)
+    message = email.parser.BytesHeaderParser(policy=email.policy.default).parsebytes(raw)
     return [(k, v) for k, v in message.raw_items() if k in NAMES]
 
 

@@ -4,18 +4,24 @@ import codecs
 import email
 import email.policy
 import tracemalloc
-from pathlib import Path
 
 import pytest
 
 from mailpipe.errors import InputRejected
-from mailpipe.mail.parse import ParseLimits, _parse_bytes, header, looks_like_email, parse_email
+from mailpipe.mail.parse import (
+    ParsedEmail,
+    ParseLimits,
+    _parse_bytes,
+    header,
+    looks_like_email,
+    parse_email,
+)
 from mailpipe.mail.prescan import prescan
 from mailpipe.mail.text import ALLOWED_CODECS, allowed_codec, decode_text, storable
+from tests.support.corpus import CORPUS_EMAILS
 from tests.support.emails import nested_multipart
 
 LIMITS = ParseLimits(max_bytes=1 << 20, max_depth=25, max_parts=200, body_max_chars=10_000)
-CORPUS_EMAILS = Path(__file__).resolve().parents[4] / "shared" / "corpus" / "emails"
 
 
 def test_plain_email_headers_and_body() -> None:
@@ -120,35 +126,30 @@ def test_a_very_long_header_is_decoded_without_the_policy_parser() -> None:
     assert peak < 20 << 20
 
 
-def test_every_corpus_eml_parses_and_non_emails_are_rejected() -> None:
-    limits = ParseLimits(50 << 20, 25, 1000, 200_000)
-    emls = sorted(CORPUS_EMAILS.rglob("*.eml"))
+def test_every_corpus_eml_parses_and_non_emails_are_rejected(parsed_corpus) -> None:
+    emls = [file for file in parsed_corpus if file.path.suffix == ".eml"]
     assert len(emls) > 40
-    for path in emls:
-        parse_email(path.read_bytes(), limits)
+    for eml in emls:
+        assert isinstance(eml.parsed, ParsedEmail), (eml.path, eml.parsed)
+    by_name = {file.path.relative_to(CORPUS_EMAILS).as_posix(): file for file in parsed_corpus}
     for name in ("flanker/attachments/small.png", "flanker/LICENSE", "mail-parser/mail_outlook_1"):
-        raw = (CORPUS_EMAILS / name).read_bytes()
-        assert not looks_like_email(raw)
-        with pytest.raises(InputRejected, match="not an email"):
-            parse_email(raw, limits)
+        file = by_name[name]
+        assert not looks_like_email(file.raw)
+        assert isinstance(file.parsed, InputRejected) and "not an email" in str(file.parsed)
 
 
-def corpus_emails() -> list[Path]:
-    """Every file of the corpus that reads as an email, with or without a .eml name."""
-    files = sorted(p for p in CORPUS_EMAILS.rglob("*") if p.is_file())
-    return [p for p in files if looks_like_email(p.read_bytes())]
-
-
-def test_every_corpus_email_parses_and_the_pre_scan_counts_as_the_parser_does() -> None:
-    limits = ParseLimits(50 << 20, 25, 1000, 200_000)
-    emails = corpus_emails()
+def test_every_corpus_email_parses_and_the_pre_scan_counts_as_the_parser_does(
+    parsed_corpus,
+) -> None:
+    # Every file that reads as an email, with or without a .eml name.
+    emails = [file for file in parsed_corpus if looks_like_email(file.raw)]
     assert len(emails) >= 140
-    for path in emails:
-        raw = path.read_bytes()
-        parsed = parse_email(raw, limits)
-        scan = prescan(raw, max_parts=1000, max_depth=25)
+    for email_file in emails:
+        parsed = email_file.parsed
+        assert isinstance(parsed, ParsedEmail), (email_file.path, parsed)
+        scan = prescan(email_file.raw, max_parts=1000, max_depth=25)
         built = _count_entities(_parse_bytes(scan.raw, 1000))
-        assert (scan.parts, scan.parsed_parts) == (parsed.part_count, built), path
+        assert (scan.parts, scan.parsed_parts) == (parsed.part_count, built), email_file.path
 
 
 def _count_entities(message: email.message.Message) -> int:

@@ -69,23 +69,26 @@ _SIDE_EFFECTS = _SideEffects()
 sys.addaudithook(_SIDE_EFFECTS.hook)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def limits() -> DocumentLimits:
     return DEFAULT_LIMITS
 
 
-@pytest.fixture
-def convert() -> Iterator[Callable[[Attachment, DocumentLimits], ConvertedDocument]]:
-    def run(att: Attachment, limits: DocumentLimits) -> ConvertedDocument:
-        _SIDE_EFFECTS.recording = True
-        try:
-            return convert_attachment(att, limits)
-        finally:
-            _SIDE_EFFECTS.recording = False
-
+def _convert(att: Attachment, limits: DocumentLimits) -> ConvertedDocument:
     _SIDE_EFFECTS.seen.clear()
-    yield run
+    _SIDE_EFFECTS.recording = True
+    try:
+        document = convert_attachment(att, limits)
+    finally:
+        _SIDE_EFFECTS.recording = False
     assert _SIDE_EFFECTS.seen == [], "conversion touched files, network or processes"
+    return document
+
+
+@pytest.fixture(scope="session")
+def convert() -> Callable[[Attachment, DocumentLimits], ConvertedDocument]:
+    """Session-wide, so that a module's fixture can share one conversion among its tests."""
+    return _convert
 
 
 class _RequestLog(http.server.BaseHTTPRequestHandler):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.support.document_samples import attachment, corpus_files
+from mailpipe.mail.documents import ConvertedDocument, DocumentLimits
+from mailpipe.mail.parse import Attachment
+from tests.support.document_samples import CORPUS_LIMITS, attachment, corpus_files
 
 # Files that cannot be converted, and the reason each must be recorded with. Every other file of
 # the corpus must convert. The password one does not open with the empty password (checked with
@@ -31,13 +36,47 @@ def test_the_corpus_is_there() -> None:
     assert len(CORPUS) >= 70
 
 
-@pytest.mark.parametrize("path", CORPUS, ids=lambda path: path.name)
-def test_corpus_file_converts_or_fails_with_a_reason(path: Path, convert, limits) -> None:
-    payload = path.read_bytes()
-    # Declared as octet-stream, as careless mail clients do: the format comes from the bytes.
-    document = convert(attachment(payload, "application/octet-stream", path.name), limits)
+@dataclass(frozen=True)
+class Conversion:
+    document: ConvertedDocument
+    logged: list[logging.LogRecord]  # what reached the root logger's handlers, as in a worker
 
-    assert document.size == len(payload)
+
+@pytest.fixture(scope="module")
+def converted(
+    convert: Callable[[Attachment, DocumentLimits], ConvertedDocument],
+) -> Callable[[Path], Conversion]:
+    """Each corpus file converted once for the module: the GeoTopo PDF, seconds of CPU, serves
+    two tests."""
+
+    @functools.cache
+    def conversion(path: Path) -> Conversion:
+        # Declared as octet-stream, as careless mail clients do: the format comes from the bytes.
+        att = attachment(path.read_bytes(), "application/octet-stream", path.name)
+        logged: list[logging.LogRecord] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                logged.append(record)
+
+        root, handler = logging.getLogger(), Keep()
+        level = root.level
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG)
+        try:
+            return Conversion(convert(att, CORPUS_LIMITS), logged)
+        finally:
+            root.removeHandler(handler)
+            root.setLevel(level)
+
+    return conversion
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda path: path.name)
+def test_corpus_file_converts_or_fails_with_a_reason(path: Path, converted) -> None:
+    document = converted(path).document
+
+    assert document.size == path.stat().st_size
     assert document.safe_filename == path.name
     if path.name in EXPECTED_FAILURES:
         assert (document.status, document.error) == ("failed", EXPECTED_FAILURES[path.name])
@@ -53,28 +92,15 @@ def test_corpus_file_converts_or_fails_with_a_reason(path: Path, convert, limits
 
 
 def test_pypdf_s_warnings_about_a_document_are_debug_lines_without_its_content(
-    convert, limits
+    converted,
 ) -> None:
     """The GeoTopo PDF's Type 1 fonts make pypdf warn over a thousand times, each warning with
     a dump of a font dictionary: what reaches the process's handlers (the root logger's, as a
     worker has them) is DEBUG lines of mailpipe's, none carrying the dump."""
     [path] = [p for p in CORPUS if p.name == "GeoTopo-komprimiert.pdf"]
-    seen: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record)
-
-    root, handler = logging.getLogger(), Keep()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    try:
-        document = convert(attachment(path.read_bytes(), "application/pdf", path.name), limits)
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-    assert document.status == "converted"
+    conversion = converted(path)
+    assert conversion.document.status == "converted"
+    seen = conversion.logged
     assert [r.name for r in seen if r.name.startswith("pypdf")] == []
     reported = [r.getMessage() for r in seen if r.name == "mailpipe.mail.documents.pdf"]
     assert len(reported) > 100
