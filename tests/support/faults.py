@@ -26,7 +26,8 @@ after the paid call, whose next delivery must take the stored answer instead of 
 
 A fault can be limited to its first N deliveries (``times``). Every delivery that reaches the
 steps is counted under ``runs_key`` and its start time kept under ``starts_key``, so tests can
-tell how often and when the steps really ran.
+tell how often and when the steps really ran; the countdown of every retry a delivery asks Celery
+for (what ``EmailJobTask.follow`` passes to ``retry``) is kept under ``countdowns_key``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from redis import Redis
 from sqlalchemy import event
 
+from mailpipe.app.tasks import EmailJobTask
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
 from mailpipe.pipeline import job, runs
@@ -63,6 +65,11 @@ def answer_fault_key(email_id: int, prefix: str | None = None) -> str:
 def starts_key(email_id: int, prefix: str | None = None) -> str:
     """A list of the wall-clock times at which deliveries reached the steps."""
     return _key(f"test:starts:{email_id}", prefix)
+
+
+def countdowns_key(email_id: int, prefix: str | None = None) -> str:
+    """A list of the countdowns (seconds) of the retries the email's deliveries sent, in order."""
+    return _key(f"test:countdowns:{email_id}", prefix)
 
 
 def release_key(email_id: int, prefix: str | None = None) -> str:
@@ -205,3 +212,16 @@ def _claim_attempt_with_faults(session, email_id: int, *args: object, **kwargs: 
 
 
 runs.claim_attempt = _claim_attempt_with_faults
+
+_real_follow = EmailJobTask.follow
+
+
+def _follow_recorded(self, email_id: int, outcome: job.Outcome) -> str:  # type: ignore[no-untyped-def]
+    if outcome.kind is job.Kind.RETRY:
+        from mailpipe.resources import get_resources
+
+        get_resources().redis.rpush(countdowns_key(email_id), repr(outcome.delay))
+    return _real_follow(self, email_id, outcome)
+
+
+EmailJobTask.follow = _follow_recorded  # type: ignore[method-assign]
