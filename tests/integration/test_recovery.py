@@ -25,7 +25,7 @@ from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun, SweepReport
 from tests.support.bedrock_server import BedrockServer, throttling
-from tests.support.faults import set_claim_fault
+from tests.support.faults import claims_held, release_claim, set_claim_fault
 from tests.support.services import PrivatePostgres
 from tests.support.waits import wait_for, wait_until_closed
 
@@ -213,14 +213,15 @@ def test_postgresql_restarted_during_a_claim_is_a_retry_not_a_lost_job(res, flee
             MAILPIPE_RETRY_BACKOFF_BASE="0.5",
             MAILPIPE_RETRY_BACKOFF_MAX="2",
         )
-        set_claim_fault(res.redis, email_id, 3.0, prefix=f.prefix)
+        set_claim_fault(res.redis, email_id, prefix=f.prefix)
         f.enqueue([email_id])
         f.worker("claimer")
-        fault = f"{f.prefix}mailpipe:test:claimfault:{email_id}"
-        wait_for(lambda: res.redis.hget(fault, "left") == b"0", 30, "the claim to start")
+        wait_for(
+            lambda: claims_held(res.redis, email_id, f.prefix) == 1, 30, "the claim to be held"
+        )
         pg.stop()  # the claim's connection is cut mid-transaction
-        time.sleep(1)
         pg.start()
+        release_claim(res.redis, email_id, f.prefix)  # it goes on, on its dead connection
         # This process's own pooled connections died with the server too: read on fresh ones.
         private.close()
         private = Resources(private.settings)

@@ -17,8 +17,9 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
   that says when to come back (a Retry-After);
 - ``raise``: raises a RuntimeError, an error nothing foresaw (a bug in a step, or in a library).
 
-A claim fault (``set_claim_fault``) makes the delivery wait inside its claim transaction, after
-the run's row is locked, for the given seconds: a window in which to restart the database.
+A claim fault (``set_claim_fault``) holds the delivery inside its claim transaction, after the
+run's row is locked, until the test lets that one claim go (``release_claim``): a window in
+which to restart the database, or to read what the attempt before left on the run.
 
 An answer fault (``set_answer_fault``) SIGKILLs the model stage's process once the transaction
 that stores the model's answer for the email has committed, before the labels: a job that dies
@@ -85,10 +86,22 @@ def claim_fault_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:claimfault:{email_id}", prefix)
 
 
-def set_claim_fault(
-    redis: Redis, email_id: int, seconds: float, times: int = 1, prefix: str | None = None
-) -> None:
-    redis.hset(claim_fault_key(email_id, prefix), mapping={"seconds": seconds, "left": times})
+def claim_release_key(email_id: int, prefix: str | None = None) -> str:
+    return _key(f"test:claimrelease:{email_id}", prefix)
+
+
+def set_claim_fault(redis: Redis, email_id: int, times: int = 1, prefix: str | None = None) -> None:
+    redis.hset(claim_fault_key(email_id, prefix), mapping={"left": times})
+
+
+def claims_held(redis: Redis, email_id: int, prefix: str | None = None) -> int:
+    """How many of the email's claims the fault has held so far, each until released."""
+    return int(redis.hget(claim_fault_key(email_id, prefix), "held") or 0)
+
+
+def release_claim(redis: Redis, email_id: int, prefix: str | None = None) -> None:
+    """Let one held claim of the email go on (the next one to be held, if none is yet)."""
+    redis.set(claim_release_key(email_id, prefix), 1)
 
 
 def set_answer_fault(
@@ -207,7 +220,9 @@ def _claim_attempt_with_faults(session, email_id: int, *args: object, **kwargs: 
     if fault and int(fault[b"left"]) > 0:
         redis.hincrby(key, "left", -1)
         session.flush()  # the run's row is written and locked, not yet committed
-        time.sleep(float(fault[b"seconds"]))
+        redis.hincrby(key, "held", 1)
+        while not redis.delete(claim_release_key(email_id)):  # each release lets one claim go
+            time.sleep(0.1)
     return result
 
 
