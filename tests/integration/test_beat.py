@@ -43,18 +43,25 @@ def test_two_beats_fire_each_sweep_once_and_the_standby_takes_over(res, tmp_path
         start, sent_before = time.monotonic(), res.redis.llen(control)
         wait_for(lambda: res.redis.llen(control) - sent_before >= 3, 60, "three sweeps")
         elapsed, sent = time.monotonic() - start, res.redis.llen(control) - sent_before
-        # One schedule fires: at most one sweep per interval (plus one at a boundary), not two.
+        # One schedule fires: at most one sweep per interval (plus one at a boundary), not two. A
+        # lower bound on the time between sweeps, which beat keeps however late it runs.
         assert sent <= elapsed / SWEEP_INTERVAL + 1, (sent, elapsed)
 
         [active] = [b for b in beats if HOLDING in b.log_path.read_text()]
         [standby] = [b for b in beats if b is not active]
+        held_by_the_killed = res.redis.get(lock)
         active.kill()
-        killed_at, sent_at_kill = time.monotonic(), res.redis.llen(control)
-        wait_for(lambda: res.redis.llen(control) > sent_at_kill, 60, "the standby to fire")
-        takeover = time.monotonic() - killed_at
+        sent_at_kill = res.redis.llen(control)
+
+        def standby_fired() -> bool:
+            # Read in this order, a sweep seen while the killed beat's lock still stands was sent
+            # before it lapsed: the standby waits for the lock, not for a guess at its holder.
+            fired = res.redis.llen(control) > sent_at_kill
+            assert not (fired and res.redis.get(lock) == held_by_the_killed)
+            return fired
+
+        wait_for(standby_fired, 60, "the standby to take the lock and fire")
         assert HOLDING in standby.log_path.read_text()
-        # Within the lock timeout plus one check interval (well inside two minutes).
-        assert takeover <= LOCK_TIMEOUT + LOCK_TIMEOUT / 3 + SWEEP_INTERVAL + 2, takeover
     finally:
         for beat in beats:
             beat.stop()

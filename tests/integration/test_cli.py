@@ -8,10 +8,12 @@ import mailbox
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from email.message import EmailMessage
 from pathlib import Path
+from typing import Any
 
 import click
 import psycopg
@@ -114,13 +116,18 @@ def test_ingest_reads_mbox_maildir_and_files_and_reports_rejections(res, tmp_pat
     assert all(res.redis.exists(redis_keys.job_marker(i)) for i in stored)
 
 
-def queued_email_ids(res: Resources) -> list[int]:
-    """The email of every job waiting in the email queue, one entry a job."""
-    return sorted(
-        json.loads(raw)["headers"][brokerstate.EMAIL_ID_HEADER]
+def queued_headers(res: Resources) -> list[dict[str, Any]]:
+    """The headers of every job waiting in the email queue, one entry a job."""
+    return [
+        json.loads(raw)["headers"]
         for name in brokerstate.priority_lists(res.settings.queue)
         for raw in res.redis.lrange(name, 0, -1)
-    )
+    ]
+
+
+def queued_email_ids(res: Resources) -> list[int]:
+    """The email of every job waiting in the email queue, one entry a job."""
+    return sorted(headers[brokerstate.EMAIL_ID_HEADER] for headers in queued_headers(res))
 
 
 def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untyped-def]
@@ -131,8 +138,12 @@ def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untype
     assert job.process_email(res, bad).kind.value == "failed"
     assert job.process_email(res, good).kind.value == "succeeded"
     assert enqueue_emails([queued], res).sent == [queued]
+    [headers] = queued_headers(res)
+    enqueued_at = headers[brokerstate.ENQUEUED_AT_HEADER]
 
+    asked_from = time.time()
     run = mailpipe("status", "--json")
+    answered_by = time.time()
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
     assert data["emails"] == 4
@@ -140,7 +151,8 @@ def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untype
     assert data["runs"] == {"open": 0, "succeeded": 1, "duplicate": 0, "failed": 1}
     assert data["needs_review"] == 0
     assert data["queue"]["depth"] == 1
-    assert 0 <= data["queue"]["oldest_age_s"] < 60
+    # The queued job's age, from the enqueue time it carries, as of a moment during the command.
+    assert asked_from - enqueued_at <= data["queue"]["oldest_age_s"] <= answered_by - enqueued_at
     assert data["model_calls"] is True
     table = mailpipe("status")
     assert table.returncode == 0 and "queue depth" in table.stdout

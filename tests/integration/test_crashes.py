@@ -7,7 +7,6 @@ so a killed worker never takes the session's shared worker with it.
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 from sqlalchemy import select
@@ -53,7 +52,8 @@ def test_jobs_that_kill_their_child_fail_alone_after_their_attempts(res, fleet) 
         assert "worker process died" in run.error, (mode, run.error)
         assert f.runs(poison) == 4, mode  # requeued after each death, never a fifth time
     assert worker.alive()  # the main process lived through every crash
-    time.sleep(2)
+    # Every message acknowledged and none waiting: nothing is left that could run a fifth time.
+    wait_for(lambda: _unacked_and_queued(f) == (0, 0), 30, "every message acked")
     assert [f.runs(poison) for poison in poisons] == [4, 4, 4]
 
 
@@ -118,24 +118,28 @@ def test_sigterm_finishes_short_jobs_and_requeues_the_long_one_at_once(res, flee
     )
     leaving = f.worker("leaving", REMAP_SIGTERM="SIGQUIT")
     short, long = store_emails(res, [email("short"), email("long")])
-    f.set_fault(short, "slow:2", times=1)
-    f.set_fault(long, "slow:60", times=1)
+    # Both held while they start; the short one let go once its worker is stopping, the long one
+    # held past the window.
+    f.set_fault(short, "held", times=1)
+    f.set_fault(long, "held", times=1)
     f.enqueue([short, long])
     wait_for(lambda: f.runs(short) == 1 and f.runs(long) == 1, 30, "both jobs to start")
     f.worker("staying")
     leaving.signal(signal.SIGTERM)
+    f.release(short)
     # The long job is requeued when the window ends and finished elsewhere, long before the
     # 300 s visibility timeout would have brought it back (the wait gives up at 60 s).
     statuses = wait_until_closed(res, [short, long], timeout=60)
     assert statuses == {short: "succeeded", long: "succeeded"}
-    assert run_of(res, short).attempts == 1
+    short_run = run_of(res, short)
+    assert (short_run.attempts, short_run.cutoffs) == (1, 0)  # finished inside the window
     # The cut-off gave its attempt back: the job's one counted attempt is the one that finished.
     long_run = run_of(res, long)
     assert (long_run.attempts, long_run.cutoffs) == (1, 1)
     assert leaving.process.wait(30) is not None
 
 
-# A job far longer than the soft-shutdown window, and time limits far beyond both.
+# A soft-shutdown window that held jobs outlast, and time limits far beyond it.
 SHUTDOWN_WINDOW = {
     "MAILPIPE_SOFT_SHUTDOWN_TIMEOUT": "3",
     "MAILPIPE_VISIBILITY_TIMEOUT": "300",
@@ -159,7 +163,7 @@ def cut_off_by_shutdown(f: Fleet, email_id: int, delivery: int) -> PipelineRun:
 def test_a_job_cut_off_by_three_shutdowns_finishes_on_its_one_attempt(res, fleet) -> None:  # type: ignore[no-untyped-def]
     f = fleet(**SHUTDOWN_WINDOW)
     [long] = store_emails(res, [email("outlasts-shutdowns")])
-    f.set_fault(long, "slow:30", times=3)
+    f.set_fault(long, "held", times=3)
     f.enqueue([long])
     for delivery in (1, 2, 3):
         claimed = cut_off_by_shutdown(f, long, delivery)
@@ -179,7 +183,7 @@ def test_a_job_cut_off_by_three_shutdowns_finishes_on_its_one_attempt(res, fleet
 def test_a_job_cut_off_more_often_than_the_bound_fails_saying_why(res, fleet) -> None:  # type: ignore[no-untyped-def]
     f = fleet(**SHUTDOWN_WINDOW, MAILPIPE_MAX_SHUTDOWN_CUTOFFS="2")
     [long] = store_emails(res, [email("outlasts-every-window")])
-    f.set_fault(long, "slow:30")
+    f.set_fault(long, "held")
     f.enqueue([long])
     for delivery in (1, 2):
         cut_off_by_shutdown(f, long, delivery)
@@ -217,14 +221,16 @@ def test_a_job_that_ends_while_its_worker_stops_is_acked_not_requeued(
 ) -> None:  # type: ignore[no-untyped-def]
     # warm: SIGTERM as Celery takes it (wait for running jobs); soft: SIGTERM remapped to a cold
     # shutdown that first waits the soft-shutdown window, as the ECS task definitions run it.
-    # The soft-shutdown window covers the 2 s job with room; Celery waits it out in full.
+    # The job is held until its worker is stopping, then let go; the soft-shutdown window covers
+    # the rest of it with room, and Celery waits it out in full.
     f = fleet(MAILPIPE_SOFT_SHUTDOWN_TIMEOUT="8")
     worker = f.worker("stopping", **({"REMAP_SIGTERM": "SIGQUIT"} if stop == "soft" else {}))
     [ending] = store_emails(res, [email(f"ends-while-stopping-{stop}")])
-    f.set_fault(ending, "slow:2", times=1)
+    f.set_fault(ending, "held", times=1)
     f.enqueue([ending])
     wait_for(lambda: f.runs(ending) == 1, 30, "the job to start")
     worker.signal(signal.SIGTERM)
+    f.release(ending)
     assert worker.process.wait(30) is not None
     assert run_statuses(res, [ending]) == {ending: "succeeded"}
     # Its ack went out before the worker closed its connection: a lost ack would have put the
@@ -247,10 +253,11 @@ def test_a_job_that_ends_inside_the_shutdown_window_is_not_taken_for_cut_off(res
         model = ("--pool", "threads", f"--queues={model_queue(settings)}")
         stopping = f.worker("stopping", cpu, REMAP_SIGTERM="SIGQUIT")
         [email_id] = store_emails(res, [email("ends-in-the-window")])
-        f.set_fault(email_id, "slow:2", times=1)
+        f.set_fault(email_id, "held", times=1)
         f.enqueue([email_id])
         wait_for(lambda: f.runs(email_id) == 1, 30, "the job to start")
         stopping.signal(signal.SIGTERM)
+        f.release(email_id)  # it ends inside the window
         assert stopping.process.wait(30) is not None
         assert f.queue_depth(model_queue(settings)) == 1  # handed off inside the window
         killed = f.worker("model-killed", *model)

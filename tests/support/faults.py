@@ -17,8 +17,9 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
   that says when to come back (a Retry-After);
 - ``raise``: raises a RuntimeError, an error nothing foresaw (a bug in a step, or in a library).
 
-A claim fault (``set_claim_fault``) makes the delivery wait inside its claim transaction, after
-the run's row is locked, for the given seconds: a window in which to restart the database.
+A claim fault (``set_claim_fault``) holds the delivery inside its claim transaction, after the
+run's row is locked, until the test lets that one claim go (``release_claim``): a window in
+which to restart the database, or to read what the attempt before left on the run.
 
 An answer fault (``set_answer_fault``) SIGKILLs the model stage's process once the transaction
 that stores the model's answer for the email has committed, before the labels: a job that dies
@@ -26,7 +27,8 @@ after the paid call, whose next delivery must take the stored answer instead of 
 
 A fault can be limited to its first N deliveries (``times``). Every delivery that reaches the
 steps is counted under ``runs_key`` and its start time kept under ``starts_key``, so tests can
-tell how often and when the steps really ran.
+tell how often and when the steps really ran; the countdown of every retry a delivery asks Celery
+for (what ``EmailJobTask.follow`` passes to ``retry``) is kept under ``countdowns_key``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from redis import Redis
 from sqlalchemy import event
 
+from mailpipe.app.tasks import EmailJobTask
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
 from mailpipe.pipeline import job, runs
@@ -65,6 +68,11 @@ def starts_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:starts:{email_id}", prefix)
 
 
+def countdowns_key(email_id: int, prefix: str | None = None) -> str:
+    """A list of the countdowns (seconds) of the retries the email's deliveries sent, in order."""
+    return _key(f"test:countdowns:{email_id}", prefix)
+
+
 def release_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:release:{email_id}", prefix)
 
@@ -78,10 +86,22 @@ def claim_fault_key(email_id: int, prefix: str | None = None) -> str:
     return _key(f"test:claimfault:{email_id}", prefix)
 
 
-def set_claim_fault(
-    redis: Redis, email_id: int, seconds: float, times: int = 1, prefix: str | None = None
-) -> None:
-    redis.hset(claim_fault_key(email_id, prefix), mapping={"seconds": seconds, "left": times})
+def claim_release_key(email_id: int, prefix: str | None = None) -> str:
+    return _key(f"test:claimrelease:{email_id}", prefix)
+
+
+def set_claim_fault(redis: Redis, email_id: int, times: int = 1, prefix: str | None = None) -> None:
+    redis.hset(claim_fault_key(email_id, prefix), mapping={"left": times})
+
+
+def claims_held(redis: Redis, email_id: int, prefix: str | None = None) -> int:
+    """How many of the email's claims the fault has held so far, each until released."""
+    return int(redis.hget(claim_fault_key(email_id, prefix), "held") or 0)
+
+
+def release_claim(redis: Redis, email_id: int, prefix: str | None = None) -> None:
+    """Let one held claim of the email go on (the next one to be held, if none is yet)."""
+    redis.set(claim_release_key(email_id, prefix), 1)
 
 
 def set_answer_fault(
@@ -200,8 +220,23 @@ def _claim_attempt_with_faults(session, email_id: int, *args: object, **kwargs: 
     if fault and int(fault[b"left"]) > 0:
         redis.hincrby(key, "left", -1)
         session.flush()  # the run's row is written and locked, not yet committed
-        time.sleep(float(fault[b"seconds"]))
+        redis.hincrby(key, "held", 1)
+        while not redis.delete(claim_release_key(email_id)):  # each release lets one claim go
+            time.sleep(0.1)
     return result
 
 
 runs.claim_attempt = _claim_attempt_with_faults
+
+_real_follow = EmailJobTask.follow
+
+
+def _follow_recorded(self, email_id: int, outcome: job.Outcome) -> str:  # type: ignore[no-untyped-def]
+    if outcome.kind is job.Kind.RETRY:
+        from mailpipe.resources import get_resources
+
+        get_resources().redis.rpush(countdowns_key(email_id), repr(outcome.delay))
+    return _real_follow(self, email_id, outcome)
+
+
+EmailJobTask.follow = _follow_recorded  # type: ignore[method-assign]

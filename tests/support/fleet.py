@@ -19,7 +19,7 @@ from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.coordination.queues import job_queues
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
-from tests.support.faults import release, runs_key, set_fault, starts_key
+from tests.support.faults import countdowns_key, release, runs_key, set_fault, starts_key
 
 
 class Fleet:
@@ -110,6 +110,12 @@ class Fleet:
     def starts(self, email_id: int) -> list[float]:
         """When each of those deliveries reached the steps (unix time)."""
         return [float(t) for t in self.res.redis.lrange(starts_key(email_id, self.prefix), 0, -1)]
+
+    def countdowns(self, email_id: int) -> list[float]:
+        """The countdown of each retry the email's deliveries sent (seconds), in order."""
+        return [
+            float(c) for c in self.res.redis.lrange(countdowns_key(email_id, self.prefix), 0, -1)
+        ]
 
     def enqueue(self, email_ids: list[int]) -> None:
         """The deduplicated enqueue, run in the fleet's key space."""
