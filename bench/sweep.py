@@ -180,9 +180,10 @@ def fill_broker(res, size: int) -> None:  # type: ignore[no-untyped-def]
     import json as jsonlib
 
     from mailpipe.app.tasks import process_email
-    from mailpipe.coordination import brokerstate, redis_keys
+    from mailpipe.broker import layout
+    from mailpipe.coordination import redis_keys
 
-    queue = brokerstate.priority_lists(res.settings.queue)[0]
+    queue = layout.priority_lists(res.settings.queue)[0]
     process_email.apply_async((1,))
     template = jsonlib.loads(res.redis.rpop(queue))
     body = jsonlib.loads(base64.b64decode(template["body"]))
@@ -194,7 +195,7 @@ def fill_broker(res, size: int) -> None:  # type: ignore[no-untyped-def]
         template["body"] = base64.b64encode(jsonlib.dumps(body).encode()).decode()
         headers = template["headers"]
         headers.update(id=task_id, root_id=task_id, argsrepr=f"({email_id},)")
-        headers[brokerstate.EMAIL_ID_HEADER] = email_id
+        headers[layout.EMAIL_ID_HEADER] = email_id
         template["properties"].update(correlation_id=task_id, delivery_tag=str(uuid.uuid4()))
         pipe.lpush(queue, jsonlib.dumps(template))
         pipe.set(redis_keys.job_marker(email_id), stamp, ex=res.settings.dedup_ttl)
@@ -204,7 +205,7 @@ def fill_broker(res, size: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def measure_backlog(size: int, repeat: int) -> dict[str, object]:
-    from mailpipe.coordination import brokerstate
+    from mailpipe.broker import layout
     from mailpipe.enqueue import enqueue_emails
     from mailpipe.operations import sweeper
 
@@ -223,7 +224,7 @@ def measure_backlog(size: int, repeat: int) -> dict[str, object]:
                     last = ids[-1]
             rows["database floor"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            found = brokerstate.emails_in_broker(res.redis, [res.settings.queue])
+            found = layout.emails_in_broker(res.redis, [res.settings.queue])
             rows["broker read"].append(time.perf_counter() - started)
             assert len(found) == size
             started = time.perf_counter()
@@ -234,7 +235,7 @@ def measure_backlog(size: int, repeat: int) -> dict[str, object]:
                 0,
                 size,
             ), result.summary()
-        depth = brokerstate.queue_stats(res.redis, res.settings.queue).depth
+        depth = layout.queue_stats(res.redis, res.settings.queue).depth
         assert depth == size, depth
     finally:
         res.close()

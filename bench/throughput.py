@@ -292,7 +292,7 @@ class Bench:
         """Stop or restart the worker's consumer of the email queue (a remote control command,
         answered once the worker has done it): the jobs are published while it is stopped, so
         the measurement is the worker draining a full queue, without the publisher's CPU."""
-        from mailpipe.coordination.queues import email_queue
+        from mailpipe.broker.queues import email_queue
 
         queue = email_queue(self.res["local"].settings)
         with fleet.control_app(worker.env) as app:

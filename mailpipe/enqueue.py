@@ -21,10 +21,10 @@ from typing import Any
 from celery import Celery
 from kombu import Producer
 
+from mailpipe.broker.layout import job_headers
+from mailpipe.broker.queues import TaskName, queue_of
 from mailpipe.celery import app
 from mailpipe.coordination import markers
-from mailpipe.coordination.brokerstate import job_headers
-from mailpipe.coordination.queues import TaskName, queue_of
 from mailpipe.resources import Resources, get_resources
 
 

@@ -12,10 +12,10 @@ from urllib.parse import urlsplit as _urlsplit
 
 from kombu import Queue as _Queue
 
-from mailpipe.coordination.queues import TaskName as _TaskName
-from mailpipe.coordination.queues import control_queue as _control_queue
-from mailpipe.coordination.queues import email_queue as _email_queue
-from mailpipe.coordination.queues import model_queue as _model_queue
+from mailpipe.broker.queues import TaskName as _TaskName
+from mailpipe.broker.queues import control_queue as _control_queue
+from mailpipe.broker.queues import email_queue as _email_queue
+from mailpipe.broker.queues import model_queue as _model_queue
 from mailpipe.settings import get_settings as _get_settings
 
 _settings = _get_settings()

@@ -71,9 +71,9 @@ class JobContext(logging.Filter):
 
 
 def _email_id(task_name: str, request: Any) -> int | None:
-    from mailpipe.coordination.brokerstate import EMAIL_ID_HEADER
+    from mailpipe.broker.layout import EMAIL_ID_HEADER
 
-    # Every job message carries its email's id in a header (brokerstate.job_headers), which
+    # Every job message carries its email's id in a header (layout.job_headers), which
     # Celery puts on the request; the email's jobs also take it as their first argument.
     found = request.get(EMAIL_ID_HEADER) if hasattr(request, "get") else None
     if found is None and task_name != SWEEP:

@@ -21,8 +21,8 @@ from typing import Any
 from celery import bootsteps
 from redis import Redis, RedisError
 
+from mailpipe.broker.queues import Stage, stage_queue
 from mailpipe.coordination import pauses
-from mailpipe.coordination.queues import Stage, stage_queue
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 

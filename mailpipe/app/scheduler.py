@@ -27,8 +27,8 @@ from celery.beat import PersistentScheduler
 from redis import Redis, RedisError
 from redis.exceptions import LockError, LockNotOwnedError
 
+from mailpipe.broker.queues import control_queue, email_queue
 from mailpipe.coordination import redis_keys
-from mailpipe.coordination.queues import control_queue, email_queue
 from mailpipe.enqueue import declare_queue
 from mailpipe.operations import metrics
 from mailpipe.resources import get_resources

@@ -13,10 +13,10 @@ from typing import Any
 from celery import Task
 from celery.worker.request import Request
 
+from mailpipe.broker.layout import job_headers
+from mailpipe.broker.queues import TaskName
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
-from mailpipe.coordination.brokerstate import job_headers
-from mailpipe.coordination.queues import TaskName
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.errors import RunFailed, TransientError
 from mailpipe.operations import sweeper

@@ -397,8 +397,8 @@ _STAGES = click.Choice(["cpu", "model"])
 )
 def pause(stage: str, reason: str) -> None:
     """Pause a stage: its workers stop taking its work until `mailpipe resume STAGE`."""
+    from mailpipe.broker.queues import Stage
     from mailpipe.coordination import pauses
-    from mailpipe.coordination.queues import Stage
 
     held = pauses.pause(get_resources().redis, Stage(stage), reason)
     console.print(f"{stage} stage paused ({held.by}): {held.error}")
@@ -408,8 +408,8 @@ def pause(stage: str, reason: str) -> None:
 @click.argument("stage", type=_STAGES)
 def resume(stage: str) -> None:
     """End a stage's pause, an operator's or one a fleet-wide fault caused."""
+    from mailpipe.broker.queues import Stage
     from mailpipe.coordination import pauses
-    from mailpipe.coordination.queues import Stage
 
     ended = pauses.resume(get_resources().redis, Stage(stage))
     console.print(f"{stage} stage resumed" if ended else f"{stage} stage was not paused")

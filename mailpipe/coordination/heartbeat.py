@@ -36,7 +36,8 @@ from pathlib import Path
 from redis import Redis, RedisError
 from redis.exceptions import LockError
 
-from mailpipe.coordination import brokerstate, redis_keys
+from mailpipe.broker import layout
+from mailpipe.coordination import redis_keys
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class WorkerHeartbeat:
         if tags:
             gone = {
                 t
-                for t, held in zip(tags, brokerstate.still_unacked(self.redis, tags), strict=True)
+                for t, held in zip(tags, layout.still_unacked(self.redis, tags), strict=True)
                 if not held
             }
             if gone:
@@ -248,7 +249,7 @@ def recover_orphans(
     for worker, last_beat in dead:
         for tag in map(_text, redis.smembers(redis_keys.worker_held(_text(worker)))):
             since[tag] = min(since.get(tag, last_beat), last_beat)
-    unheld = {tag: since.get(tag, now) for tag in brokerstate.delivered(redis) if tag not in held}
+    unheld = {tag: since.get(tag, now) for tag in layout.delivered(redis) if tag not in held}
     due = sorted((tag for tag, s in unheld.items() if s <= cutoff), key=unheld.__getitem__)
     restored: list[str] = []
     try:

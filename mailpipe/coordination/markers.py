@@ -5,7 +5,7 @@ SET NX before a job is sent: a second enqueue while the job waits or runs sends 
 stamps it when it takes its lease and deletes it when it ends (`mailpipe.coordination.leases`),
 and sweeps refresh the markers of jobs they find waiting. A marker only keeps enqueues from
 sending copies: whether a job was lost is decided by what the broker holds
-(`mailpipe.coordination.brokerstate`), so a marker that expired, was evicted or was deleted
+(`mailpipe.broker.layout`), so a marker that expired, was evicted or was deleted
 never gets a waiting job re-added, and one left behind by a lost message never keeps its email
 from being re-added.
 """

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.commands.core import Script
 
+from mailpipe.broker.queues import Stage
 from mailpipe.coordination import redis_keys
-from mailpipe.coordination.queues import Stage
 
 AUTO = "auto"
 OPERATOR = "operator"

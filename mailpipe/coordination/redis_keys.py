@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mailpipe.coordination.queues import job_queues
+from mailpipe.broker.queues import job_queues
 from mailpipe.settings import get_settings
 
 
@@ -99,8 +99,3 @@ def probe_lock(stage: str) -> str:
 def cut_off(email_id: int) -> str:
     """Set by a worker that began to shut down while the email's job was running in it."""
     return key(f"cutoff:{email_id}")
-
-
-def queue_list(queue: str) -> str:
-    """The Redis list kombu keeps a queue's messages in."""
-    return f"{get_settings().redis_prefix}{queue}"

@@ -43,10 +43,10 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select
 
+from mailpipe.broker.layout import queue_stats
+from mailpipe.broker.queues import Stage, job_queues, stage_queue
 from mailpipe.coordination import pauses, redis_keys
-from mailpipe.coordination.brokerstate import queue_stats
 from mailpipe.coordination.heartbeat import live_workers
-from mailpipe.coordination.queues import Stage, job_queues, stage_queue
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import PipelineRun, RunStatus

@@ -13,9 +13,9 @@ import logging
 
 from sqlalchemy import select
 
+from mailpipe.broker.queues import Stage
 from mailpipe.classifiers import input_from_json
 from mailpipe.coordination import pauses
-from mailpipe.coordination.queues import Stage
 from mailpipe.errors import PermanentError, describe, is_fleet_fault
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, ModelInput, PipelineRun

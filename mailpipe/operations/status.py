@@ -8,8 +8,8 @@ from typing import Any
 from sqlalchemy import func, not_, select
 from sqlalchemy.orm import Session
 
+from mailpipe.broker.layout import queue_stats
 from mailpipe.coordination import pauses
-from mailpipe.coordination.brokerstate import queue_stats
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (

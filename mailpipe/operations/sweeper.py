@@ -1,7 +1,7 @@
 """The sweeper: turns the database, the source of truth, back into work (docs/sweeper.md).
 
 Whether a job is lost is decided by what the broker holds, read once per sweep
-(`mailpipe.coordination.brokerstate.emails_in_broker`): an email whose job is queued, delivered to a worker,
+(`mailpipe.broker.layout.emails_in_broker`): an email whose job is queued, delivered to a worker,
 or held for its countdown is never re-added, never counted as stalled and never failed, however
 long it has waited and whatever became of its dedup marker. Rules, applied in keyset batches over
 small partial indexes:
@@ -37,8 +37,9 @@ from redis.lock import Lock
 from sqlalchemy import Select, and_, not_, select
 from sqlalchemy.orm import Session
 
-from mailpipe.coordination import brokerstate, markers, redis_keys
-from mailpipe.coordination.queues import TaskName, job_queues
+from mailpipe.broker import layout
+from mailpipe.broker.queues import TaskName, job_queues
+from mailpipe.coordination import markers, redis_keys
 from mailpipe.operations.metrics import read_backlog
 from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
@@ -93,9 +94,7 @@ class BrokerView:
 
     def take(self) -> None:
         self.read_at = time.time()
-        self._present = brokerstate.emails_in_broker(
-            self._res.redis, job_queues(self._res.settings)
-        )
+        self._present = layout.emails_in_broker(self._res.redis, job_queues(self._res.settings))
 
     def __len__(self) -> int:
         return len(self._present)

@@ -37,10 +37,10 @@ from redis import RedisError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from mailpipe.broker.queues import Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
 from mailpipe.coordination import leases, pauses, redis_keys, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
-from mailpipe.coordination.queues import Stage, stage_queue
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import (
     PermanentError,

@@ -33,7 +33,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, bindparam, literal, select, update
 from sqlalchemy.orm import Session
 
-from mailpipe.coordination.queues import Stage
+from mailpipe.broker.queues import Stage
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, table, utcnow

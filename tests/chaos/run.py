@@ -345,8 +345,8 @@ class Chaos:
     def _run(self) -> dict[str, Any]:
         from sqlalchemy import text
 
+        from mailpipe.broker import layout
         from mailpipe.cli.ingest import store_emails
-        from mailpipe.coordination import brokerstate
         from mailpipe.enqueue import enqueue_emails
         from mailpipe.resources import get_resources
         from mailpipe.storage import flags
@@ -368,7 +368,7 @@ class Chaos:
         self.answer_fault_ids = [self.ids[p] for p in answer_fault_positions(raws, self.rng)]
         for email_id in self.answer_fault_ids:
             set_answer_fault(res.redis, email_id)
-        lists = brokerstate.priority_lists(res.settings.queue)
+        lists = layout.priority_lists(res.settings.queue)
 
         def depth() -> int:
             pipe = res.redis.pipeline(transaction=False)
@@ -515,19 +515,20 @@ class Chaos:
         self.workers.append(self._worker("chaos-d"))
 
     def _redis_flush(self) -> None:
-        from mailpipe.coordination import brokerstate, redis_keys
+        from mailpipe.broker import layout
+        from mailpipe.coordination import redis_keys
         from mailpipe.resources import get_resources
         from mailpipe.storage.models import utcnow
 
         res = get_resources()
-        lists = brokerstate.priority_lists(res.settings.queue)
+        lists = layout.priority_lists(res.settings.queue)
         self.flushed_at, self.flushed_at_utc = time.monotonic(), utcnow()
         depth, unacked, kept, leases = res.redis.eval(
             FLUSH_KEEPING_TEST_KEYS,
             len(lists),
             *lists,
             redis_keys.key("test:*"),
-            brokerstate.unacked_key(),
+            layout.unacked_key(),
             redis_keys.key("lease:*"),
         )
         cut = self._record_cut("redis_flush", {_email_of(key) for key in leases})

@@ -20,7 +20,7 @@ import pytest
 from botocore.validate import ParamValidator
 from cfnlint.decode import decode
 
-from mailpipe.coordination.queues import (
+from mailpipe.broker.queues import (
     Stage,
     control_queue,
     email_queue,
@@ -282,7 +282,7 @@ def queues_of_the_roles(queue: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize("queue", [None, "acme"])
 def test_the_procfile_workers_consume_the_queues_derived_from_mailpipe_queue(queue):
     """The Procfile names the queues through ${MAILPIPE_QUEUE:-mailpipe}, as the app derives them
-    (mailpipe/coordination/queues.py): the CPU stage and the sweeps on the worker, the model stage
+    (mailpipe/broker/queues.py): the CPU stage and the sweeps on the worker, the model stage
     on the model role, every job queue consumed by exactly one of them."""
     name = queue or Settings.model_fields["queue"].default
     expected = queues_of_the_roles(name)

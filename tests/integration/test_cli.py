@@ -21,11 +21,12 @@ import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import select
 
+from mailpipe.broker import layout
+from mailpipe.broker.queues import control_queue
 from mailpipe.cli.demo.servers import free_port
 from mailpipe.cli.ingest import store_emails
 from mailpipe.cli.main import main
-from mailpipe.coordination import brokerstate, redis_keys
-from mailpipe.coordination.queues import control_queue
+from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
@@ -120,14 +121,14 @@ def queued_headers(res: Resources) -> list[dict[str, Any]]:
     """The headers of every job waiting in the email queue, one entry a job."""
     return [
         json.loads(raw)["headers"]
-        for name in brokerstate.priority_lists(res.settings.queue)
+        for name in layout.priority_lists(res.settings.queue)
         for raw in res.redis.lrange(name, 0, -1)
     ]
 
 
 def queued_email_ids(res: Resources) -> list[int]:
     """The email of every job waiting in the email queue, one entry a job."""
-    return sorted(headers[brokerstate.EMAIL_ID_HEADER] for headers in queued_headers(res))
+    return sorted(headers[layout.EMAIL_ID_HEADER] for headers in queued_headers(res))
 
 
 def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untyped-def]
@@ -139,7 +140,7 @@ def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untype
     assert job.process_email(res, good).kind.value == "succeeded"
     assert enqueue_emails([queued], res).sent == [queued]
     [headers] = queued_headers(res)
-    enqueued_at = headers[brokerstate.ENQUEUED_AT_HEADER]
+    enqueued_at = headers[layout.ENQUEUED_AT_HEADER]
 
     asked_from = time.time()
     run = mailpipe("status", "--json")
@@ -244,7 +245,7 @@ def lose_the_job_until_marked_for_review(res: Resources) -> int:
             enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
             in_flight_grace=0.0,  # the job just sent is lost already: the purge below
         )
-        for name in brokerstate.priority_lists(res.settings.queue):
+        for name in layout.priority_lists(res.settings.queue):
             res.redis.delete(name)
     return stuck
 
@@ -407,7 +408,7 @@ def test_every_option_has_help() -> None:
 
 
 def test_model_calls_switch_is_durable_and_on_enqueues_a_sweep(res) -> None:  # type: ignore[no-untyped-def]
-    control = redis_keys.queue_list(control_queue(res.settings))
+    control = layout.queue_list(control_queue(res.settings))
     before = res.redis.llen(control)
     assert "model calls on" in mailpipe("model-calls", "on").stdout
     with res.db.session() as session:

@@ -11,8 +11,8 @@ import signal
 import pytest
 from sqlalchemy import select
 
+from mailpipe.broker.queues import control_queue, email_queue, model_queue
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination.queues import control_queue, email_queue, model_queue
 from mailpipe.storage.models import PipelineRun
 from tests.support.bedrock_server import BedrockServer
 from tests.support.fleet import Fleet

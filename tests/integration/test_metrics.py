@@ -22,11 +22,11 @@ import boto3
 import pytest
 from sqlalchemy import func, select
 
+from mailpipe.broker.layout import ENQUEUED_AT_HEADER
+from mailpipe.broker.queues import Stage
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
-from mailpipe.coordination.brokerstate import ENQUEUED_AT_HEADER
-from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations import metrics, sweeper
 from mailpipe.pipeline import runs
@@ -150,7 +150,7 @@ def report(env: dict[str, str]) -> None:
 def pause(env: dict[str, str], stage: Stage) -> None:
     in_fleet(
         env,
-        "from mailpipe.coordination import pauses; from mailpipe.coordination.queues import Stage; "
+        "from mailpipe.coordination import pauses; from mailpipe.broker.queues import Stage; "
         "from mailpipe.resources import get_resources; "
         f"pauses.pause(get_resources().redis, Stage({stage.value!r}), 'test')",
     )

@@ -48,10 +48,10 @@ import redis
 import requests
 from sqlalchemy import func, select
 
+from mailpipe.broker.queues import control_queue, email_queue, model_queue
 from mailpipe.cli.demo.fleet import control_app
 from mailpipe.cli.demo.servers import free_port
 from mailpipe.coordination import redis_keys
-from mailpipe.coordination.queues import control_queue, email_queue, model_queue
 from mailpipe.settings import Settings, get_settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel, SweepReport

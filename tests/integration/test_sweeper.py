@@ -14,9 +14,10 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
+from mailpipe.broker import layout, queues
 from mailpipe.classifiers import ClassificationResult
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination import brokerstate, queues, redis_keys
+from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.operations import sweeper
@@ -46,13 +47,13 @@ def run_sweep(res: Resources, grace: float = 0.0) -> sweeper.SweepResult:
 
 
 def depth(res: Resources) -> int:
-    return brokerstate.queue_stats(res.redis, res.settings.queue).depth
+    return layout.queue_stats(res.redis, res.settings.queue).depth
 
 
 def purge(res: Resources) -> None:
     """What `celery purge` or a message dropped by hand does: the messages go, the markers stay."""
     for queue in queues.job_queues(res.settings):
-        for name in brokerstate.priority_lists(queue):
+        for name in layout.priority_lists(queue):
             res.redis.delete(name)
 
 
@@ -155,12 +156,12 @@ def test_a_run_past_its_cpu_stage_gets_only_its_model_stage_back(res) -> None:  
     set_model_calls(res, True)
     result = run_sweep(res)
     assert sorted(result.readded_ids) == sorted([waiting, fresh])
-    model_queue = brokerstate.priority_lists(queues.model_queue(res.settings))[0]
+    model_queue = layout.priority_lists(queues.model_queue(res.settings))[0]
     sent = {
-        json.loads(raw)["headers"]["task"]: json.loads(raw)["headers"][brokerstate.EMAIL_ID_HEADER]
+        json.loads(raw)["headers"]["task"]: json.loads(raw)["headers"][layout.EMAIL_ID_HEADER]
         for raw in [
             *res.redis.lrange(model_queue, 0, -1),
-            *res.redis.lrange(brokerstate.priority_lists(res.settings.queue)[0], 0, -1),
+            *res.redis.lrange(layout.priority_lists(res.settings.queue)[0], 0, -1),
         ]
     }
     assert sent == {"mailpipe.classify_email": waiting, "mailpipe.process_email": fresh}
@@ -289,7 +290,7 @@ def test_two_sweeps_at_once_do_not_double_anything(res, monkeypatch) -> None:  #
     """A sweep starts while another has read the broker and sent nothing yet: the lock keeps it
     out, and the first sends each job once."""
     ids = store_emails(res, emails(30))
-    read_broker = brokerstate.emails_in_broker
+    read_broker = layout.emails_in_broker
     first_has_read, second_is_done = threading.Event(), threading.Event()
 
     def the_first_read_waits_for_the_second_sweep(*args: object) -> set[int]:
@@ -299,7 +300,7 @@ def test_two_sweeps_at_once_do_not_double_anything(res, monkeypatch) -> None:  #
             second_is_done.wait(60)
         return present
 
-    monkeypatch.setattr(brokerstate, "emails_in_broker", the_first_read_waits_for_the_second_sweep)
+    monkeypatch.setattr(layout, "emails_in_broker", the_first_read_waits_for_the_second_sweep)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(run_sweep, res)
         try:
@@ -323,14 +324,14 @@ def test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost(res, mon
     enqueue_emails([email_id], res)
     with res.db.transaction() as session:
         runs.ensure_runs(session, [email_id])  # open, as an enqueued email's run is
-    read_broker = brokerstate.emails_in_broker
+    read_broker = layout.emails_in_broker
 
     def read_while_the_job_ends(*args: object) -> set[int]:
         purge(res)  # a worker took the message...
         assert job.process_email(res, email_id).kind is Kind.SUCCEEDED  # ...and finished it
         return read_broker(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(brokerstate, "emails_in_broker", read_while_the_job_ends)
+    monkeypatch.setattr(layout, "emails_in_broker", read_while_the_job_ends)
     result = run_sweep(res)
     assert (result.readded_stalled, result.readded_no_run, depth(res)) == (0, 0, 0)
 

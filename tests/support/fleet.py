@@ -15,8 +15,8 @@ from pathlib import Path
 
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from mailpipe.broker.queues import job_queues
 from mailpipe.cli.demo import fleet as localfleet
-from mailpipe.coordination.queues import job_queues
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from tests.support.faults import countdowns_key, release, runs_key, set_fault, starts_key

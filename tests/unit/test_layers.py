@@ -13,11 +13,12 @@ import pytest
 
 from tests.support.forked import run_forked
 
-# Bottom to top. A layer may import the layers before it in this list, never one after it; the
-# four middle ones are peers that do not import one another.
+# Bottom to top. A layer may import the layers before it in this list, never one after it;
+# storage, coordination, mail and classifiers are peers that do not import one another.
 LAYERS = {
     "base": ("mailpipe", "mailpipe.settings", "mailpipe.errors"),
     "storage": ("mailpipe.storage",),
+    "broker": ("mailpipe.broker",),
     "coordination": ("mailpipe.coordination",),
     "mail": ("mailpipe.mail",),
     "classifiers": ("mailpipe.classifiers",),
@@ -34,9 +35,9 @@ EXPECTED = {
     "mailpipe.storage.models": {"base", "storage"},
     "mailpipe.storage.flags": {"base", "storage"},
     "mailpipe.storage.migrate": {"base", "storage"},
-    "mailpipe.coordination.leases": {"base", "coordination"},
-    "mailpipe.coordination.heartbeat": {"base", "coordination"},
-    "mailpipe.coordination.ratelimit": {"base", "coordination"},
+    "mailpipe.coordination.leases": {"base", "broker", "coordination"},
+    "mailpipe.coordination.heartbeat": {"base", "broker", "coordination"},
+    "mailpipe.coordination.ratelimit": {"base", "broker", "coordination"},
     "mailpipe.mail.parse": {"base", "mail"},
     "mailpipe.mail.documents": {"base", "mail"},
     "mailpipe.classifiers.rules": {"base", "classifiers"},
@@ -45,6 +46,7 @@ EXPECTED = {
     "mailpipe.pipeline.job": {
         "base",
         "storage",
+        "broker",
         "coordination",
         "mail",
         "classifiers",
@@ -54,17 +56,26 @@ EXPECTED = {
     "mailpipe.operations.sweeper": {
         "base",
         "storage",
+        "broker",
         "coordination",
         "resources",
         "pipeline",
         "operations",
     },
-    "mailpipe.operations.status": {"base", "storage", "coordination", "resources", "operations"},
+    "mailpipe.operations.status": {
+        "base",
+        "storage",
+        "broker",
+        "coordination",
+        "resources",
+        "operations",
+    },
     # Upstream code's entry point: the app, the markers; no pipeline, no document converter.
-    "mailpipe.enqueue": {"base", "coordination", "resources", "app"},
+    "mailpipe.enqueue": {"base", "broker", "coordination", "resources", "app"},
     "mailpipe.app.tasks": {
         "base",
         "storage",
+        "broker",
         "coordination",
         "mail",
         "classifiers",

@@ -22,9 +22,9 @@ from celery import Celery
 from celery.signals import setup_logging, task_failure, task_success
 from sqlalchemy import select
 
+from mailpipe.broker import layout
+from mailpipe.broker.queues import TaskName
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination import brokerstate
-from mailpipe.coordination.queues import TaskName
 from mailpipe.errors import RunFailed
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -165,5 +165,5 @@ def test_a_sweep_task_re_adds_an_email_that_has_no_job(
         report = session.scalars(select(SweepReport)).one()
     assert report.readded_no_run == 1
     # The job waits in the email queue, for the workers that consume it (none in this test).
-    assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 1
-    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == {email_id}
+    assert layout.queue_stats(res.redis, res.settings.queue).depth == 1
+    assert layout.emails_in_broker(res.redis, [res.settings.queue]) == {email_id}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mailpipe import enqueue
+from mailpipe.broker import layout
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination import brokerstate, redis_keys
+from mailpipe.coordination import redis_keys
 
 
 def emails(n: int) -> list[bytes]:
@@ -38,4 +39,4 @@ def test_a_batch_the_broker_drops_midway_leaves_no_marker_and_can_be_sent_again(
     monkeypatch.setattr(enqueue, "send_job", send)
     again = enqueue.enqueue_emails(ids, res)
     assert (sorted(again.sent), again.already_queued) == (sorted(ids), [])
-    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) >= set(ids)
+    assert layout.emails_in_broker(res.redis, [res.settings.queue]) >= set(ids)

@@ -10,8 +10,9 @@ from contextlib import contextmanager
 import kombu.transport.redis
 import pytest
 
+from mailpipe.broker import layout
 from mailpipe.celery import app
-from mailpipe.coordination import brokerstate, heartbeat, redis_keys
+from mailpipe.coordination import heartbeat, redis_keys
 from mailpipe.enqueue import send_job
 from tests.support.waits import wait_for
 
@@ -146,8 +147,8 @@ def test_messages_no_live_worker_holds_go_back_and_held_ones_stay(res) -> None: 
         alive.beat()  # "dead" stops beating
         restored = heartbeat.recover_orphans(res.redis, 3, delivered.restore).restored
         assert sorted(restored) == sorted(delivered.tags[1:])
-        assert res.redis.hkeys(brokerstate.unacked_key()) == [delivered.tags[0].encode()]
-        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
+        assert res.redis.hkeys(layout.unacked_key()) == [delivered.tags[0].encode()]
+        assert layout.queue_stats(res.redis, res.settings.queue).depth == 3
         assert [w.decode() for w in res.redis.zrange(redis_keys.workers(), 0, -1)] == ["alive"]
     finally:
         delivered.close()
@@ -194,7 +195,7 @@ def test_one_worker_recovers_at_a_time(res) -> None:  # type: ignore[no-untyped-
     assert recovery is not None
     assert (sorted(recovery.restored), recovery.left) == (sorted(delivered.tags), 0)
     assert sorted(restores) == sorted(("first", tag) for tag in delivered.tags)
-    assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
+    assert layout.queue_stats(res.redis, res.settings.queue).depth == 3
     assert not res.redis.exists(redis_keys.reaper_lock())
 
 
@@ -215,7 +216,7 @@ def test_a_worker_whose_clock_runs_behind_keeps_its_messages(res, monkeypatch) -
                 behind.beat()
             assert heartbeat.live_workers(res.redis, 1) == 1
             wait_for_redis_time(res, heartbeat.redis_time(res.redis) + 0.3)
-        assert sorted(brokerstate.delivered(res.redis)) == sorted(delivered.tags)
+        assert sorted(layout.delivered(res.redis)) == sorted(delivered.tags)
     finally:
         delivered.close()
 
@@ -234,7 +235,7 @@ def test_a_dead_worker_whose_clock_ran_ahead_is_found_dead_in_time(res, monkeypa
         restored = heartbeat.recover_orphans(res.redis, dead_after, delivered.restore).restored
         assert sorted(restored) == sorted(delivered.tags)
         assert heartbeat.live_workers(res.redis, dead_after) == 0
-        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 2
+        assert layout.queue_stats(res.redis, res.settings.queue).depth == 2
     finally:
         delivered.close()
 
@@ -264,13 +265,11 @@ def test_beats_go_on_while_a_recovery_pass_is_stuck(res) -> None:  # type: ignor
         wait_for(
             lambda: last_beat() > first + dead_after + interval, 30, "beats during the recovery"
         )
-        assert res.redis.hlen(brokerstate.unacked_key()) == 1  # the pass is still stuck
+        assert res.redis.hlen(layout.unacked_key()) == 1  # the pass is still stuck
         assert heartbeat.live_workers(res.redis, dead_after) == 1
         unstick.set()
-        wait_for(
-            lambda: res.redis.hlen(brokerstate.unacked_key()) == 0, 30, "the orphan to go back"
-        )
-        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 1
+        wait_for(lambda: res.redis.hlen(layout.unacked_key()) == 0, 30, "the orphan to go back")
+        assert layout.queue_stats(res.redis, res.settings.queue).depth == 1
     finally:
         unstick.set()
         worker.stop(timeout=1)
@@ -282,13 +281,13 @@ def test_a_pass_puts_back_at_most_its_bound_and_the_next_the_rest(res) -> None: 
     try:
         first = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore, max_restored=3)
         assert (len(first.restored), first.left) == (3, 2)
-        assert len(brokerstate.delivered(res.redis)) == 2
+        assert len(layout.delivered(res.redis)) == 2
         # The dead worker is forgotten: the rest are known from the first pass's record.
         assert res.redis.zcard(redis_keys.workers()) == 0
         second = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore, max_restored=3)
         assert (len(second.restored), second.left) == (2, 0)
         assert sorted(first.restored + second.restored) == sorted(delivered.tags)
-        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 5
+        assert layout.queue_stats(res.redis, res.settings.queue).depth == 5
     finally:
         delivered.close()
 
@@ -307,6 +306,6 @@ def test_a_pass_stops_at_its_time_budget_and_the_next_goes_on(res) -> None:  # t
         assert (len(first.restored), first.left) == (3, 2)
         second = heartbeat.recover_orphans(res.redis, 0.5, delivered.restore)
         assert (len(second.restored), second.left) == (2, 0)
-        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 5
+        assert layout.queue_stats(res.redis, res.settings.queue).depth == 5
     finally:
         delivered.close()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from mailpipe.broker.queues import Stage
 from mailpipe.coordination import pauses
 from mailpipe.coordination.pauses import AUTO, OPERATOR, Pause
-from mailpipe.coordination.queues import Stage
 
 
 def test_a_faults_pause_holds_for_its_bound_and_an_operators_until_resumed() -> None:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from mailpipe.coordination.queues import Stage
+from mailpipe.broker.queues import Stage
 from mailpipe.operations.metrics import BacklogMetrics, LogMetricsSink, metric_data
 
 

@@ -7,9 +7,9 @@ import uuid
 import psycopg
 from sqlalchemy.engine import make_url
 
+from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
-from mailpipe.coordination.queues import Stage
 from mailpipe.operations.probes import ProbeResult, probe
 from mailpipe.resources import Resources
 

@@ -8,10 +8,10 @@ import time
 import pytest
 from sqlalchemy import select, update
 
+from mailpipe.broker.queues import Stage
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
-from mailpipe.coordination.queues import Stage
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs

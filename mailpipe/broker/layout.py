@@ -10,7 +10,7 @@ and held by a worker, so it is in the hash too. What is in neither is not in the
 mailpipe reads those keys for three things: the backlog figures (queue depth, the oldest job's
 age), whether an email's job is still in the broker (the sweeper), and which delivered messages
 no live worker holds (the worker heartbeat). Checked against kombu 5.7 and redis-py 8
-(`tests/unit/coordination/test_brokerstate.py` fails if the layout moves).
+(`tests/unit/broker/test_layout.py` fails if the layout moves).
 """
 
 from __future__ import annotations
@@ -23,13 +23,18 @@ from dataclasses import dataclass
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 from redis import Redis
 
-from mailpipe.coordination.redis_keys import queue_list
 from mailpipe.settings import get_settings
 
 # Set on every published job by the before_task_publish handler (mailpipe.app.signals): when it was
 # sent, and which email it is for.
 ENQUEUED_AT_HEADER = "mailpipe_enqueued_at"
 EMAIL_ID_HEADER = "mailpipe_email_id"
+
+
+def queue_list(queue: str) -> str:
+    """The Redis list kombu keeps a queue's messages in."""
+    return f"{get_settings().redis_prefix}{queue}"
+
 
 # Messages read per script call: each call blocks Redis for about a millisecond per 1,000.
 SCAN_CHUNK = 2000

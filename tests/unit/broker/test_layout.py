@@ -1,6 +1,6 @@
 """What the broker holds, read from kombu's keys, against the real Redis and kombu.
 
-These tests fail loudly if an upgrade of kombu moves what `mailpipe.coordination.brokerstate` and the
+These tests fail loudly if an upgrade of kombu moves what `mailpipe.broker.layout` and the
 heartbeat rely on: the names of the unacked keys, the message layout with its headers, and
 `QoS.restore_by_tag`.
 """
@@ -12,8 +12,8 @@ import inspect
 import kombu
 from kombu.transport.redis import Channel, QoS
 
+from mailpipe.broker import layout
 from mailpipe.celery import app
-from mailpipe.coordination import brokerstate
 from mailpipe.enqueue import send_job
 
 
@@ -44,11 +44,11 @@ def test_emails_with_a_job_are_found_queued_delivered_or_counting_down(res) -> N
     send_job(14, countdown=300)  # a retry or a deferral, waiting in the queue
     connection, _, delivered = deliver_one(res)  # 11: delivered, not acknowledged
     try:
-        assert res.redis.hlen(brokerstate.unacked_key()) == 1
-        assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == {11, 12, 13, 14}
-        assert brokerstate.queue_stats(res.redis, res.settings.queue).depth == 3
+        assert res.redis.hlen(layout.unacked_key()) == 1
+        assert layout.emails_in_broker(res.redis, [res.settings.queue]) == {11, 12, 13, 14}
+        assert layout.queue_stats(res.redis, res.settings.queue).depth == 3
         delivered.ack()
-        assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == {12, 13, 14}
+        assert layout.emails_in_broker(res.redis, [res.settings.queue]) == {12, 13, 14}
     finally:
         connection.release()
 
@@ -63,17 +63,17 @@ def test_a_consumer_that_never_acknowledges_leaves_nothing_delivered(res) -> Non
         with connection.Consumer([queue], callbacks=[lambda _, m: received.append(m)], no_ack=True):
             while not received:
                 connection.drain_events(timeout=5)
-    assert received[0].headers[brokerstate.EMAIL_ID_HEADER] == 41
-    assert brokerstate.delivered(res.redis) == []
-    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == set()
+    assert received[0].headers[layout.EMAIL_ID_HEADER] == 41
+    assert layout.delivered(res.redis) == []
+    assert layout.emails_in_broker(res.redis, [res.settings.queue]) == set()
 
 
 def test_a_long_backlog_is_read_in_chunks_without_losing_one(res) -> None:  # type: ignore[no-untyped-def]
-    ids = list(range(1, 2 * brokerstate.SCAN_CHUNK + 17))
+    ids = list(range(1, 2 * layout.SCAN_CHUNK + 17))
     with app.producer_or_acquire() as producer:
         for email_id in ids:
             send_job(email_id, producer=producer)
-    assert brokerstate.emails_in_broker(res.redis, [res.settings.queue]) == set(ids)
+    assert layout.emails_in_broker(res.redis, [res.settings.queue]) == set(ids)
 
 
 def test_restore_by_tag_puts_a_delivered_message_back_at_the_front(res) -> None:  # type: ignore[no-untyped-def]
@@ -81,10 +81,10 @@ def test_restore_by_tag_puts_a_delivered_message_back_at_the_front(res) -> None:
         send_job(email_id)
     connection, channel, delivered = deliver_one(res)
     try:
-        assert brokerstate.delivered(res.redis) == [delivered.delivery_tag]
+        assert layout.delivered(res.redis) == [delivered.delivery_tag]
         channel.qos.restore_by_tag(delivered.delivery_tag)
-        assert res.redis.hlen(brokerstate.unacked_key()) == 0
+        assert res.redis.hlen(layout.unacked_key()) == 0
         again = app.amqp.queues[res.settings.queue](channel).get(no_ack=True)
-        assert again.headers[brokerstate.EMAIL_ID_HEADER] == 21  # first again, not behind 22
+        assert again.headers[layout.EMAIL_ID_HEADER] == 21  # first again, not behind 22
     finally:
         connection.release()
