@@ -261,7 +261,9 @@ MUTANTS = [
 ]
 
 
-def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
+def run_mutant(mutant: Mutant, tests: list[str], timeout: float) -> dict[str, object]:
+    """Run `tests` against a copy of the checkout with `mutant` written in; stop at the first
+    failure, which kills it."""
     with tempfile.TemporaryDirectory(prefix="mailpipe-mutant-") as tmp:
         copy = Path(tmp)
         for name in ("mailpipe", "tests"):
@@ -276,7 +278,7 @@ def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
         env = {**_env(), "PYTHONPATH": str(copy)}
         # Its own session, so that the workers its tests start go with it on a timeout.
         run = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *TESTS],
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *tests],
             cwd=copy,
             env=env,
             stdout=subprocess.PIPE,
@@ -288,18 +290,30 @@ def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
             stdout, _ = run.communicate(timeout=timeout)
             result = "survived" if run.returncode == 0 else "killed"
             tail = stdout.strip().splitlines()[-1:] if stdout else []
+            killer = _first_failure(stdout)
         except subprocess.TimeoutExpired:
             os.killpg(run.pid, signal.SIGKILL)
             run.communicate()
-            result, tail = "killed", ["timed out"]
+            result, tail, killer = "killed", ["timed out"], "timed out"
         return {
             "name": mutant.name,
             "file": mutant.path,
             "why": mutant.why,
             "result": result,
+            "killed_by": killer,
             "seconds": round(time.monotonic() - started, 1),
             "tests": " ".join(tail),
         }
+
+
+def _first_failure(output: str) -> str:
+    """The first test that pytest's short summary (`-ra`) names as failed or in error."""
+    _, _, summary = output.partition(" short test summary info ")
+    for line in summary.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("FAILED", "ERROR"):
+            return rest.split(" - ")[0]
+    return ""
 
 
 def _env() -> dict[str, str]:
@@ -315,9 +329,13 @@ def main() -> int:
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     results = []
     for mutant in chosen:
-        outcome = run_mutant(mutant, args.timeout)
+        outcome = run_mutant(mutant, TESTS, args.timeout)
         results.append(outcome)
-        print(f"{outcome['result']:>9}  {mutant.name:<34} {outcome.get('seconds', '')}", flush=True)
+        print(
+            f"{outcome['result']:>9}  {mutant.name:<40} {outcome.get('seconds', ''):>6}"
+            f"  {outcome.get('killed_by', '')}",
+            flush=True,
+        )
     killed = sum(r["result"] == "killed" for r in results)
     print(f"\n{killed} killed, {len(results) - killed} survived, of {len(results)}")
     if args.json:
