@@ -9,6 +9,9 @@ For each, the checkout (the package and the tests) is copied into a temporary fo
 is made there, and the tests that cover those modules run against the copy (real PostgreSQL,
 Redis and worker processes, as always). A mutant is killed when a test fails; one that survives
 is a fault the tests would let through. The results are in docs/mutants.md.
+
+The suite runs a sample of five mutants a commit, each against only the tests that kill it
+fastest (`killed_by`), in tests/test_mutants.py.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class Mutant:
     old: str
     new: str
     why: str  # the bug it stands for
-    # The tests that kill it fastest.
+    # The tests that kill it fastest: what the suite runs when a commit samples it
+    # (tests/test_mutants.py).
     killed_by: tuple[str, ...]
 
 
