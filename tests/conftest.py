@@ -60,7 +60,8 @@ os.environ.update(TEST_ENV)
 
 
 # Tests of pure code: the parser, the documents, the classifiers (the Bedrock stand-in is a
-# thread of the test), the settings, the layers, the deploy files, the mutants' places.
+# thread of the test), the settings, the layers, the deploy files, the mutants' places (the
+# mutants' sample in tests/test_mutants.py is marked `services` itself).
 NO_SERVICES = (
     "tests/unit/mail/",
     "tests/unit/app/test_config.py",

@@ -9,6 +9,9 @@ For each, the checkout (the package and the tests) is copied into a temporary fo
 is made there, and the tests that cover those modules run against the copy (real PostgreSQL,
 Redis and worker processes, as always). A mutant is killed when a test fails; one that survives
 is a fault the tests would let through. The results are in docs/mutants.md.
+
+The suite runs a sample of five mutants a commit, each against only the tests that kill it
+fastest (`killed_by`), in tests/test_mutants.py.
 """
 
 from __future__ import annotations
@@ -27,11 +30,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+JOB = "tests/unit/pipeline/test_job.py"
+LEASES = "tests/unit/coordination/test_leases.py"
+ENQUEUE = "tests/unit/coordination/test_enqueue.py"
+SWEEPER = "tests/integration/test_sweeper.py"
+
 # The tests that cover the modules under mutation.
 TESTS = [
-    "tests/unit/pipeline/test_job.py",
+    JOB,
     "tests/unit/coordination",
-    "tests/integration/test_sweeper.py",
+    SWEEPER,
     "tests/integration/test_idempotency.py",
     "tests/integration/test_recovery.py",
     "tests/integration/test_crashes.py",
@@ -45,6 +53,9 @@ class Mutant:
     old: str
     new: str
     why: str  # the bug it stands for
+    # The tests that kill it fastest: what the suite runs when a commit samples it
+    # (tests/test_mutants.py).
+    killed_by: tuple[str, ...]
 
 
 MUTANTS = [
@@ -54,6 +65,7 @@ MUTANTS = [
         "    if run.status is not RunStatus.OPEN:\n        return Outcome(Kind.CLOSED",
         "    if False:\n        return Outcome(Kind.CLOSED",
         "a closed run is run again",
+        (f"{JOB}::test_model_calls_off_leaves_the_run_open_after_the_documents",),
     ),
     Mutant(
         "claim-counts-nothing",
@@ -61,6 +73,7 @@ MUTANTS = [
         "    run.attempts += 1\n",
         "    run.attempts += 0\n",
         "an attempt is not counted, so a crashing job runs for ever",
+        (f"{JOB}::test_an_attempt_that_died_is_named_and_counted",),
     ),
     Mutant(
         "claim-one-attempt-more",
@@ -68,6 +81,7 @@ MUTANTS = [
         "    if run.attempts >= max_attempts:\n        return _give_up(\n            run,",
         "    if run.attempts > max_attempts:\n        return _give_up(\n            run,",
         "a fifth attempt",
+        (f"{JOB}::test_a_run_at_a_lowered_attempt_limit_fails_without_another_attempt",),
     ),
     Mutant(
         "claim-forgets-the-dead-attempt",
@@ -75,6 +89,7 @@ MUTANTS = [
         '            run.error = _clip(\n                f"attempt {run.attempts} ended without a result',
         '            run.error = run.error or _clip(\n                f"attempt {run.attempts} ended without a result',
         "the death of an attempt is not recorded when an earlier error is",
+        (f"{JOB}::test_a_death_after_a_transient_error_is_recorded_as_the_death",),
     ),
     Mutant(
         "cut-off-never-fails",
@@ -82,6 +97,9 @@ MUTANTS = [
         "            if run.attempts < max_attempts:\n                return Outcome(Kind.RETRY",
         "            if True:\n                return Outcome(Kind.RETRY",
         "a job cut off by the hard time limit retries for ever",
+        (
+            f"{JOB}::test_an_attempt_cut_off_by_the_hard_time_limit_waits_its_backoff_then_the_last_fails",
+        ),
     ),
     Mutant(
         "fence-ignores-claim",
@@ -89,6 +107,9 @@ MUTANTS = [
         "    if run.claims != token:\n        raise Superseded",
         "    if False:\n        raise Superseded",
         "a delivery whose claim was superseded still writes",
+        (
+            f"{JOB}::test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs[with-attachments]",
+        ),
     ),
     Mutant(
         "fence-ignores-status",
@@ -96,6 +117,7 @@ MUTANTS = [
         "    if run.status is not RunStatus.OPEN:\n        raise Superseded",
         "    if False:\n        raise Superseded",
         "a late delivery writes to a closed run",
+        (f"{JOB}::test_a_delivery_whose_run_was_failed_meanwhile_writes_nothing",),
     ),
     Mutant(
         "one-statement-claim-counts-nothing",
@@ -103,6 +125,7 @@ MUTANTS = [
         '    "attempts": _RUN.c.attempts + 1,\n',
         '    "attempts": _RUN.c.attempts + 0,\n',
         "the usual claim does not count its attempt, so a crashing job runs for ever",
+        (f"{JOB}::test_a_run_at_a_lowered_attempt_limit_fails_without_another_attempt",),
     ),
     Mutant(
         "one-statement-claim-one-attempt-more",
@@ -110,6 +133,7 @@ MUTANTS = [
         '        _RUN.c.attempts < bindparam("max_attempts"),\n',
         '        _RUN.c.attempts <= bindparam("max_attempts"),\n',
         "the usual claim lets a fifth attempt run",
+        (f"{JOB}::test_a_run_at_a_lowered_attempt_limit_fails_without_another_attempt",),
     ),
     Mutant(
         "one-statement-claim-ignores-dead-attempt",
@@ -117,6 +141,7 @@ MUTANTS = [
         "        _RUN.c.attempt_started_at.is_(None),\n",
         "",
         "an attempt whose process died is never recorded as such",
+        (f"{JOB}::test_the_next_attempt_runs_with_the_death_of_the_last_on_record",),
     ),
     Mutant(
         "close-ignores-attempt",
@@ -124,6 +149,7 @@ MUTANTS = [
         '    _RUN.c.claims == bindparam("fence_token"),\n',
         "",
         "a delivery whose attempt was superseded still closes the run with its writes",
+        (f"{JOB}::test_a_stale_delivery_cannot_pass_for_a_later_claim",),
     ),
     Mutant(
         "give-back-keeps-attempt",
@@ -131,6 +157,7 @@ MUTANTS = [
         "    run.attempts = max(0, run.attempts - 1)\n    run.attempt_started_at = None\n",
         "    run.attempts = run.attempts\n    run.attempt_started_at = None\n",
         "a throttled delivery uses an attempt",
+        (f"{JOB}::test_a_fleet_wide_fault_uses_no_attempt_and_pauses_the_stage",),
     ),
     Mutant(
         "handover-resets-sweeps",
@@ -138,6 +165,7 @@ MUTANTS = [
         '    values = {"converted_at": utcnow(), "attempts": 0,',
         '    values = {"converted_at": utcnow(), "attempts": 0, "sweep_count": 0,',
         "a run's sweeps start again at its model stage: more than 3 sweeps per run",
+        (f"{JOB}::test_a_run_left_waiting_keeps_its_sweeps_for_the_next_stage",),
     ),
     Mutant(
         "transient-one-attempt-more",
@@ -145,6 +173,7 @@ MUTANTS = [
         "    if run.attempts >= max_attempts:\n        return _give_up(run, f",
         "    if run.attempts > max_attempts:\n        return _give_up(run, f",
         "a fifth attempt after transient errors",
+        (f"{JOB}::test_transient_errors_retry_with_backoff_then_fail_after_max_attempts",),
     ),
     Mutant(
         "reopen-keeps-answer",
@@ -152,6 +181,7 @@ MUTANTS = [
         "    run.classified_at = None\n",
         "",
         "a reopened run never asks the model again",
+        (f"{JOB}::test_a_reopened_run_asks_the_model_again",),
     ),
     Mutant(
         "release-drops-others-marker",
@@ -159,6 +189,9 @@ MUTANTS = [
         "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end",
         "if redis.call('get', KEYS[1]) ~= ARGV[1] then redis.call('del', KEYS[2]) return 0 end",
         "a delivery that lost its lease deletes the holder's marker",
+        (
+            f"{JOB}::test_a_delivery_that_lost_its_lease_writes_nothing_and_leaves_the_holder_s_marker",
+        ),
     ),
     Mutant(
         "release-ignores-follow-up",
@@ -166,6 +199,7 @@ MUTANTS = [
         "if ARGV[2] == '1' then",
         "if false then",
         "a retry's marker is deleted, so the email can be sent twice",
+        (f"{LEASES}::test_release_before_a_follow_up_keeps_the_marker_stamped_anew",),
     ),
     Mutant(
         "no-takeover-of-dead",
@@ -173,6 +207,7 @@ MUTANTS = [
         "holder and _holder_is_dead(holder) and self._take_over(holder)",
         "holder and False and self._take_over(holder)",
         "a dead child's lease is waited out",
+        (f"{LEASES}::test_the_lease_of_a_dead_process_on_this_host_is_taken_over_at_once",),
     ),
     Mutant(
         "renewal-never-lost",
@@ -180,6 +215,9 @@ MUTANTS = [
         "            self.lost = True\n",
         "            self.lost = False\n",
         "a lease taken by another goes unnoticed",
+        (
+            f"{LEASES}::test_a_renewal_that_finds_the_lease_taken_marks_it_lost_and_release_leaves_the_new_holder",
+        ),
     ),
     Mutant(
         "renew-too-late",
@@ -187,6 +225,7 @@ MUTANTS = [
         "                    lease.renew_at = now + lease.ttl_ms / 3000",
         "                    lease.renew_at = now + lease.ttl_ms / 900",
         "renewals come after the lease lapsed",
+        (f"{LEASES}::test_a_held_lease_outlives_its_ttl_while_it_is_renewed",),
     ),
     Mutant(
         "marker-not-exclusive",
@@ -194,6 +233,7 @@ MUTANTS = [
         "now, nx=True, ex=ttl)",
         "now, nx=False, ex=ttl)",
         "enqueue sends a second job for an email already queued",
+        (f"{SWEEPER}::test_broker_flush_loses_jobs_and_one_sweep_readds_each_once",),
     ),
     Mutant(
         "marker-kept-after-failed-send",
@@ -201,6 +241,9 @@ MUTANTS = [
         "        markers.release(res.redis, sent)\n",
         "",
         "a job that was never sent stays marked as queued",
+        (
+            f"{ENQUEUE}::test_a_batch_the_broker_drops_midway_leaves_no_marker_and_can_be_sent_again",
+        ),
     ),
     Mutant(
         "refresh-does-nothing",
@@ -208,6 +251,7 @@ MUTANTS = [
         "        redis.eval(_REFRESH, len(keys), *keys, stamp(), ttl)",
         "        pass",
         "waiting jobs lose their markers",
+        (f"{SWEEPER}::test_waiting_jobs_whose_markers_are_gone_are_never_readded",),
     ),
     Mutant(
         "sweeper-blind-to-broker",
@@ -215,6 +259,7 @@ MUTANTS = [
         "        present = [i for i in email_ids if i in self._present]",
         "        present: list[int] = []",
         "waiting jobs are taken for lost",
+        (f"{SWEEPER}::test_waiting_jobs_whose_markers_are_gone_are_never_readded",),
     ),
     Mutant(
         "sweeper-ignores-fresh-markers",
@@ -222,6 +267,7 @@ MUTANTS = [
         "            if running or (stamp is not None and markers.set_at(stamp) > recent):",
         "            if running:",
         "a job sent during the broker read is taken for lost",
+        (f"{SWEEPER}::test_a_purged_queue_is_readded_at_the_next_sweep_though_its_markers_live",),
     ),
     Mutant(
         "sweeper-ignores-leases",
@@ -229,6 +275,7 @@ MUTANTS = [
         "            if running or (stamp",
         "            if False or (stamp",
         "a running job is taken for lost",
+        (f"{SWEEPER}::test_a_running_job_is_never_taken_for_lost",),
     ),
     Mutant(
         "sweeper-one-sweep-more",
@@ -236,6 +283,7 @@ MUTANTS = [
         "sweeps[i] >= settings.max_sweeps]",
         "sweeps[i] > settings.max_sweeps]",
         "a stalled run is re-added a fourth time",
+        (f"{SWEEPER}::test_a_run_whose_job_is_lost_three_times_is_taken_off_the_queue",),
     ),
     Mutant(
         "sweeper-counts-nothing",
@@ -243,6 +291,7 @@ MUTANTS = [
         "sweep_count=PipelineRun.sweep_count + 1",
         "sweep_count=PipelineRun.sweep_count",
         "a stalled run is re-added for ever",
+        (f"{SWEEPER}::test_a_run_whose_job_is_lost_three_times_is_taken_off_the_queue",),
     ),
     Mutant(
         "sweeper-model-rule-inverted",
@@ -250,6 +299,7 @@ MUTANTS = [
         "        stalled = not_(answered_lately)",
         "        stalled = answered_lately",
         "open runs are re-added only when they should wait",
+        (f"{SWEEPER}::test_open_runs_follow_the_model_call_rules",),
     ),
     Mutant(
         "sweeper-no-reread",
@@ -257,11 +307,14 @@ MUTANTS = [
         "            view.take()\n            with res.db.session() as session:\n                rows = read(session, last_id)",
         "            view.take()",
         "a job that ended during the broker read is taken for lost",
+        (f"{SWEEPER}::test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost",),
     ),
 ]
 
 
-def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
+def run_mutant(mutant: Mutant, pytest_args: list[str], timeout: float) -> dict[str, object]:
+    """Run pytest with `pytest_args` on a copy of the checkout with `mutant` written in, to its
+    first failure, which kills the mutant."""
     with tempfile.TemporaryDirectory(prefix="mailpipe-mutant-") as tmp:
         copy = Path(tmp)
         for name in ("mailpipe", "tests"):
@@ -276,7 +329,7 @@ def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
         env = {**_env(), "PYTHONPATH": str(copy)}
         # Its own session, so that the workers its tests start go with it on a timeout.
         run = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *TESTS],
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *pytest_args],
             cwd=copy,
             env=env,
             stdout=subprocess.PIPE,
@@ -288,18 +341,30 @@ def run_mutant(mutant: Mutant, timeout: float) -> dict[str, object]:
             stdout, _ = run.communicate(timeout=timeout)
             result = "survived" if run.returncode == 0 else "killed"
             tail = stdout.strip().splitlines()[-1:] if stdout else []
+            killer = _first_failure(stdout)
         except subprocess.TimeoutExpired:
             os.killpg(run.pid, signal.SIGKILL)
             run.communicate()
-            result, tail = "killed", ["timed out"]
+            result, tail, killer = "killed", ["timed out"], "timed out"
         return {
             "name": mutant.name,
             "file": mutant.path,
             "why": mutant.why,
             "result": result,
+            "killed_by": killer,
             "seconds": round(time.monotonic() - started, 1),
             "tests": " ".join(tail),
         }
+
+
+def _first_failure(output: str) -> str:
+    """The first test that pytest's short summary (`-ra`) names as failed or in error."""
+    _, _, summary = output.partition(" short test summary info ")
+    for line in summary.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("FAILED", "ERROR"):
+            return rest.split(" - ")[0]
+    return ""
 
 
 def _env() -> dict[str, str]:
@@ -315,9 +380,13 @@ def main() -> int:
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     results = []
     for mutant in chosen:
-        outcome = run_mutant(mutant, args.timeout)
+        outcome = run_mutant(mutant, TESTS, args.timeout)
         results.append(outcome)
-        print(f"{outcome['result']:>9}  {mutant.name:<34} {outcome.get('seconds', '')}", flush=True)
+        print(
+            f"{outcome['result']:>9}  {mutant.name:<40} {outcome.get('seconds', ''):>6}"
+            f"  {outcome.get('killed_by', '')}",
+            flush=True,
+        )
     killed = sum(r["result"] == "killed" for r in results)
     print(f"\n{killed} killed, {len(results) - killed} survived, of {len(results)}")
     if args.json:
