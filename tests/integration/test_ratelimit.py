@@ -144,7 +144,8 @@ def hold_forever(slot_ttl: float, granted: str) -> None:
 
 
 def test_slot_of_a_killed_holder_frees_itself_after_the_ttl(redis_db: Redis) -> None:
-    slot_ttl = 2.0
+    # Long enough that the refused attempt below comes before it lapses, on a slow machine too.
+    slot_ttl = 10.0
     victim = SPAWN.Process(target=hold_forever, args=(slot_ttl, VICTIM))
     victim.start()
     reply = redis_db.blpop([VICTIM], timeout=30)
