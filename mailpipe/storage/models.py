@@ -151,6 +151,12 @@ class PipelineRun(Base):
     # When the model's answer was stored, before the labels were synced from it.
     classified_at: Mapped[datetime | None]
     error: Mapped[str | None] = mapped_column(Text)
+    # What kind of error `error` is, for the failed list's filter: an exception's class name
+    # (BlobMissing, OperationalError) or the name of a bound the run hit (AttemptsUsedUp, Stalled).
+    error_class: Mapped[str | None] = mapped_column(String(64))
+    # When an operator gave up on the failed run: it stays failed, off the failed list, and no
+    # sweep or retry-all reopens it.
+    dismissed_at: Mapped[datetime | None]
     # What the parser had to get past in this email: {"count": n, "skipped_header_lines": [...]},
     # or None when it read cleanly.
     parse_defects: Mapped[dict[str, Any] | None] = mapped_column(JSON)
@@ -173,6 +179,33 @@ class PipelineRun(Base):
             postgresql_where=text("status = 'failed'"),
             sqlite_where=text("status = 'failed'"),
         ),
+    )
+
+
+class RunAttempt(Base):
+    """One attempt of a run's stage, written when it ends, in the transaction that ends it (an
+    attempt whose process died is written by the claim that finds it so)."""
+
+    __tablename__ = "run_attempt"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("pipeline_run.id"))
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"))
+    stage: Mapped[str] = mapped_column(String(16))
+    attempt: Mapped[int]  # the stage's attempt number, as `pipeline_run.attempts` counted it
+    started_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # succeeded, duplicate, handed_off, waiting, deferred, retrying, failed, lost, cut_off
+    outcome: Mapped[str] = mapped_column(String(32))
+    error_class: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[str | None] = mapped_column(Text)
+    host: Mapped[str | None] = mapped_column(String(255))
+
+    __table_args__ = (
+        # An email's history, in order.
+        Index("ix_run_attempt_email_id", "email_id", "id"),
+        # The metrics report: the attempts that ended since the last one.
+        Index("ix_run_attempt_ended_at", "ended_at"),
     )
 
 
