@@ -81,6 +81,7 @@ class _AttemptEnd:
     outcome: AttemptOutcome
     error_class: str | None = None
     error: str | None = None
+    at: datetime | None = None  # the time the act sets on the run (closed_at): else now
 
 
 def claim_attempt(
@@ -377,15 +378,18 @@ def converted(
     for its classification stage, with a fresh attempt budget for it (its sweeps go on counting
     over both stages). Fenced as `close`. `model_calls`: the model stage is sent next (the
     attempt is `handed_off`), else the run waits for them (`waiting`)."""
+    now = utcnow()
     values = {
-        "converted_at": utcnow(),
+        "converted_at": now,
         "attempts": 0,
         "attempt_started_at": None,
         "error": None,
         "error_class": None,
     }
-    ended = AttemptOutcome.HANDED_OFF if model_calls else AttemptOutcome.WAITING
-    _update_fenced(session, email_id, token, values, parse_defects, _AttemptEnd(ended))
+    ended = _AttemptEnd(
+        AttemptOutcome.HANDED_OFF if model_calls else AttemptOutcome.WAITING, at=now
+    )
+    _update_fenced(session, email_id, token, values, parse_defects, ended)
 
 
 def classified(session: Session, email_id: int, token: int) -> None:
@@ -413,7 +417,7 @@ def close(
     values = _closed(status, error, error_class)
     if classified:
         values["classified_at"] = values["closed_at"]
-    ended = _AttemptEnd(_CLOSED_AS[status], error_class, error)
+    ended = _AttemptEnd(_CLOSED_AS[status], error_class, error, values["closed_at"])
     _update_fenced(session, email_id, token, values, parse_defects, ended)
 
 
@@ -645,7 +649,7 @@ def _record(session: Session, run: PipelineRun, ended: _AttemptEnd) -> None:
 
 def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:
     return {
-        "ended_at": utcnow(),
+        "ended_at": ended.at or utcnow(),
         "outcome": ended.outcome.value,
         "error_class": ended.error_class,
         "error": _clip(ended.error) if ended.error else None,
