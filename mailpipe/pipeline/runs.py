@@ -81,7 +81,7 @@ class _AttemptEnd:
     outcome: AttemptOutcome
     error_class: str | None = None
     error: str | None = None
-    at: datetime | None = None  # the time the act sets on the run (closed_at): else now
+    at: datetime | None = None  # the time the act also sets on the run (closed_at); else now
 
 
 def claim_attempt(
@@ -305,7 +305,10 @@ _RECORD_IF_AT_CLAIM = insert(_ATTEMPT).from_select(
     select(
         _RUN.c.id,
         _RUN.c.email_id,
-        case((_RUN.c.converted_at.is_(None), literal(Stage.CPU.value)), else_=Stage.MODEL.value),
+        case(
+            (_RUN.c.converted_at.is_(None), literal(Stage.CPU.value)),
+            else_=literal(Stage.MODEL.value),
+        ),
         _RUN.c.attempts,
         _RUN.c.attempt_started_at,
         *(bindparam(name, type_=_ATTEMPT.c[name].type) for name in _ENDED),
