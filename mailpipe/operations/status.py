@@ -146,20 +146,28 @@ def failed_page(
     first."""
     where = (filt or FailedFilter()).where()
     total = session.scalar(select(func.count()).select_from(PipelineRun).where(*where)) or 0
-    query = (
+    # The page's runs first, from the partial indexes over the listed runs; their emails after,
+    # for the page's rows only.
+    runs = _paged(
         select(
+            PipelineRun.id,
             PipelineRun.email_id,
             PipelineRun.attempts,
             PipelineRun.closed_at,
             PipelineRun.converted_at,
             PipelineRun.error_class,
             PipelineRun.error,
-            EmailMessage.needs_review,
         )
-        .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
         .where(*where)
         # The id breaks ties: runs failed in one statement (a sweep) share their closed_at.
-        .order_by(PipelineRun.closed_at.desc(), PipelineRun.id.desc())
+        .order_by(PipelineRun.closed_at.desc(), PipelineRun.id.desc()),
+        page,
+        per_page,
+    ).subquery()
+    query = (
+        select(runs, EmailMessage.needs_review)
+        .join(EmailMessage, EmailMessage.id == runs.c.email_id)
+        .order_by(runs.c.closed_at.desc(), runs.c.id.desc())
     )
     rows = [
         {
@@ -171,7 +179,7 @@ def failed_page(
             "error": row.error,
             "needs_review": row.needs_review,
         }
-        for row in session.execute(_paged(query, page, per_page))
+        for row in session.execute(query)
     ]
     return _page(rows, page, per_page, total)
 
