@@ -151,6 +151,10 @@ class EmailOrigin(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+# The failed runs the failed list shows: an operator dismissed none of them.
+_LISTED = "status = 'failed' AND dismissed_at IS NULL"
+
+
 class PipelineRun(Base):
     __tablename__ = "pipeline_run"
 
@@ -205,6 +209,22 @@ class PipelineRun(Base):
             "closed_at",
             postgresql_where=text("status = 'failed'"),
             sqlite_where=text("status = 'failed'"),
+        ),
+        # The failed list's pages, newest first, whole or by error class: the runs it lists.
+        Index(
+            "ix_pipeline_run_listed",
+            "closed_at",
+            "id",
+            postgresql_where=text(_LISTED),
+            sqlite_where=text(_LISTED),
+        ),
+        Index(
+            "ix_pipeline_run_listed_class",
+            "error_class",
+            "closed_at",
+            "id",
+            postgresql_where=text(_LISTED),
+            sqlite_where=text(_LISTED),
         ),
     )
 
