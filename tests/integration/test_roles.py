@@ -280,7 +280,7 @@ def procfile() -> dict[str, str]:
 
 
 def test_the_procfile_names_every_role():
-    assert set(procfile()) == {"release", "worker", "model", "beat", "flower"}
+    assert set(procfile()) == {"release", "worker", "model", "beat", "flower", "web"}
 
 
 @pytest.fixture
