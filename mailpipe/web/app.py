@@ -10,7 +10,7 @@ form; its work runs on the thread pool too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,18 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mailpipe.broker.queues import Stage
+from mailpipe.coordination import pauses
+from mailpipe.enqueue import sender
+from mailpipe.operations import actions
+from mailpipe.operations.status import (
+    FailedFilter,
+    email_detail,
+    error_classes,
+    failed_page,
+    fleet_status,
+    job_state,
+    review_page,
+)
 from mailpipe.resources import Resources, get_resources
 from mailpipe.settings import Settings
 from mailpipe.web.auth import ACT, BasicAuth, accounts, csrf_token, csrf_valid, secret_of
@@ -138,13 +150,9 @@ class Console:
     # --- pages --------------------------------------------------------------------------------
 
     def overview(self, request: Request) -> Response:
-        from mailpipe.operations.status import fleet_status
-
         return self.page(request, "overview.html", status=fleet_status(get_resources()))
 
     def failed(self, request: Request) -> Response:
-        from mailpipe.operations.status import error_classes, failed_page
-
         filt, problems = _failed_filter(request.query_params)
         page = _page_number(request.query_params)
         with get_resources().db.session() as session:
@@ -162,16 +170,12 @@ class Console:
         )
 
     def review(self, request: Request) -> Response:
-        from mailpipe.operations.status import review_page
-
         page = _page_number(request.query_params)
         with get_resources().db.session() as session:
             listed = review_page(session, page, PER_PAGE)
         return self.page(request, "review.html", listed=listed, query=lambda **c: _query({}, **c))
 
     def email(self, request: Request) -> Response:
-        from mailpipe.operations.status import email_detail, job_state
-
         email_id = _email_id(request)
         res = get_resources()
         with res.db.session() as session:
@@ -191,8 +195,6 @@ class Console:
         return RedirectResponse("/", status_code=303)
 
     async def pause_or_resume(self, request: Request) -> Response:
-        from mailpipe.coordination import pauses
-
         form = await self.action_form(request)
         stage = Stage(_choice(form, "stage", tuple(Stage)))
         redis = get_resources().redis
@@ -206,44 +208,30 @@ class Console:
         return RedirectResponse("/", status_code=303)
 
     async def act_on_failed(self, request: Request) -> Response:
-        from mailpipe.operations import actions
-
         form = await self.action_form(request)
         verb, scope = _choice(form, "do", _VERBS).split("-")
         fields = _filter_fields(form)
         filt, problems = _failed_filter(form)
         if problems:
             raise HTTPException(400, "; ".join(problems))
-        act = {"retry": actions.retry, "dismiss": actions.dismiss}[verb]
+        user = request.user.username
         if scope == "matching":
-            done = await run_in_threadpool(act, get_resources(), None, filt)
+            done = await run_in_threadpool(_act, verb, user, None, filt)
         else:
-            done = await self.on_selected(request, form, act)
+            done = await run_in_threadpool(_act, verb, user, _selected(form))
         _log_action(request, f"{verb} {scope} in the failed list", done.done, fields)
         return _back("/failed", fields, verb, done)
 
     async def act_on_review(self, request: Request) -> Response:
-        from mailpipe.operations import actions
-
         form = await self.action_form(request)
         verb, scope = _choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split("-")
-        act = {"retry": actions.retry, "dismiss": actions.dismiss, "clear": actions.clear_review}
         if scope == "matching":
-            res = get_resources()
-            email_ids = await run_in_threadpool(_all_marked_for_review, res)
-            done = await run_in_threadpool(act[verb], res, email_ids)
+            email_ids = await run_in_threadpool(_all_marked_for_review, get_resources())
         else:
-            done = await self.on_selected(request, form, act[verb])
+            email_ids = _selected(form)
+        done = await run_in_threadpool(_act, verb, request.user.username, email_ids)
         _log_action(request, f"{verb} {scope} in the review list", done.done)
         return _back("/review", {}, verb, done)
-
-    async def on_selected(self, request: Request, form: FormData, act: Callable[..., Any]) -> Any:
-        from mailpipe.operations.actions import Done
-
-        email_ids = _selected(form)
-        if not email_ids:
-            return Done(done=[], enqueued=0, refused={})
-        return await run_in_threadpool(act, get_resources(), email_ids)
 
     async def action_form(self, request: Request) -> FormData:
         """The action's form, once its user is known to be an operator and its token right."""
@@ -261,8 +249,6 @@ class Console:
 
 def api_job(request: Request) -> Response:
     """`status.job_state` of one email: where its job is, its attempts, labels and history."""
-    from mailpipe.operations.status import job_state
-
     email_id = _email_id(request)
     res = get_resources()
     with res.db.session() as session:
@@ -274,8 +260,6 @@ def api_job(request: Request) -> Response:
 
 def api_queues(request: Request) -> Response:
     """What the overview shows: queues, workers, switches, runs by status."""
-    from mailpipe.operations.status import fleet_status
-
     return JSONResponse(fleet_status(get_resources()))
 
 
@@ -332,9 +316,24 @@ def _switch_model_calls(res: Resources, on: bool) -> None:
         sweep.apply_async()
 
 
-def _all_marked_for_review(res: Resources) -> list[int]:
-    from mailpipe.operations.status import review_page
+def _act(
+    verb: str, user: str, email_ids: list[int] | None, filt: FailedFilter | None = None
+) -> actions.Done:
+    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None;
+    done by `user` as the operations' log names them."""
+    if email_ids is not None and not email_ids:
+        return actions.Done([])  # nothing selected: never "every failed run"
+    res = get_resources()
+    who = f"web:{user}"
+    if verb == "retry":
+        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who)
+    if verb == "dismiss":
+        return actions.dismiss(res, email_ids, filt, user=who)
+    assert email_ids is not None
+    return actions.clear_review(res, email_ids, user=who)
 
+
+def _all_marked_for_review(res: Resources) -> list[int]:
     email_ids: list[int] = []
     page = 1
     with res.db.session() as session:
@@ -366,10 +365,8 @@ def _filter_fields(params: Mapping[str, Any]) -> dict[str, str]:
     return {name: str(params.get(name) or "").strip() for name in _FILTERS}
 
 
-def _failed_filter(params: Mapping[str, Any]) -> tuple[Any, list[str]]:
+def _failed_filter(params: Mapping[str, Any]) -> tuple[FailedFilter, list[str]]:
     """The FailedFilter of the query or form, and what in it could not be read."""
-    from mailpipe.operations.status import FailedFilter
-
     fields = _filter_fields(params)
     problems = []
     stage = None
@@ -437,7 +434,7 @@ def _notice(params: Mapping[str, str]) -> str | None:
 _COUNTS = ("done", "enqueued", "refused")
 
 
-def _back(path: str, fields: Mapping[str, str], verb: str, done: Any) -> Response:
+def _back(path: str, fields: Mapping[str, str], verb: str, done: actions.Done) -> Response:
     counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
     return RedirectResponse(f"{path}?{_query(fields, action=verb, **counts)}", status_code=303)
 

@@ -75,7 +75,11 @@ class ConsoleProcess:
         assert found, "no CSRF token in the failed list"
         return found[1]
 
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        return self.process.wait(30)
+    def stop(self) -> None:
+        """SIGTERM, as ECS and a Procfile runner stop it: uvicorn finishes the requests under
+        way, then ends by the signal it caught, as its parent expects."""
+        assert self.process.poll() is None, f"mailpipe web exited early:\n{self.output()}"
+        os.killpg(self.process.pid, signal.SIGTERM)
+        code = self.process.wait(30)
+        assert code == -signal.SIGTERM, f"exit code {code}:\n{self.output()[-3000:]}"
+        assert "Application shutdown complete" in self.output()

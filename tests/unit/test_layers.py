@@ -85,8 +85,18 @@ EXPECTED = {
         "operations",
         "app",
     },
-    # The console; what it shows and does (operations, the Celery face) is loaded on first use.
-    "mailpipe.web.app": {"base", "broker", "resources", "web"},
+    # The console: what it shows and does, and the deduplicated enqueue its retries go through.
+    "mailpipe.web.app": {
+        "base",
+        "storage",
+        "broker",
+        "coordination",
+        "resources",
+        "pipeline",
+        "operations",
+        "app",
+        "web",
+    },
     "mailpipe.cli.main": {"base", "resources", "cli"},
     # The worker the demo starts, as the tests and benchmarks start theirs: no app, no pipeline.
     "mailpipe.cli.demo.fleet": {"base", "cli"},
