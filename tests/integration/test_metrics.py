@@ -33,7 +33,7 @@ from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 from mailpipe.storage import flags
-from mailpipe.storage.models import PipelineRun, RunStatus
+from mailpipe.storage.models import ErrorClass, PipelineRun, RunStatus
 from tests.support.fleet import enqueue_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
@@ -361,7 +361,9 @@ def test_failed_runs_are_counted_once_across_concurrent_reports(res) -> None:  #
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
         for email_id in ids[:3]:
-            assert runs.fail(session, email_id, "given up")
+            assert runs.fail(
+                session, email_id, "given up", error_class=ErrorClass.DEFERRED_TOO_LONG
+            )
     wait_for_failures_to_settle(res)
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
