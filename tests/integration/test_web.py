@@ -67,7 +67,7 @@ def failed_run(res, error: str = "the test failed it") -> int:  # type: ignore[n
     [email_id] = store_emails(res, [email("failed")])
     with res.db.transaction() as session:
         runs.ensure_runs(session, [email_id])
-        assert runs.fail(session, email_id, error)
+        assert runs.fail(session, email_id, error, error_class="DeferredTooLong")
     return email_id
 
 
