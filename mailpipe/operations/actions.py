@@ -157,7 +157,7 @@ def _why_not(session: Session, email_ids: list[int]) -> dict[int, str]:
             select(PipelineRun.email_id, PipelineRun.status, PipelineRun.dismissed_at).where(
                 PipelineRun.email_id.in_(email_ids)
             )
-        ).tuples()
+        )
     }
     reasons = {}
     for email_id in email_ids:

@@ -185,7 +185,7 @@ def error_classes(session: Session) -> list[tuple[str, int]]:
         .group_by(PipelineRun.error_class)
         .order_by(count.desc(), PipelineRun.error_class)
     )
-    return [(str(name), n) for name, n in rows.tuples()]
+    return [(str(name), n) for name, n in rows]
 
 
 def review_page(session: Session, page: int = 1, per_page: int = 50) -> Page:

@@ -439,3 +439,69 @@ def test_demo_runs_end_to_end(tmp_path: Path, services: None) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "every sample reached its expected state" in run.stdout
     assert not (tmp_path / "var" / "demo").exists()  # it cleans up after itself
+
+
+def test_failed_filters_apply_to_the_list_and_to_retry_all(res) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.failed_runs import add_failed
+
+    early = add_failed(res, 1, "BlobMissing")
+    model = add_failed(res, 30, "BlobMissing", model_stage=True)
+    late = add_failed(res, 60, "Stalled")
+
+    def listed(*args: str) -> list[int]:
+        run = mailpipe("failed", "--json", *args)
+        assert run.returncode == 0, run.stderr
+        return [row["email_id"] for row in json.loads(run.stdout)["rows"]]
+
+    assert listed() == [late, model, early]
+    assert listed("--error-class", "BlobMissing") == [model, early]
+    assert listed("--stage", "model") == [model]
+    assert listed("--since", "2026-01-01T12:30:00") == [late, model]
+    assert listed("--until", "2026-01-01T12:30:00") == [early]
+    assert listed("--limit", "1", "--page", "3") == [early]
+    assert mailpipe("failed", "--stage", "gpu").returncode == 2
+    assert mailpipe("failed", "--retry", str(early), "--stage", "cpu").returncode == 2
+
+    retried = mailpipe("failed", "--retry-all", "--error-class", "BlobMissing", "--stage", "cpu")
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stdout.strip() == "reopened 1, enqueued 1"
+    assert statuses(res) == {early: "open", model: "failed", late: "failed"}
+    assert queued_email_ids(res) == [early]
+
+
+def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.failed_runs import add_failed
+
+    first = add_failed(res, 1, "Stalled", review=True)
+    second = add_failed(res, 2, "Stalled")
+    kept = add_failed(res, 3, "InputRejected")
+    assert mailpipe("dismiss").returncode == 2  # ids or --all
+    one = mailpipe("dismiss", str(first), "424242")
+    assert one.returncode == 3
+    assert one.stdout.strip() == "dismissed 1"
+    assert one.stderr.splitlines() == ["email 424242: not dismissed, it has no run"]
+    rest = mailpipe("dismiss", "--all", "--error-class", "Stalled")
+    assert (rest.returncode, rest.stdout.strip()) == (0, "dismissed 1")
+    assert statuses(res) == {first: "failed", second: "failed", kept: "failed"}
+    assert [row["email_id"] for row in json.loads(mailpipe("failed", "--json").stdout)["rows"]] == [
+        kept
+    ]
+    assert json.loads(mailpipe("review", "--json").stdout)["total"] == 0
+    assert mailpipe("failed", "--retry-all").stdout.strip() == "reopened 1, enqueued 1"
+    assert statuses(res) == {first: "failed", second: "failed", kept: "open"}
+
+    shown = json.loads(mailpipe("show", str(first)).stdout)
+    assert shown["dismissed_at"] is not None
+    assert shown["history"] == []  # no attempt recorded for a run written straight in
+    assert shown["run"]["error_class"] == "Stalled"
+
+
+def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]
+    table = mailpipe("status")
+    assert table.returncode == 0, table.stderr
+    for role in ("email", "model", "control"):
+        assert f"{role} queue depth" in table.stdout
+    assert "live workers" in table.stdout
+    data = json.loads(mailpipe("status", "--json").stdout)
+    assert set(data["queues"]) == {"email", "model", "control"}
+    assert data["workers"] == []

@@ -1,0 +1,60 @@
+"""Emails and runs written straight into the database, as the console finds them: failed at a
+stage with an error class, some marked for review or dismissed. No blob, no job."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import insert
+
+from mailpipe.resources import Resources
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
+
+T0 = datetime(2026, 1, 1, 12, 0, 0)
+
+
+def add_emails(res: Resources, n: int, **values: Any) -> list[int]:
+    """`n` email rows, with a run each if `values` has `has_run=True`."""
+    row = {"blob_key": "blobs/none", "size": 1, "sha256": "0" * 64, **values}
+    with res.db.transaction() as session:
+        return list(
+            session.scalars(
+                insert(EmailMessage).returning(EmailMessage.id, sort_by_parameter_order=True),
+                [dict(row) for _ in range(n)],
+            )
+        )
+
+
+def add_run(res: Resources, email_id: int, status: RunStatus, **values: Any) -> None:
+    with res.db.transaction() as session:
+        session.execute(insert(PipelineRun).values(email_id=email_id, status=status, **values))
+        session.get_one(EmailMessage, email_id).has_run = True
+
+
+def add_failed(
+    res: Resources,
+    minutes: int,
+    error_class: str = "BlobMissing",
+    *,
+    model_stage: bool = False,
+    review: bool = False,
+    dismissed: bool = False,
+) -> int:
+    """One email whose run failed `minutes` after T0."""
+    [email_id] = add_emails(
+        res, 1, needs_review=review, review_reason="stalled" if review else None
+    )
+    closed_at = T0 + timedelta(minutes=minutes)
+    add_run(
+        res,
+        email_id,
+        RunStatus.FAILED,
+        attempts=4,
+        error_class=error_class,
+        error=f"{error_class}: failed",
+        converted_at=closed_at - timedelta(seconds=1) if model_stage else None,
+        closed_at=closed_at,
+        dismissed_at=closed_at if dismissed else None,
+    )
+    return email_id

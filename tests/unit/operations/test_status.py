@@ -1,0 +1,236 @@
+"""The console's read side on real PostgreSQL and Redis: the failed and review lists, an email's
+detail, the job state and the fleet's status."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import insert, update
+
+from mailpipe.broker.queues import Stage
+from mailpipe.coordination import redis_keys
+from mailpipe.coordination.heartbeat import redis_time
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.operations.status import (
+    FailedFilter,
+    email_detail,
+    error_classes,
+    failed_page,
+    fleet_status,
+    job_state,
+    review_page,
+)
+from mailpipe.pipeline import runs
+from mailpipe.resources import Resources
+from mailpipe.storage.models import EmailLabel, PipelineRun, RunAttempt, RunStatus, utcnow
+from tests.support.failed_runs import T0, add_emails, add_failed, add_run
+
+
+def listed(res: Resources, filt: FailedFilter | None = None, **paging: int) -> list[int]:
+    with res.db.session() as session:
+        return [row["email_id"] for row in failed_page(session, filt, **paging).rows]
+
+
+def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None:  # type: ignore[no-untyped-def]
+    old = add_failed(res, 1, review=True)
+    new = add_failed(res, 3, "InputRejected", model_stage=True)
+    add_failed(res, 2, dismissed=True)
+    add_run(res, add_emails(res, 1)[0], RunStatus.SUCCEEDED)
+    with res.db.session() as session:
+        page = failed_page(session, FailedFilter())
+    assert (page.page, page.pages, page.total) == (1, 1, 2)
+    assert page.rows == [
+        {
+            "email_id": new,
+            "attempts": 4,
+            "failed_at": (T0 + timedelta(minutes=3)).isoformat() + "Z",
+            "stage": "model",
+            "error_class": "InputRejected",
+            "error": "InputRejected: failed",
+            "needs_review": False,
+        },
+        {
+            "email_id": old,
+            "attempts": 4,
+            "failed_at": (T0 + timedelta(minutes=1)).isoformat() + "Z",
+            "stage": "cpu",
+            "error_class": "BlobMissing",
+            "error": "BlobMissing: failed",
+            "needs_review": True,
+        },
+    ]
+
+
+def test_each_filter_of_the_failed_list(res) -> None:  # type: ignore[no-untyped-def]
+    a = add_failed(res, 1, "BlobMissing")
+    b = add_failed(res, 2, "Stalled", model_stage=True)
+    c = add_failed(res, 3, "BlobMissing", model_stage=True)
+    d = add_failed(res, 4, "Stalled")
+    add_failed(res, 5, "Stalled", dismissed=True)
+    at = T0 + timedelta(minutes=2)
+    assert listed(res, FailedFilter(error_class="BlobMissing")) == [c, a]
+    assert listed(res, FailedFilter(error_class="Nothing")) == []
+    assert listed(res, FailedFilter(stage=Stage.CPU)) == [d, a]
+    assert listed(res, FailedFilter(stage=Stage.MODEL)) == [c, b]
+    assert listed(res, FailedFilter(since=at)) == [d, c, b]  # since: inclusive
+    assert listed(res, FailedFilter(until=at)) == [a]  # until: exclusive
+    both = FailedFilter(error_class="Stalled", stage=Stage.CPU, since=at)
+    assert listed(res, both) == [d]
+    with res.db.session() as session:
+        assert error_classes(session) == [("BlobMissing", 2), ("Stalled", 2)]
+
+
+def test_pages_of_the_failed_list_cover_it_once_with_the_total(res) -> None:  # type: ignore[no-untyped-def]
+    ids = [add_failed(res, minutes) for minutes in range(7)]
+    # Two runs failed in one statement share their time: the id keeps their order fixed.
+    with res.db.transaction() as session:
+        session.execute(
+            update(PipelineRun)
+            .where(PipelineRun.email_id.in_(ids[:2]))
+            .values(closed_at=T0 + timedelta(minutes=9))
+        )
+    pages = []
+    with res.db.session() as session:
+        for number in (1, 2, 3, 4):
+            page = failed_page(session, None, number, 3)
+            assert (page.page, page.pages, page.total) == (number, 3, 7)
+            pages.append([row["email_id"] for row in page.rows])
+        assert failed_page(session, FailedFilter(error_class="None")).pages == 1
+        with pytest.raises(ValueError):
+            failed_page(session, None, 0)
+    assert pages == [[ids[1], ids[0], ids[6]], [ids[5], ids[4], ids[3]], [ids[2]], []]
+
+
+def test_the_review_list_pages_with_the_run_s_status(res) -> None:  # type: ignore[no-untyped-def]
+    marked = [add_failed(res, minutes, review=True) for minutes in range(3)]
+    [no_run, unmarked] = add_emails(res, 2)
+    with res.db.transaction() as session:
+        runs.mark_for_review(session, [no_run], "looked odd")
+    with res.db.session() as session:
+        first = review_page(session, 1, 3)
+        second = review_page(session, 2, 3)
+    assert (first.total, first.pages, second.page) == (4, 2, 2)
+    assert [row["email_id"] for row in first.rows + second.rows] == [*marked, no_run]
+    assert second.rows == [
+        {"email_id": no_run, "subject": None, "reason": "looked odd", "status": None}
+    ]
+    assert first.rows[0]["status"] == "failed"
+    assert unmarked not in [row["email_id"] for row in first.rows + second.rows]
+
+
+def test_an_email_s_detail_carries_its_history_in_order_and_its_dismissal(res) -> None:  # type: ignore[no-untyped-def]
+    email_id = add_failed(res, 1, "AttemptsUsedUp", dismissed=True)
+    with res.db.transaction() as session:
+        run = session.query(PipelineRun).filter_by(email_id=email_id).one()
+        for attempt, outcome in ((1, "retrying"), (2, "lost"), (3, "failed")):
+            session.execute(
+                insert(RunAttempt).values(
+                    run_id=run.id,
+                    email_id=email_id,
+                    stage="cpu",
+                    attempt=attempt,
+                    started_at=T0,
+                    ended_at=T0 + timedelta(seconds=attempt),
+                    outcome=outcome,
+                    error_class="OperationalError",
+                    error="e",
+                    host="w1",
+                )
+            )
+    with res.db.session() as session:
+        detail = email_detail(session, email_id)
+        assert email_detail(session, email_id + 1000) is None
+    assert detail is not None
+    assert [(h["attempt"], h["outcome"]) for h in detail["history"]] == [
+        (1, "retrying"),
+        (2, "lost"),
+        (3, "failed"),
+    ]
+    assert detail["history"][0] == {
+        "stage": "cpu",
+        "attempt": 1,
+        "started_at": T0.isoformat() + "Z",
+        "ended_at": (T0 + timedelta(seconds=1)).isoformat() + "Z",
+        "outcome": "retrying",
+        "error_class": "OperationalError",
+        "error": "e",
+        "host": "w1",
+    }
+    assert detail["dismissed_at"] == (T0 + timedelta(minutes=1)).isoformat() + "Z"
+    assert detail["run"]["error_class"] == "AttemptsUsedUp"
+    assert (detail["origin"], detail["duplicate_of"]) == (None, None)
+
+
+def state(res: Resources, email_id: int) -> str:
+    with res.db.session() as session:
+        found = job_state(res, session, email_id)
+    assert found is not None
+    return str(found["state"])
+
+
+def test_job_state_for_every_state(res) -> None:  # type: ignore[no-untyped-def]
+    never, marked, fresh, running, retrying = add_emails(res, 5)
+    assert state(res, never) == "not_enqueued"
+    assert enqueue_emails([marked], res).sent == [marked]
+    assert state(res, marked) == "queued"  # no run yet, a job waiting
+    add_run(res, fresh, RunStatus.OPEN)
+    assert state(res, fresh) == "queued"
+    add_run(res, running, RunStatus.OPEN, attempts=1, attempt_started_at=utcnow())
+    assert state(res, running) == "running"
+    add_run(res, retrying, RunStatus.OPEN, attempts=1, error="OperationalError: e")
+    assert state(res, retrying) == "retrying"
+    for status in (RunStatus.SUCCEEDED, RunStatus.DUPLICATE, RunStatus.FAILED):
+        [closed] = add_emails(res, 1)
+        add_run(res, closed, status, closed_at=utcnow())
+        assert state(res, closed) == status.value
+    dismissed = add_failed(res, 1, dismissed=True)
+    assert state(res, dismissed) == "failed"
+    with res.db.session() as session:
+        assert job_state(res, session, 424242) is None
+
+
+def test_job_state_carries_the_run_s_figures_and_labels(res) -> None:  # type: ignore[no-untyped-def]
+    email_id = add_failed(res, 1, "InputRejected", review=True)
+    with res.db.transaction() as session:
+        session.add(EmailLabel(email_id=email_id, label="invoice", source="rules"))
+    with res.db.session() as session:
+        found = job_state(res, session, email_id)
+    assert found is not None
+    assert {k: found[k] for k in ("attempts", "error_class", "error", "needs_review")} == {
+        "attempts": 4,
+        "error_class": "InputRejected",
+        "error": "InputRejected: failed",
+        "needs_review": True,
+    }
+    assert (found["labels"], found["history"]) == (["invoice"], [])
+    assert found["updated_at"].endswith("Z")
+
+
+def test_fleet_status_shows_each_queue_and_the_live_workers(res) -> None:  # type: ignore[no-untyped-def]
+    ids = add_emails(res, 2)
+    enqueue_emails(ids, res)
+    now = redis_time(res.redis)
+    settings = res.settings
+    res.redis.zadd(redis_keys.workers(), {"celery@a:1:x": now - 1, "celery@gone:2:y": now - 600})
+    res.redis.zadd(redis_keys.workers_on(f"{settings.queue}.model"), {"celery@a:1:x": now - 1})
+    status = fleet_status(res)
+    assert status["queue"]["depth"] == 2
+    email = status["queues"]["email"]
+    assert (email["name"], email["depth"], email["deferred"]) == (settings.queue, 2, 0)
+    assert email["oldest_age_s"] >= 0
+    assert status["queues"]["model"] == {
+        "name": f"{settings.queue}.model",
+        "depth": 0,
+        "oldest_age_s": None,
+        "deferred": 0,
+        "workers": 1,
+    }
+    assert status["queues"]["control"]["name"] == f"{settings.queue}.control"
+    [worker] = status["workers"]
+    assert (worker["id"], worker["hostname"], worker["queues"]) == (
+        "celery@a:1:x",
+        "celery@a",
+        [f"{settings.queue}.model"],
+    )
+    assert 1.0 <= worker["last_seen_s"] < 30  # seen a second before now, by Redis's clock
