@@ -81,6 +81,7 @@ class _AttemptEnd:
     outcome: AttemptOutcome
     error_class: str | None = None
     error: str | None = None
+    at: datetime | None = None  # the time the act also sets on the run (closed_at); else now
 
 
 def claim_attempt(
@@ -304,7 +305,10 @@ _RECORD_IF_AT_CLAIM = insert(_ATTEMPT).from_select(
     select(
         _RUN.c.id,
         _RUN.c.email_id,
-        case((_RUN.c.converted_at.is_(None), literal(Stage.CPU.value)), else_=Stage.MODEL.value),
+        case(
+            (_RUN.c.converted_at.is_(None), literal(Stage.CPU.value)),
+            else_=literal(Stage.MODEL.value),
+        ),
         _RUN.c.attempts,
         _RUN.c.attempt_started_at,
         *(bindparam(name, type_=_ATTEMPT.c[name].type) for name in _ENDED),
@@ -377,15 +381,18 @@ def converted(
     for its classification stage, with a fresh attempt budget for it (its sweeps go on counting
     over both stages). Fenced as `close`. `model_calls`: the model stage is sent next (the
     attempt is `handed_off`), else the run waits for them (`waiting`)."""
+    now = utcnow()
     values = {
-        "converted_at": utcnow(),
+        "converted_at": now,
         "attempts": 0,
         "attempt_started_at": None,
         "error": None,
         "error_class": None,
     }
-    ended = AttemptOutcome.HANDED_OFF if model_calls else AttemptOutcome.WAITING
-    _update_fenced(session, email_id, token, values, parse_defects, _AttemptEnd(ended))
+    ended = _AttemptEnd(
+        AttemptOutcome.HANDED_OFF if model_calls else AttemptOutcome.WAITING, at=now
+    )
+    _update_fenced(session, email_id, token, values, parse_defects, ended)
 
 
 def classified(session: Session, email_id: int, token: int) -> None:
@@ -413,7 +420,7 @@ def close(
     values = _closed(status, error, error_class)
     if classified:
         values["classified_at"] = values["closed_at"]
-    ended = _AttemptEnd(_CLOSED_AS[status], error_class, error)
+    ended = _AttemptEnd(_CLOSED_AS[status], error_class, error, values["closed_at"])
     _update_fenced(session, email_id, token, values, parse_defects, ended)
 
 
@@ -650,7 +657,7 @@ def _record(session: Session, run: PipelineRun, ended: _AttemptEnd) -> None:
 
 def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:
     return {
-        "ended_at": utcnow(),
+        "ended_at": ended.at or utcnow(),
         "outcome": ended.outcome.value,
         "error_class": ended.error_class,
         "error": _clip(ended.error) if ended.error else None,

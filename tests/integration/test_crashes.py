@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from mailpipe.broker.queues import control_queue, email_queue, model_queue
 from mailpipe.cli.ingest import store_emails
-from mailpipe.storage.models import PipelineRun
+from mailpipe.storage.models import PipelineRun, RunAttempt
 from tests.support.bedrock_server import BedrockServer
 from tests.support.fleet import Fleet
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
@@ -107,6 +107,11 @@ def test_a_job_whose_child_died_runs_again_without_waiting_out_the_lease(res, fl
     wait_until_closed(res, [crashy], timeout=45)
     run = run_of(res, crashy)
     assert (run.status.value, run.attempts) == ("succeeded", 2)
+    # The killed child wrote nothing of its attempt: the next claim wrote it, as lost.
+    with res.db.session() as session:
+        statement = select(RunAttempt.attempt, RunAttempt.outcome, RunAttempt.error_class)
+        history = session.execute(statement.order_by(RunAttempt.id)).all()
+    assert history == [(1, "lost", "Lost"), (2, "succeeded", None)]
 
 
 def test_sigterm_finishes_short_jobs_and_requeues_the_long_one_at_once(res, fleet) -> None:  # type: ignore[no-untyped-def]

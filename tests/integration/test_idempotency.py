@@ -18,6 +18,7 @@ from mailpipe.storage.models import (
     EmailMessage,
     EmailOrigin,
     PipelineRun,
+    RunAttempt,
 )
 from tests.support.database import clean
 from tests.support.waits import wait_for, wait_until_closed
@@ -30,7 +31,7 @@ EMAIL = (
     b"x,y\r\n1,2\r\n--b--\r\n"
 )
 COPY = EMAIL.replace(b"To: d@", b"Received: from mx2\r\nTo: d@")
-MODELS = (EmailMessage, EmailOrigin, PipelineRun, Document, EmailLabel, Classification)
+MODELS = (EmailMessage, EmailOrigin, PipelineRun, RunAttempt, Document, EmailLabel, Classification)
 # Columns that record when, or how long, rather than what.
 WHEN = {
     "created_at",
@@ -40,6 +41,8 @@ WHEN = {
     "latency_ms",
     "attempt_started_at",
     "received_at",
+    "started_at",
+    "ended_at",
 }
 
 
@@ -106,6 +109,9 @@ def test_steps_run_again_after_model_calls_are_switched_on_leave_the_same_rows(
     done = snapshot(res, WHEN)
     for table in ("email_message", "email_origin", "document"):
         assert done[table] == waiting[table]
+    # The CPU stage sent again handed off without an attempt: the model stage's is the one more.
+    outcomes = [(dict(row)["stage"], dict(row)["outcome"]) for row in done["run_attempt"]]
+    assert outcomes == [("cpu", "waiting"), ("model", "succeeded")]
     assert len(done["classification"]) == 1
     assert [row[2][1] for row in done["email_label"]] == ["invoice", "newsletter"]
 
@@ -134,6 +140,7 @@ def test_two_deliveries_at_once_without_the_lease_leave_the_rows_of_one(res) -> 
     # (and the origin link that holds one) are compared apart from the rows' contents.
     racy = WHEN | {"attempts", "claims", "error", "id", "origin_id"}
     single = snapshot(res, racy)
+    assert [dict(row)["outcome"] for row in single.pop("run_attempt")] == ["succeeded"]
 
     clean(res)  # the same email again, from nothing, with the same ids
     model_calls(res, True)
@@ -149,7 +156,12 @@ def test_two_deliveries_at_once_without_the_lease_leave_the_rows_of_one(res) -> 
     # to claim holds the run, and the first, fenced off, wrote nothing after its claim.
     assert len(starts) == 2
     assert sorted(outcomes) == ["already_closed", "succeeded"]
-    assert snapshot(res, racy) == single
+    raced = snapshot(res, racy)
+    # The second claim took the first attempt, still running but unleased, for lost; the first,
+    # fenced off, wrote no row of its own.
+    attempts = [(dict(row)["attempt"], dict(row)["outcome"]) for row in raced.pop("run_attempt")]
+    assert attempts == [(1, "lost"), (2, "succeeded")]
+    assert raced == single
     with res.db.session() as session:
         run = session.scalars(select(PipelineRun)).one()
         origin = session.scalars(select(EmailOrigin)).one()

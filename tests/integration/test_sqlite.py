@@ -17,7 +17,7 @@ from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.migrate import upgrade
-from mailpipe.storage.models import Document, EmailLabel
+from mailpipe.storage.models import Document, EmailLabel, PipelineRun, RunAttempt
 from tests.support.waits import wait_until_closed
 
 pytestmark = pytest.mark.slow
@@ -73,4 +73,14 @@ def test_eighty_emails_through_a_worker_on_sqlite(res, tmp_path: Path) -> None: 
     with local.db.session() as session:
         assert session.scalar(select(func.count()).select_from(Document)) == 35
         assert session.scalar(select(func.count(func.distinct(EmailLabel.email_id)))) == 70
+        # One attempt of each job ended it, as its run (others before it may have met a locked
+        # database and been retried); the rejected one names its error's class.
+        ended = session.execute(
+            select(RunAttempt.email_id, RunAttempt.outcome, RunAttempt.error_class)
+            .where(RunAttempt.outcome.in_(["succeeded", "duplicate", "failed"]))
+            .order_by(RunAttempt.email_id)
+        ).all()
+        failed = session.scalars(select(PipelineRun).where(PipelineRun.email_id == ids[80])).one()
+    assert [(email_id, outcome) for email_id, outcome, _ in ended] == sorted(statuses.items())
+    assert ended[-1].error_class == failed.error_class == "InputRejected"
     local.close()

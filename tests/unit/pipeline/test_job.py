@@ -25,6 +25,7 @@ from mailpipe.storage.models import (
     EmailMessage,
     ModelInput,
     PipelineRun,
+    RunAttempt,
     RunStatus,
 )
 
@@ -46,6 +47,17 @@ PLAIN = (
 def run_of(res: Resources, email_id: int) -> PipelineRun:
     with res.db.session() as session:
         return session.scalars(select(PipelineRun).where(PipelineRun.email_id == email_id)).one()
+
+
+def history(res: Resources, email_id: int) -> list[tuple[str, int, str, str | None]]:
+    """The email's attempts, in order: stage, attempt, outcome, error class."""
+    with res.db.session() as session:
+        statement = (
+            select(RunAttempt.stage, RunAttempt.attempt, RunAttempt.outcome, RunAttempt.error_class)
+            .where(RunAttempt.email_id == email_id)
+            .order_by(RunAttempt.id)
+        )
+        return [tuple(row) for row in session.execute(statement)]  # type: ignore[misc]
 
 
 def model_calls(res: Resources, on: bool) -> None:
@@ -522,9 +534,12 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  
     with res.db.session() as session:
         assert session.scalars(select(written)).all() == []  # nothing of the first's
         assert session.scalars(select(EmailLabel)).all() == []
+    # Its attempt's only row is the one the second claim wrote on finding it unfinished.
+    assert history(res, email_id) == [("cpu", 1, "lost", "Lost")]
     second_blobs.go.set()
     second.join(30)
     assert outcomes["second"].kind is Kind.SUCCEEDED
+    assert history(res, email_id) == [("cpu", 1, "lost", "Lost"), ("cpu", 2, "succeeded", None)]
 
 
 def test_a_death_after_a_transient_error_is_recorded_as_the_death(res) -> None:  # type: ignore[no-untyped-def]
