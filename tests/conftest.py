@@ -70,6 +70,7 @@ NO_SERVICES = (
     "tests/unit/test_settings.py",
     "tests/unit/test_settings_checks.py",
     "tests/unit/test_layers.py",
+    "tests/unit/web/",
     "tests/deploy/",
     "tests/test_mutants.py",
 )

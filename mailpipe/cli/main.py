@@ -575,6 +575,22 @@ def show(email_id: int) -> None:
 
 
 @main.command()
+def web() -> None:
+    """Serve the operator's console and the job status API (MAILPIPE_WEB_HOST, _PORT).
+
+    Viewers (MAILPIPE_WEB_VIEWERS) read; operators (MAILPIPE_WEB_OPERATORS) also retry, dismiss,
+    pause and switch model calls. Without either, it serves loopback only.
+    """
+    from mailpipe.web.server import refusal, serve
+
+    settings = get_resources().settings
+    refused = refusal(settings)
+    if refused is not None:
+        raise BadInput(refused)
+    serve(settings)
+
+
+@main.command()
 @click.option("--keep", is_flag=True, help="Keep the demo's folder instead of deleting it.")
 def demo(keep: bool) -> None:
     """Run the bundled sample emails through a real prefork worker and summarise."""
