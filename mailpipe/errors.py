@@ -123,3 +123,8 @@ def describe(exc: BaseException) -> str:
         where = f" (SQLSTATE {sqlstate})" if sqlstate else ""
         return f"{type(exc).__name__}: {type(exc.orig).__name__}{where}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def error_class(exc: BaseException) -> str:
+    """The class `describe` names `exc` by, kept apart for the failed list's filter."""
+    return type(exc).__name__

@@ -56,7 +56,7 @@ from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_workers
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
-from mailpipe.storage.models import PipelineRun, RunAttempt, RunStatus
+from mailpipe.storage.models import AttemptOutcome, PipelineRun, RunAttempt, RunStatus
 
 log = logging.getLogger("mailpipe.operations.metrics")
 
@@ -65,23 +65,23 @@ log = logging.getLogger("mailpipe.operations.metrics")
 # cost of reporting them this much later.
 REPORT_SETTLE_S = 5.0
 
-# What each outcome of an attempt (RunAttempt.outcome) counts as, in its stage's figures.
+# What each outcome of an attempt counts as, in its stage's figures.
 JOB_COUNTS = {
-    "succeeded": "JobsSucceeded",
-    "duplicate": "JobsSucceeded",
+    AttemptOutcome.SUCCEEDED: "JobsSucceeded",
+    AttemptOutcome.DUPLICATE: "JobsSucceeded",
     # The CPU stage's work is done: the model stage is next, or waits for model calls.
-    "handed_off": "JobsSucceeded",
-    "waiting": "JobsSucceeded",
-    "failed": "JobsFailed",
-    "retrying": "JobsRetried",
-    "lost": "JobsRetried",
-    "cut_off": "JobsRetried",
-    "deferred": "JobsDeferred",
+    AttemptOutcome.HANDED_OFF: "JobsSucceeded",
+    AttemptOutcome.WAITING: "JobsSucceeded",
+    AttemptOutcome.FAILED: "JobsFailed",
+    AttemptOutcome.RETRYING: "JobsRetried",
+    AttemptOutcome.LOST: "JobsRetried",
+    AttemptOutcome.CUT_OFF: "JobsRetried",
+    AttemptOutcome.DEFERRED: "JobsDeferred",
 }
 JOB_COUNT_NAMES = ("JobsSucceeded", "JobsFailed", "JobsRetried", "JobsDeferred")
 # Outcomes written by a later claim: their ended_at is when the loss was noticed, so their
 # duration says nothing of the job's.
-UNTIMED_OUTCOMES = frozenset({"lost", "cut_off"})
+UNTIMED_OUTCOMES = frozenset({AttemptOutcome.LOST, AttemptOutcome.CUT_OFF})
 
 # JobDuration's values are rounded to steps of a twentieth of a decade from 1 ms (each value
 # within 6 % of the duration): 150 steps, the most distinct values CloudWatch takes for one
@@ -437,14 +437,12 @@ def claim_window(res: Resources, lookback: float) -> Window | None:
 def stage_jobs(
     attempts: Iterable[tuple[str, str, datetime | None, datetime]],
 ) -> dict[Stage, StageJobs]:
-    """Each stage's figures from its attempts' (stage, outcome, started_at, ended_at); an
-    outcome this module does not know is left out of the counts rather than guessed."""
+    """Each stage's figures from its attempts' (stage, outcome, started_at, ended_at)."""
     counts: dict[Stage, Counter[str]] = {stage: Counter() for stage in Stage}
     durations: dict[Stage, Counter[float]] = {stage: Counter() for stage in Stage}
     for stage_name, outcome, started_at, ended_at in attempts:
         stage = Stage(stage_name)
-        if outcome in JOB_COUNTS:
-            counts[stage][JOB_COUNTS[outcome]] += 1
+        counts[stage][JOB_COUNTS[AttemptOutcome(outcome)]] += 1
         if started_at is not None and outcome not in UNTIMED_OUTCOMES:
             durations[stage][duration_step((ended_at - started_at).total_seconds())] += 1
     return {

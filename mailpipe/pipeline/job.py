@@ -46,6 +46,7 @@ from mailpipe.errors import (
     PermanentError,
     Throttled,
     describe,
+    error_class,
     is_fleet_fault,
     is_soft_time_limit,
     is_transient,
@@ -70,7 +71,7 @@ from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.db import once_more_if_disconnected, upsert
-from mailpipe.storage.models import ModelInput, RunStatus, utcnow
+from mailpipe.storage.models import ErrorClass, ModelInput, RunStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
             store_classification(session, claim.run_id, email_id, result)
             sync_model_labels(session, email_id, result.labels)
         else:
-            runs.converted(session, email_id, token, defects)
+            runs.converted(session, email_id, token, defects, model_calls=model_calls)
             # What the model will read is kept, so that its stage never parses the email again.
             upsert(
                 session,
@@ -371,7 +372,13 @@ def _after_error(
     fleet_fault = is_fleet_fault(exc)
     if fleet_fault or isinstance(exc, Throttled):
         # Not the email's attempt to lose: given back, then deferred or paused.
-        superseded = _write(res, lambda session: runs.give_back(session, email_id, token), None)
+        superseded = _write(
+            res,
+            lambda session: runs.give_back(
+                session, email_id, token, error=describe(exc), error_class=error_class(exc)
+            ),
+            None,
+        )
         if superseded is not None:
             return superseded
         if fleet_fault:
@@ -384,7 +391,9 @@ def _after_error(
     log.warning("email %s: rejected: %s", email_id, error)
 
     def fail(session: Session) -> Outcome:
-        runs.close(session, email_id, token, RunStatus.FAILED, error=error)
+        runs.close(
+            session, email_id, token, RunStatus.FAILED, error=error, error_class=error_class(exc)
+        )
         return Outcome(Kind.FAILED, error=error)
 
     # The database is out: the attempt stays counted, the next one records how it ended.
@@ -416,7 +425,13 @@ def _after_failed_attempt(
     outcome = _write(
         res,
         lambda session: runs.record_failed_attempt(
-            session, email_id, claim.token, error, settings.max_attempts, delay
+            session,
+            email_id,
+            claim.token,
+            error,
+            settings.max_attempts,
+            delay,
+            error_class=error_class(exc),
         ),
         Outcome(Kind.RETRY, delay, error),
     )
@@ -454,15 +469,16 @@ def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Excepti
             email_id,
             f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
             f"({settings.max_pause:g} s), by a fleet-wide fault: {error}",
+            ErrorClass.PAUSED_TOO_LONG,
         )
     return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
 
 
-def _fail_unclaimed(res: Resources, email_id: int, error: str) -> Outcome:
-    """Fail the run from outside a claim: its job waited past a bound."""
+def _fail_unclaimed(res: Resources, email_id: int, error: str, bound: ErrorClass) -> Outcome:
+    """Fail the run from outside a claim: its job waited past `bound`."""
 
     def fail(session: Session) -> bool:
-        runs.fail(session, email_id, error)
+        runs.fail(session, email_id, error, error_class=bound)
         return True
 
     failed = _write(res, fail, False)
@@ -501,6 +517,7 @@ def _bounded_deferral(
             email_id,
             f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
             f"({settings.max_deferral} s): {outcome.error}",
+            ErrorClass.DEFERRED_TOO_LONG,
         )
     try:
         pipe = res.redis.pipeline(transaction=False)

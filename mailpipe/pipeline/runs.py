@@ -16,6 +16,11 @@ one that finishes after the run was closed (by another delivery, by the sweeper)
 fenced off: it writes nothing more. Either way the act comes before any write to the email row,
 so the run is locked before the email row, the order of every transaction that locks both.
 
+Each attempt of a stage leaves one row in the run's history (`RunAttempt`), written when it ends,
+in the transaction that ends it: by the act that ends it (`close`, `converted`, `give_back`,
+`record_failed_attempt`), or, for an attempt whose process died or was cut off, by the claim that
+finds it so. A delivery fenced off writes no row, as it writes nothing else.
+
 `attempts` is apart from the fence: the attempts of the current stage that count toward
 MAILPIPE_MAX_RETRIES. A deferral and a shutdown's cut-off give theirs back; the model stage
 starts with a fresh budget. `sweep_count` covers both stages and only a reopen resets it.
@@ -24,19 +29,29 @@ starts with a fresh budget. `sweep_count` covers both stages and only a reopen r
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, bindparam, literal, select, update
+from sqlalchemy import ColumnElement, and_, bindparam, case, insert, literal, select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Stage
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.storage.db import dialect_insert, insert_ignore
-from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, table, utcnow
+from mailpipe.storage.models import (
+    AttemptOutcome,
+    EmailMessage,
+    ErrorClass,
+    PipelineRun,
+    RunAttempt,
+    RunStatus,
+    table,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +72,15 @@ class Claim:
 
 class Superseded(Exception):
     """The run is closed, or a later claim holds it: this delivery must write nothing."""
+
+
+@dataclass(frozen=True)
+class _AttemptEnd:
+    """How an attempt ended, for its row in the run's history."""
+
+    outcome: AttemptOutcome
+    error_class: str | None = None
+    error: str | None = None
 
 
 def claim_attempt(
@@ -108,36 +132,17 @@ def claim_attempt(
     if stage is Stage.MODEL and not converted:
         return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
     if run.attempt_started_at is not None:
-        started = run.attempt_started_at
-        run.attempt_started_at = None
-        if cut_off is not None:
-            run.error = _clip(
-                f"attempt {run.attempts} was cut off by the hard time limit ({cut_off:g} s)"
-            )
-            if run.attempts < max_attempts:
-                return Outcome(Kind.RETRY, backoff(run.attempts), run.error)
-        elif _cut_off_after(cut_off_at(), started):
-            run.attempts = max(0, run.attempts - 1)
-            run.cutoffs += 1
-            run.error = _clip(
-                f"cut off by shutdown ({run.cutoffs} of at most {max_shutdown_cutoffs}): its "
-                "worker stopped before the job ended; the attempt was given back"
-            )
-            if run.cutoffs >= max_shutdown_cutoffs:
-                return _give_up(
-                    run,
-                    f"cut off by shutdown {run.cutoffs} times: the job runs longer than any "
-                    "worker's soft-shutdown window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it",
-                )
-        else:
-            run.error = _clip(
-                f"attempt {run.attempts} ended without a result: its worker process died or was "
-                "killed, or stopped renewing its lease"
-            )
-    if run.attempts >= max_attempts:
-        return _give_up(
-            run, f"gave up after {run.attempts} attempts: {run.error or 'no error recorded'}"
+        stopped = _end_unfinished(
+            session, run, max_attempts, cut_off, cut_off_at(), max_shutdown_cutoffs
         )
+        if stopped is not None:
+            return stopped
+        if cut_off is not None:
+            return Outcome(Kind.RETRY, backoff(run.attempts), run.error)
+    elif run.attempts >= max_attempts:
+        # The last attempt ended with attempts left under a limit lowered since: no attempt
+        # ends here, the run fails without another.
+        return _give_up(run, ErrorClass.ATTEMPTS_USED_UP, _used_up(run.attempts, run.error))
     run.attempts += 1
     run.claims += 1
     run.attempt_started_at = utcnow()
@@ -148,6 +153,63 @@ def claim_attempt(
         blob_key=blob_key,
         classified=run.classified_at is not None,
     )
+
+
+def _end_unfinished(
+    session: Session,
+    run: PipelineRun,
+    max_attempts: int,
+    cut_off: float | None,
+    marked_at: float | None,
+    max_shutdown_cutoffs: int,
+) -> Outcome | None:
+    """End the run's last attempt, which ended without a result: its row written by the claim
+    that finds it so, and its error on the run. Returns FAILED when the run fails for it (its
+    attempts, or its shutdown windows, used up), None when the claim goes on.
+
+    The attempt was cut off by the hard time limit (`cut_off`), or by its worker's shutdown
+    (`marked_at`, after it started: its attempt is given back), or else lost: its process died
+    or its lease lapsed."""
+    assert run.attempt_started_at is not None
+    shutdown = cut_off is None and _cut_off_after(marked_at, run.attempt_started_at)
+    attempts = max(0, run.attempts - 1) if shutdown else run.attempts
+    cutoffs = run.cutoffs + 1 if shutdown else run.cutoffs
+    if cut_off is not None:
+        ended = _AttemptEnd(
+            AttemptOutcome.CUT_OFF,
+            ErrorClass.HARD_TIME_LIMIT,
+            f"attempt {run.attempts} was cut off by the hard time limit ({cut_off:g} s)",
+        )
+    elif shutdown:
+        ended = _AttemptEnd(
+            AttemptOutcome.CUT_OFF,
+            ErrorClass.SHUTDOWN_CUTOFFS,
+            f"cut off by shutdown ({cutoffs} of at most {max_shutdown_cutoffs}): its worker "
+            "stopped before the job ended; the attempt was given back",
+        )
+    else:
+        ended = _AttemptEnd(
+            AttemptOutcome.LOST,
+            ErrorClass.LOST,
+            f"attempt {run.attempts} ended without a result: its worker process died or was "
+            "killed, or stopped renewing its lease",
+        )
+    failed: tuple[ErrorClass, str] | None = None
+    if shutdown and cutoffs >= max_shutdown_cutoffs:
+        failed = (
+            ErrorClass.SHUTDOWN_CUTOFFS,
+            f"cut off by shutdown {cutoffs} times: the job runs longer than any worker's "
+            "soft-shutdown window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it",
+        )
+    elif attempts >= max_attempts:
+        failed = (ErrorClass.ATTEMPTS_USED_UP, _used_up(attempts, ended.error))
+    _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED) if failed else ended)
+    run.attempt_started_at = None
+    run.attempts, run.cutoffs = attempts, cutoffs
+    if failed is not None:
+        return _give_up(run, *failed)
+    _set_error(run, ended.error_class, ended.error)
+    return None
 
 
 def _cut_off_after(marked_at: float | None, started: datetime) -> bool:
@@ -224,11 +286,29 @@ _FLAG_HAS_RUN = (
     .where(_EMAIL.c.id == bindparam("flag_email_id"), _EMAIL.c.has_run.is_(False))
     .values(has_run=True)
 )
-# The columns to SET come from the parameters given with it.
-_UPDATE_IF_AT_CLAIM = update(_RUN).where(
+_AT_CLAIM = and_(
     _RUN.c.email_id == bindparam("fence_email_id"),
     _RUN.c.status == RunStatus.OPEN,
     _RUN.c.claims == bindparam("fence_token"),
+)
+# The columns to SET come from the parameters given with it.
+_UPDATE_IF_AT_CLAIM = update(_RUN).where(_AT_CLAIM)
+
+# The history. An attempt of the CPU stage runs before the run is converted, one of the model
+# stage after: the row's stage is read from the run before the act that ends the attempt.
+_ATTEMPT = table(RunAttempt)
+_ENDED = ("ended_at", "outcome", "error_class", "error", "host")  # given with the statement
+_RECORD = insert(_ATTEMPT)
+_RECORD_IF_AT_CLAIM = insert(_ATTEMPT).from_select(
+    ["run_id", "email_id", "stage", "attempt", "started_at", *_ENDED],
+    select(
+        _RUN.c.id,
+        _RUN.c.email_id,
+        case((_RUN.c.converted_at.is_(None), literal(Stage.CPU.value)), else_=Stage.MODEL.value),
+        _RUN.c.attempts,
+        _RUN.c.attempt_started_at,
+        *(bindparam(name, type_=_ATTEMPT.c[name].type) for name in _ENDED),
+    ).where(_AT_CLAIM),
 )
 
 
@@ -286,19 +366,32 @@ def parsed(
 
 
 def converted(
-    session: Session, email_id: int, token: int, parse_defects: dict[str, Any] | None = None
+    session: Session,
+    email_id: int,
+    token: int,
+    parse_defects: dict[str, Any] | None = None,
+    *,
+    model_calls: bool,
 ) -> None:
     """The CPU stage is done (the documents and the model's input are stored): the run waits
     for its classification stage, with a fresh attempt budget for it (its sweeps go on counting
-    over both stages). Fenced as `close`."""
-    values = {"converted_at": utcnow(), "attempts": 0, "attempt_started_at": None, "error": None}
-    _update_fenced(session, email_id, token, values, parse_defects)
+    over both stages). Fenced as `close`. `model_calls`: the model stage is sent next (the
+    attempt is `handed_off`), else the run waits for them (`waiting`)."""
+    values = {
+        "converted_at": utcnow(),
+        "attempts": 0,
+        "attempt_started_at": None,
+        "error": None,
+        "error_class": None,
+    }
+    ended = AttemptOutcome.HANDED_OFF if model_calls else AttemptOutcome.WAITING
+    _update_fenced(session, email_id, token, values, parse_defects, _AttemptEnd(ended))
 
 
 def classified(session: Session, email_id: int, token: int) -> None:
     """The model's answer is stored in this transaction: a later attempt syncs the labels from
     it and never calls the model again. Fenced as `close`."""
-    _update_fenced(session, email_id, token, {"classified_at": utcnow()}, None)
+    _update_fenced(session, email_id, token, {"classified_at": utcnow()}, None, None)
 
 
 def close(
@@ -308,17 +401,27 @@ def close(
     status: RunStatus,
     *,
     error: str | None = None,
+    error_class: str | None = None,
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
     """Close the run in this delivery's transaction, in one UPDATE fenced like `current`: when
     the run is closed already or a later claim holds it, it updates nothing and raises
     Superseded, and the transaction rolls back every write the delivery made in it. `error`: why
-    it failed. `classified`: the model's answer is stored in this transaction."""
-    values = _closed(status, error)
+    it failed, of `error_class`. `classified`: the model's answer is stored in this transaction.
+    The attempt ends as the run does."""
+    values = _closed(status, error, error_class)
     if classified:
         values["classified_at"] = values["closed_at"]
-    _update_fenced(session, email_id, token, values, parse_defects)
+    ended = _AttemptEnd(_CLOSED_AS[status], error_class, error)
+    _update_fenced(session, email_id, token, values, parse_defects, ended)
+
+
+_CLOSED_AS = {
+    RunStatus.SUCCEEDED: AttemptOutcome.SUCCEEDED,
+    RunStatus.DUPLICATE: AttemptOutcome.DUPLICATE,
+    RunStatus.FAILED: AttemptOutcome.FAILED,
+}
 
 
 def _update_fenced(
@@ -327,44 +430,72 @@ def _update_fenced(
     token: int,
     values: dict[str, Any],
     parse_defects: dict[str, Any] | None,
+    ended: _AttemptEnd | None,
 ) -> None:
-    """Set `values` on the run if it is open at claim `token`; raises Superseded otherwise."""
+    """Set `values` on the run if it is open at claim `token`; raises Superseded otherwise.
+    `ended`: the act ends the attempt, whose row is written first, read from the run as it was
+    (a fenced-off delivery's row goes with the rollback Superseded brings)."""
     if parse_defects is not None:
         values["parse_defects"] = parse_defects
     fence = {"fence_email_id": email_id, "fence_token": token}
-    if session.connection().execute(_UPDATE_IF_AT_CLAIM, {**values, **fence}).rowcount != 1:
+    connection = session.connection()
+    if ended is not None:
+        connection.execute(_RECORD_IF_AT_CLAIM, {**_ended_row(ended), **fence})
+    if connection.execute(_UPDATE_IF_AT_CLAIM, {**values, **fence}).rowcount != 1:
         current(session, email_id, token)  # raises Superseded, saying why
         raise Superseded(f"email {email_id}: the run is not at claim {token}")
 
 
-def give_back(session: Session, email_id: int, token: int) -> None:
+def give_back(
+    session: Session,
+    email_id: int,
+    token: int,
+    *,
+    error: str | None = None,
+    error_class: str | None = None,
+) -> None:
     """Undo the count of an attempt that did no work worth counting (deferred: throttled,
-    rate-limited, a fleet-wide fault, model calls switched off)."""
+    rate-limited, a fleet-wide fault, model calls switched off). `error`, of `error_class`: why,
+    for the attempt's row; the run's error stays as it was."""
     run = current(session, email_id, token)
+    _record(session, run, _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error))
     run.attempts = max(0, run.attempts - 1)
     run.attempt_started_at = None
 
 
 def record_failed_attempt(
-    session: Session, email_id: int, token: int, error: str, max_attempts: int, delay: float
+    session: Session,
+    email_id: int,
+    token: int,
+    error: str,
+    max_attempts: int,
+    delay: float,
+    *,
+    error_class: str,
 ) -> Outcome:
     """Record a failed attempt: retried after `delay` while attempts remain, the run failed for
-    good once none do."""
+    good once none do. The attempt's row keeps its own error; a run failed here says its
+    attempts are used up."""
     run = current(session, email_id, token)
+    ended = _AttemptEnd(AttemptOutcome.RETRYING, error_class, error)
     if run.attempts >= max_attempts:
-        return _give_up(run, f"gave up after {run.attempts} attempts: {error}")
+        _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED))
+        return _give_up(run, ErrorClass.ATTEMPTS_USED_UP, _used_up(run.attempts, error))
+    _record(session, run, ended)
     run.attempt_started_at = None
-    run.error = _clip(error)
+    _set_error(run, error_class, error)
     return Outcome(Kind.RETRY, delay, error)
 
 
-def fail(session: Session, email_id: int, error: str) -> bool:
+def fail(session: Session, email_id: int, error: str, *, error_class: str) -> bool:
     """Fail the open run whatever its claim, from outside any delivery's claim (a job deferred
-    or paused past its bound); False if it is closed already."""
+    or paused past its bound); False if it is closed already. It ends no attempt: none runs
+    (the job waited outside its claim), or one does and is fenced off, writing nothing; the
+    history gets no row, the run's error says why it failed."""
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
         return False
-    _fail(run, error)
+    _fail(run, error, error_class)
     return True
 
 
@@ -379,12 +510,14 @@ def count_sweep(session: Session, email_ids: list[int]) -> None:
 
 def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[int]:
     """Fail the open runs among `email_ids` and put their emails on the review list: their jobs
-    were lost more often than the sweeper re-adds one. Returns the emails failed."""
+    were lost more often than the sweeper re-adds one. Returns the emails failed. No attempt's
+    row is written: the jobs are lost, not running (one still running is fenced off), and the
+    run's error (`Stalled`) says what happened."""
     failed = list(
         session.scalars(
             update(PipelineRun)
             .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-            .values(_closed(RunStatus.FAILED, reason))
+            .values(_closed(RunStatus.FAILED, reason, ErrorClass.STALLED))
             .returning(PipelineRun.email_id)
         )
     )
@@ -398,11 +531,14 @@ def reopen(session: Session, email_id: int) -> bool:
     Its classification is kept but no longer counts: the reopened run calls the model again.
     The email leaves the review list in the same transaction: the operator's retry answers the
     review, and a run that stalls again is marked again by the sweeper. Its claims go on growing:
-    a delivery of before the reopen stays fenced off."""
+    a delivery of before the reopen stays fenced off. Its error is cleared: each attempt's
+    error stays in the history."""
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.FAILED:
         return False
     run.status = RunStatus.OPEN
+    run.error = None
+    run.error_class = None
     run.attempts = 0
     run.sweep_count = 0
     run.cutoffs = 0
@@ -455,28 +591,71 @@ def _locked_run(session: Session, email_id: int) -> PipelineRun:
     return session.scalars(statement).one()
 
 
-def _closed(status: RunStatus, error: str | None = None) -> dict[str, Any]:
+def _closed(
+    status: RunStatus, error: str | None = None, error_class: str | None = None
+) -> dict[str, Any]:
     """What a closed run holds, however it was closed: no attempt running, and the error it
-    failed with (none for a run that did not fail)."""
+    failed with and its class (none for a run that did not fail)."""
     return {
         "status": status,
         "error": _clip(error) if error else None,
+        "error_class": error_class if error else None,
         "attempt_started_at": None,
         "closed_at": utcnow(),
     }
 
 
-def _fail(run: PipelineRun, error: str) -> None:
+def _set_error(run: PipelineRun, error_class: str | None, error: str | None) -> None:
+    """The error of a locked run's last attempt, which it goes on from."""
+    run.error = _clip(error) if error else None
+    run.error_class = error_class if error else None
+
+
+def _fail(run: PipelineRun, error: str, error_class: str) -> None:
     """Fail a run locked in this transaction (`_locked_run`)."""
-    for column, value in _closed(RunStatus.FAILED, error).items():
+    for column, value in _closed(RunStatus.FAILED, error, error_class).items():
         setattr(run, column, value)
 
 
-def _give_up(run: PipelineRun, error: str) -> Outcome:
-    """Fail a locked run whose attempts, or shutdown windows, are used up."""
-    _fail(run, error)
+def _give_up(run: PipelineRun, error_class: ErrorClass, error: str) -> Outcome:
+    """Fail a locked run whose attempts, or shutdown windows, are used up (the row of an
+    attempt that ends with it is written by the caller, before the run forgets the attempt)."""
+    _fail(run, error, error_class)
     log.error("email %s: failed: %s", run.email_id, run.error)
     return Outcome(Kind.FAILED, error=run.error)
+
+
+def _used_up(attempts: int, error: str | None) -> str:
+    return f"gave up after {attempts} attempts: {error or 'no error recorded'}"
+
+
+def _record(session: Session, run: PipelineRun, ended: _AttemptEnd) -> None:
+    """Write the row of the locked run's attempt that ends in this transaction; called while
+    the run still holds the attempt (its number, when it started, its stage)."""
+    stage = Stage.CPU if run.converted_at is None else Stage.MODEL
+    attempt = {
+        "run_id": run.id,
+        "email_id": run.email_id,
+        "stage": stage.value,
+        "attempt": run.attempts,
+        "started_at": run.attempt_started_at,
+    }
+    session.execute(_RECORD, {**attempt, **_ended_row(ended)})
+
+
+def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:
+    return {
+        "ended_at": utcnow(),
+        "outcome": ended.outcome.value,
+        "error_class": ended.error_class,
+        "error": _clip(ended.error) if ended.error else None,
+        "host": _host(),
+    }
+
+
+@cache
+def _host() -> str:
+    return socket.gethostname()
 
 
 def _clip(text: str) -> str:

@@ -60,6 +60,33 @@ class RunStatus(enum.StrEnum):
     FAILED = "failed"
 
 
+class AttemptOutcome(enum.StrEnum):
+    """How one attempt of a run's stage ended (`run_attempt.outcome`)."""
+
+    SUCCEEDED = "succeeded"
+    DUPLICATE = "duplicate"
+    HANDED_OFF = "handed_off"  # the CPU stage is done, the model stage is next
+    WAITING = "waiting"  # the CPU stage is done, model calls are off
+    DEFERRED = "deferred"  # given back: throttled, a fleet-wide fault, model calls off
+    RETRYING = "retrying"  # failed, retried while attempts remain
+    FAILED = "failed"  # failed for good: rejected input, or the run's bound reached
+    LOST = "lost"  # its process died or its lease lapsed: written by the next claim
+    CUT_OFF = "cut_off"  # the hard time limit or a shutdown: written by the next claim
+
+
+class ErrorClass(enum.StrEnum):
+    """The error classes that name no exception: what ended an attempt without one, or the
+    bound a run reached. An exception's error class is its class name (`errors.error_class`)."""
+
+    ATTEMPTS_USED_UP = "AttemptsUsedUp"
+    LOST = "Lost"
+    HARD_TIME_LIMIT = "HardTimeLimit"
+    SHUTDOWN_CUTOFFS = "ShutdownCutoffs"
+    STALLED = "Stalled"
+    DEFERRED_TOO_LONG = "DeferredTooLong"
+    PAUSED_TOO_LONG = "PausedTooLong"
+
+
 class DocumentStatus(enum.StrEnum):
     CONVERTED = "converted"
     UNSUPPORTED = "unsupported"
@@ -195,8 +222,7 @@ class RunAttempt(Base):
     attempt: Mapped[int]  # the stage's attempt number, as `pipeline_run.attempts` counted it
     started_at: Mapped[datetime | None]
     ended_at: Mapped[datetime] = mapped_column(default=utcnow)
-    # succeeded, duplicate, handed_off, waiting, deferred, retrying, failed, lost, cut_off
-    outcome: Mapped[str] = mapped_column(String(32))
+    outcome: Mapped[str] = mapped_column(String(32))  # an AttemptOutcome
     error_class: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
     host: Mapped[str | None] = mapped_column(String(255))

@@ -33,7 +33,7 @@ from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 from mailpipe.storage import flags
-from mailpipe.storage.models import PipelineRun, RunAttempt, RunStatus
+from mailpipe.storage.models import ErrorClass, PipelineRun, RunAttempt, RunStatus
 from tests.support.fleet import enqueue_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
@@ -417,7 +417,9 @@ def test_failed_runs_and_ended_attempts_are_counted_once_across_concurrent_repor
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
         for email_id in ids[:3]:
-            assert runs.fail(session, email_id, "given up")
+            assert runs.fail(
+                session, email_id, "given up", error_class=ErrorClass.DEFERRED_TOO_LONG
+            )
     add_attempts(res, [("cpu", "succeeded", 0.2, time.time())] * 5)
     wait_for_window_to_settle(res)
     reporters = [Resources(get_settings()) for _ in range(8)]

@@ -9,12 +9,15 @@ import pytest
 
 from mailpipe.broker.queues import Stage
 from mailpipe.operations.metrics import (
+    JOB_COUNT_NAMES,
+    JOB_COUNTS,
     BacklogMetrics,
     LogMetricsSink,
     duration_step,
     metric_data,
     stage_jobs,
 )
+from mailpipe.storage.models import AttemptOutcome
 
 
 def reading(**fleet: object) -> BacklogMetrics:
@@ -93,6 +96,11 @@ def test_each_outcome_counts_in_its_stage_s_figures() -> None:
     # start has no duration: neither is timed.
     assert sum(jobs[Stage.CPU].durations.values()) == 6
     assert sum(jobs[Stage.MODEL].durations.values()) == 2
+
+
+def test_every_outcome_of_an_attempt_counts_as_one_of_the_four() -> None:
+    assert set(JOB_COUNTS) == set(AttemptOutcome)
+    assert set(JOB_COUNTS.values()) == set(JOB_COUNT_NAMES)
 
 
 def test_a_stage_with_no_attempt_reports_zeros_and_no_duration() -> None:

@@ -284,13 +284,13 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
     with res.db.transaction() as session:
         b = runs.claim_attempt(session, email_id, 4)  # finds A unfinished: A's process died
     with res.db.transaction() as session:
-        runs.converted(session, email_id, b.token)
+        runs.converted(session, email_id, b.token, model_calls=True)
     with res.db.transaction() as session:
         c = runs.claim_attempt(session, email_id, 4, stage=Stage.MODEL)
     assert (a.attempt, b.attempt, c.attempt) == (1, 2, 1)
     assert (a.token, b.token, c.token) == (1, 2, 3)
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
-        runs.converted(session, email_id, a.token)
+        runs.converted(session, email_id, a.token, model_calls=True)
     with res.db.transaction() as session:
         runs.close(session, email_id, c.token, RunStatus.SUCCEEDED)
     assert run_of(res, email_id).status is RunStatus.SUCCEEDED

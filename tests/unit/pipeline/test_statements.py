@@ -91,9 +91,10 @@ def test_a_plain_email_takes_two_transactions_and_reads_its_row_once(res) -> Non
         # blob key too, and the email flagged as having a run at its first attempt.
         "INSERT INTO pipeline_run": 1,
         "UPDATE email_message": 2,  # has_run at the first attempt; the origin's link
-        # The steps, in one transaction: the origin, the run's close (fenced by this attempt,
-        # and locking the run before the email row), the email's link to its origin, the
-        # classification and the labels.
+        # The steps, in one transaction: the origin, the attempt's row in the history and the
+        # run's close (both fenced by this attempt, the close locking the run before the email
+        # row), the email's link to its origin, the classification and the labels.
+        "INSERT INTO run_attempt": 1,
         "UPDATE pipeline_run": 1,
         "INSERT INTO email_origin": 1,
         "INSERT INTO classification": 1,
@@ -140,10 +141,12 @@ def test_an_email_with_a_document_records_its_origin_before_converting(res) -> N
         assert job.process_email(worker, second).kind is Kind.SUCCEEDED
     assert counted["transactions"] == 3  # claim; origin; documents, labels and close
     assert counted["INSERT INTO document"] == 1
+    assert counted["INSERT INTO run_attempt"] == 1  # written with the close
     # A copy stops after its origin: no document converted or stored.
     with statements(worker) as counted:
         assert job.process_email(worker, copy).kind is Kind.DUPLICATE
     assert counted["transactions"] == 2
+    assert counted["INSERT INTO run_attempt"] == 1  # written with the close as a copy
     assert counted["SELECT email_origin"] == 1  # the first email's origin, found
     assert "INSERT INTO document" not in counted
 
@@ -156,6 +159,7 @@ def test_the_model_calls_flag_is_read_once_per_cache_window(res) -> None:  # typ
     with statements(worker) as counted:
         assert [job.process_email(worker, i).kind for i in ids] == [Kind.WAITING] * 3
     assert counted["SELECT runtime_flag"] == 1
+    assert (counted["transactions"], counted["INSERT INTO run_attempt"]) == (6, 3)
     # Switched on, a worker that read it off keeps that for the window; a fresh one sees it.
     with res.db.transaction() as session:
         flags.set_model_calls(session, True)
