@@ -14,7 +14,7 @@ loads no task module, no document converter and no signal handler: the job is se
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,12 @@ def enqueue_emails(
         markers.release(res.redis, sent)
         raise
     return EnqueueResult(sent, skipped)
+
+
+def sender(res: Resources) -> Callable[[Sequence[int], TaskName], list[int]]:
+    """`enqueue_emails` as the sweeper and the operator's actions are handed it: they never
+    import Celery. Returns the ids it sent."""
+    return lambda email_ids, task: enqueue_emails(email_ids, res, task).sent
 
 
 def send_job(email_id: int, task: TaskName = TaskName.PROCESS_EMAIL, **options: Any) -> None:

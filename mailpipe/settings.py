@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_LABELS = (
@@ -170,6 +170,18 @@ class Settings(BaseSettings):
     # Flower.
     flower_basic_auth: str | None = None  # "user:password[,user2:password2]"
 
+    # The operator's console and job status API (`mailpipe web`, mailpipe/web/). Who may sign in
+    # (HTTP basic auth): "user:password[,user2:password2]", each password plain, a bcrypt hash
+    # ($2b$...) or an argon2 hash ($argon2id$...). Viewers read; operators also act. Without any,
+    # the console serves loopback only.
+    web_host: str = "127.0.0.1"
+    web_port: int = Field(8080, ge=1, le=65535)
+    web_operators: SecretStr | None = None
+    web_viewers: SecretStr | None = None
+    # The key of the console's CSRF tokens (mailpipe/web/auth.py); unset, each process draws its
+    # own at start, so that two processes behind one address need it set.
+    web_secret: SecretStr | None = None
+
     # Logs: `text` (Celery's lines, for a terminal) or `json` (one JSON object per record, with the
     # traceback, task id and email id inside it: mailpipe/app/logs.py). The ECS task definitions
     # set json.
@@ -187,6 +199,18 @@ class Settings(BaseSettings):
         repeated = sorted({label for label in self.labels if self.labels.count(label) > 1})
         if repeated:
             raise ValueError(f"MAILPIPE_LABELS names {', '.join(repeated)} more than once")
+        return self
+
+    @model_validator(mode="after")
+    def _check_web_users(self) -> Settings:
+        operators = dict(web_users(self.web_operators, "MAILPIPE_WEB_OPERATORS"))
+        viewers = dict(web_users(self.web_viewers, "MAILPIPE_WEB_VIEWERS"))
+        both = sorted(set(operators) & set(viewers))
+        if both:
+            raise ValueError(
+                f"MAILPIPE_WEB_OPERATORS and MAILPIPE_WEB_VIEWERS both name {', '.join(both)}: "
+                "an operator can read already; name each user once"
+            )
         return self
 
     # Refused here, not only when a worker starts: every process builds Redis clients from this
@@ -293,6 +317,36 @@ class Settings(BaseSettings):
     def max_attempts(self) -> int:
         """The first try and `max_retries` retries."""
         return self.max_retries + 1
+
+
+def web_users(value: SecretStr | None, variable: str) -> list[tuple[str, str]]:
+    """The (user, password) pairs of a MAILPIPE_WEB_OPERATORS or _VIEWERS value.
+
+    Entries are separated by commas; a piece without a colon continues the password before it,
+    so that an argon2 hash keeps its parameters (`$argon2id$v=19$m=65536,t=3,p=4$...`). Errors
+    name the variable and the entry's position, never a password.
+    """
+    if value is None or not value.get_secret_value().strip():
+        return []
+    entries: list[str] = []
+    for piece in value.get_secret_value().split(","):
+        if ":" in piece or not entries:
+            entries.append(piece)
+        else:
+            entries[-1] += "," + piece
+    users: list[tuple[str, str]] = []
+    for number, entry in enumerate(entries, start=1):
+        user, _, password = entry.partition(":")
+        user = user.strip()
+        if not user or not password:
+            raise ValueError(
+                f"{variable}: entry {number} is not user:password (a user name, a colon, then a "
+                "password or its bcrypt or argon2 hash)"
+            )
+        if user in dict(users):
+            raise ValueError(f"{variable} names the user {user} more than once")
+        users.append((user, password))
+    return users
 
 
 @lru_cache(maxsize=1)

@@ -17,7 +17,7 @@ from mailpipe.broker.layout import job_headers
 from mailpipe.broker.queues import TaskName
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
-from mailpipe.enqueue import enqueue_emails, send_job
+from mailpipe.enqueue import send_job, sender
 from mailpipe.errors import RunFailed, TransientError
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
@@ -166,4 +166,4 @@ def sweep() -> dict[str, object]:
 
 def run_sweep(res: Resources) -> sweeper.SweepResult:
     """One sweep with the real enqueue."""
-    return sweeper.sweep(res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent)
+    return sweeper.sweep(res, enqueue=sender(res))

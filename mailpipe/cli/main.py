@@ -232,7 +232,7 @@ def ingest(
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (the status contract).")
 def status(as_json: bool) -> None:
-    """Emails, runs by status, review count, queue depth and the last sweep."""
+    """Emails, runs by status, review count, each queue, the live workers and the last sweep."""
     from mailpipe.operations.status import fleet_status
 
     data = fleet_status(_migrated())
@@ -245,9 +245,20 @@ def status(as_json: bool) -> None:
     for name, count in data["runs"].items():
         table.add_row(f"runs {name}", str(count))
     table.add_row("needs review", str(data["needs_review"]))
-    table.add_row("queue depth", str(data["queue"]["depth"]))
-    age = data["queue"]["oldest_age_s"]
-    table.add_row("oldest job age", "-" if age is None else f"{age:.1f} s")
+    for role, queue in data["queues"].items():
+        age = queue["oldest_age_s"]
+        table.add_row(
+            f"{role} queue depth",
+            f"{queue['depth']} ({queue['name']}), oldest "
+            f"{'-' if age is None else f'{age:.1f} s'}, deferred {queue['deferred']}, "
+            f"{queue['workers']} worker(s)",
+        )
+    table.add_row("live workers", str(len(data["workers"])))
+    for worker in data["workers"]:
+        table.add_row(
+            f"  {worker['id']}",
+            f"seen {worker['last_seen_s']:.1f} s ago; {', '.join(worker['queues']) or '-'}",
+        )
     table.add_row("model calls", "on" if data["model_calls"] else "off")
     for stage, pause in data["paused"].items():
         table.add_row(
@@ -263,6 +274,61 @@ def status(as_json: bool) -> None:
     console.print(table)
 
 
+_STAGES = click.Choice(["cpu", "model"])
+_TIME_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M"]
+
+
+def _failed_filters(command: Any) -> Any:
+    """The options that choose failed runs, for listing and acting alike."""
+    for option in reversed(
+        (
+            click.option("--error-class", metavar="NAME", help="Only runs failed with this class."),
+            click.option(
+                "--stage",
+                type=_STAGES,
+                help="Only runs failed at this stage (cpu: before the documents were stored).",
+            ),
+            click.option(
+                "--since",
+                type=click.DateTime(_TIME_FORMATS),
+                help="Only runs failed at or after this time (UTC, ISO).",
+            ),
+            click.option(
+                "--until",
+                type=click.DateTime(_TIME_FORMATS),
+                help="Only runs failed before this time (UTC, ISO).",
+            ),
+        )
+    ):
+        command = option(command)
+    return command
+
+
+def _filter(
+    ids: Sequence[int], error_class: str | None, stage: str | None, since: Any, until: Any
+) -> Any:
+    """The filter the options give; refused beside email ids, which name the runs already."""
+    from mailpipe.broker.queues import Stage
+    from mailpipe.operations.status import FailedFilter
+
+    filt = FailedFilter(error_class, None if stage is None else Stage(stage), since, until)
+    if ids and filt != FailedFilter():
+        raise BadInput("email ids name the runs: the filters go with --retry-all or --all")
+    return filt
+
+
+def _user() -> str:
+    """Who acts, as the actions' log names them."""
+    import getpass
+
+    return f"cli:{getpass.getuser()}"
+
+
+_PAGE = click.option(
+    "--page", type=click.IntRange(min=1), default=1, show_default=True, help="Which page."
+)
+
+
 @main.command()
 @click.option(
     "--retry",
@@ -270,39 +336,68 @@ def status(as_json: bool) -> None:
     multiple=True,
     type=int,
     metavar="EMAIL_ID",
-    help="Reopen and re-enqueue this email's failed run; repeat for more.",
+    help="Reopen and re-enqueue this email's failed run (a dismissed one too); repeat for more.",
 )
-@click.option("--retry-all", is_flag=True, help="Reopen and re-enqueue every failed run.")
+@click.option(
+    "--retry-all",
+    is_flag=True,
+    help="Reopen and re-enqueue every listed failed run the filters match (none dismissed).",
+)
+@_failed_filters
+@_PAGE
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
     default=50,
     show_default=True,
-    help="List at most this many, the latest first.",
+    help="List at most this many a page, the latest first.",
 )
 @click.option(
     "--json",
     "as_json",
     is_flag=True,
-    help="List as JSON: objects of email_id, attempts, failed_at, error.",
+    help="List as JSON: the page's rows (email_id, attempts, failed_at, stage, error_class, "
+    "error, needs_review), page, pages and total.",
 )
-def failed(retry_ids: tuple[int, ...], retry_all: bool, limit: int, as_json: bool) -> None:
-    """List failed runs, or reopen and re-enqueue them."""
-    from mailpipe.operations.status import failed_runs
+def failed(
+    retry_ids: tuple[int, ...],
+    retry_all: bool,
+    error_class: str | None,
+    stage: str | None,
+    since: Any,
+    until: Any,
+    page: int,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them."""
+    from mailpipe.operations.status import failed_page
 
+    if retry_ids and retry_all:
+        raise BadInput("--retry and --retry-all: one or the other")
+    filt = _filter(retry_ids, error_class, stage, since, until)
     res = _migrated()
     if retry_ids or retry_all:
-        _retry(res, None if retry_all else retry_ids)
+        _retry(res, retry_ids or None, filt)
         return
     with res.db.session() as session:
-        rows = failed_runs(session, limit)
+        listed = failed_page(session, filt, page, limit)
     if as_json:
-        click.echo(json.dumps(rows))
+        click.echo(json.dumps(listed.as_json()))
         return
-    table = Table("email", "attempts", "failed at", "error", title="failed runs")
-    for row in rows:
+    table = Table(
+        "email",
+        "attempts",
+        "failed at",
+        "error",
+        title=f"failed runs: page {listed.page} of {listed.pages}, {listed.total} in all",
+    )
+    for row in listed.rows:
         table.add_row(
-            str(row["email_id"]), str(row["attempts"]), _to_second(row["failed_at"]), row["error"]
+            str(row["email_id"]),
+            str(row["attempts"]),
+            _to_second(row["failed_at"]),
+            row["error"],
         )
     console.print(table)
 
@@ -312,53 +407,95 @@ def _to_second(iso: str | None) -> str:
     return "" if iso is None else iso[: len("YYYY-MM-DDTHH:MM:SS")].replace("T", " ")
 
 
-def _retry(res: Resources, email_ids: Sequence[int] | None) -> None:
-    """Reopen the failed runs of `email_ids` (None: every failed run) and enqueue their jobs.
-    The ids without a failed run are named on stderr, and make the exit code NotFound's."""
-    from mailpipe.enqueue import enqueue_emails
-    from mailpipe.pipeline import runs
-    from mailpipe.storage.models import RunStatus
+def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any) -> None:
+    """Reopen the failed runs of `email_ids` (None: every listed one `filt` matches) and
+    enqueue their jobs. The ids not retried are named on stderr, and make the exit code
+    NotFound's."""
+    from mailpipe.enqueue import sender
+    from mailpipe.operations import actions
 
-    # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
-    res.redis.ping()
-    with res.db.transaction() as session:
-        reopened, statuses = runs.reopen_failed(
-            session, None if email_ids is None else list(email_ids)
-        )
-    result = enqueue_emails(reopened, res)
-    click.echo(f"reopened {len(reopened)}, enqueued {len(result.sent)}")
-    unknown = [i for i in dict.fromkeys(email_ids or ()) if statuses.get(i) is not RunStatus.FAILED]
-    for email_id in unknown:
-        status = statuses.get(email_id)
-        reason = "it has no run" if status is None else f"its run is {status.value}"
-        click.echo(f"email {email_id}: not retried, {reason}", err=True)
-    if unknown:
+    done = actions.retry(
+        res,
+        email_ids,
+        None if email_ids else filt,
+        enqueue=sender(res),
+        user=_user(),
+    )
+    click.echo(f"reopened {len(done.done)}, enqueued {done.enqueued}")
+    _name_refused(done.refused, "retried")
+
+
+def _name_refused(refused: dict[int, str], act: str) -> None:
+    for email_id, reason in refused.items():
+        click.echo(f"email {email_id}: not {act}, {reason}", err=True)
+    if refused:
         sys.exit(NotFound.exit_code)
 
 
 @main.command()
+@click.argument("email_ids", nargs=-1, type=int)
+@click.option(
+    "--all", "dismiss_all", is_flag=True, help="Every listed failed run the filters match."
+)
+@_failed_filters
+def dismiss(
+    email_ids: tuple[int, ...],
+    dismiss_all: bool,
+    error_class: str | None,
+    stage: str | None,
+    since: Any,
+    until: Any,
+) -> None:
+    """Give up on failed runs: each stays failed, leaves the failed and review lists, and no
+    retry-all or sweep takes it up again (`failed --retry EMAIL_ID` still does)."""
+    from mailpipe.operations import actions
+
+    if bool(email_ids) == dismiss_all:
+        raise BadInput("give EMAIL_ID... or --all (with filters), one or the other")
+    res = _migrated()
+    filt = _filter(email_ids, error_class, stage, since, until)
+    done = actions.dismiss(res, email_ids or None, None if email_ids else filt, user=_user())
+    click.echo(f"dismissed {len(done.done)}")
+    _name_refused(done.refused, "dismissed")
+
+
+@main.command()
+@_PAGE
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
     default=50,
     show_default=True,
-    help="List at most this many, the oldest first.",
+    help="List at most this many a page, the oldest first.",
 )
 @click.option(
-    "--json", "as_json", is_flag=True, help="List as JSON: objects of email_id, subject, reason."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="List as JSON: the page's rows (email_id, subject, reason, status), page, pages and "
+    "total.",
 )
-def review(limit: int, as_json: bool) -> None:
-    """List the emails marked for review, with the reason; `failed --retry` clears the mark."""
-    from mailpipe.operations.status import review_list
+def review(page: int, limit: int, as_json: bool) -> None:
+    """List the emails marked for review, with the reason; `failed --retry` and `dismiss` clear
+    the mark."""
+    from mailpipe.operations.status import review_page
 
     with _migrated().db.session() as session:
-        rows = review_list(session, limit)
+        listed = review_page(session, page, limit)
     if as_json:
-        click.echo(json.dumps(rows))
+        click.echo(json.dumps(listed.as_json()))
         return
-    table = Table("email", "subject", "reason", title="emails to review")
-    for row in rows:
-        table.add_row(str(row["email_id"]), row["subject"] or "", row["reason"] or "")
+    table = Table(
+        "email",
+        "subject",
+        "reason",
+        "run",
+        title=f"emails to review: page {listed.page} of {listed.pages}, {listed.total} in all",
+    )
+    for row in listed.rows:
+        table.add_row(
+            str(row["email_id"]), row["subject"] or "", row["reason"] or "", row["status"] or ""
+        )
     console.print(table)
 
 
@@ -382,9 +519,6 @@ def model_calls(state: str | None) -> None:
         # Waiting runs should not wait for the next scheduled sweep.
         sweep.apply_async()
         console.print("sweep enqueued")
-
-
-_STAGES = click.Choice(["cpu", "model"])
 
 
 @main.command()
@@ -438,6 +572,22 @@ def show(email_id: int) -> None:
     if detail is None:
         raise NotFound(f"no email with id {email_id}")
     click.echo(json.dumps(detail, indent=2))
+
+
+@main.command()
+def web() -> None:
+    """Serve the operator's console and the job status API (MAILPIPE_WEB_HOST, _PORT).
+
+    Viewers (MAILPIPE_WEB_VIEWERS) read; operators (MAILPIPE_WEB_OPERATORS) also retry, dismiss,
+    pause and switch model calls. Without either, it serves loopback only.
+    """
+    from mailpipe.web.server import refusal, serve
+
+    settings = get_resources().settings
+    refused = refusal(settings)
+    if refused is not None:
+        raise BadInput(refused)
+    serve(settings)
 
 
 @main.command()

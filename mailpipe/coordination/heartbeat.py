@@ -290,6 +290,41 @@ def live_workers(redis: Redis, dead_after: float, queue: str | None = None) -> i
     return int(pipe.execute()[1])
 
 
+@dataclass(frozen=True)
+class LiveWorker:
+    """A worker process with a fresh heartbeat, as the console lists it."""
+
+    worker_id: str  # the Celery node name, the process id and a random suffix
+    last_seen_s: float  # since its last heartbeat, on Redis's clock
+    queues: list[str]  # those of `queues` (asked about) that it consumes
+
+    @property
+    def hostname(self) -> str:
+        return self.worker_id.rsplit(":", 2)[0]
+
+
+def live_worker_list(redis: Redis, dead_after: float, queues: Sequence[str]) -> list[LiveWorker]:
+    """The worker processes whose heartbeat is fresh, the most recently seen first, each with the
+    queues among `queues` it consumes."""
+    now = redis_time(redis)
+    cutoff = now - dead_after
+    pipe = redis.pipeline(transaction=False)
+    pipe.zrangebyscore(redis_keys.workers(), cutoff, "+inf", withscores=True)
+    for queue in queues:
+        pipe.zrangebyscore(redis_keys.workers_on(queue), cutoff, "+inf")
+    beats, *consumers = pipe.execute()
+    on = [{_text(w) for w in members} for members in consumers]
+    workers = [
+        LiveWorker(
+            _text(worker),
+            max(0.0, now - at),
+            [queue for queue, members in zip(queues, on, strict=True) if _text(worker) in members],
+        )
+        for worker, at in beats
+    ]
+    return sorted(workers, key=lambda w: w.last_seen_s)
+
+
 def redis_time(redis: Redis) -> float:
     """Redis's clock, in unix seconds: the one every host agrees on."""
     seconds, microseconds = redis.time()

@@ -1,15 +1,20 @@
-"""What `mailpipe status`, `failed`, `review` and `show` report, as plain data."""
+"""What `mailpipe status`, `failed`, `review` and `show`, and the web console, report, as plain
+JSON-ready data. Every list is a page: a page number, how many pages, and the total."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, not_, select
+from sqlalchemy import ColumnElement, Select, func, not_, select
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.layout import queue_stats
-from mailpipe.coordination import pauses
+from mailpipe.broker.queues import Stage, control_queue, email_queue, model_queue
+from mailpipe.coordination import markers, pauses
+from mailpipe.coordination.heartbeat import live_worker_list
+from mailpipe.operations.metrics import read_backlog
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
@@ -17,14 +22,53 @@ from mailpipe.storage.models import (
     Document,
     EmailLabel,
     EmailMessage,
+    EmailOrigin,
     PipelineRun,
+    RunAttempt,
     RunStatus,
     SweepReport,
 )
 
 
+@dataclass(frozen=True)
+class FailedFilter:
+    """Which failed runs to list or act on; dismissed runs are never among them."""
+
+    error_class: str | None = None
+    stage: Stage | None = None  # CPU: failed before its documents were stored; MODEL: after
+    since: datetime | None = None  # closed_at >= since (naive UTC)
+    until: datetime | None = None  # closed_at < until (naive UTC)
+
+    def where(self) -> list[ColumnElement[bool]]:
+        """The conditions on `pipeline_run` of the runs this filter lists."""
+        conditions = [PipelineRun.status == RunStatus.FAILED, PipelineRun.dismissed_at.is_(None)]
+        if self.error_class is not None:
+            conditions.append(PipelineRun.error_class == self.error_class)
+        if self.stage is Stage.CPU:
+            conditions.append(PipelineRun.converted_at.is_(None))
+        elif self.stage is Stage.MODEL:
+            conditions.append(PipelineRun.converted_at.is_not(None))
+        if self.since is not None:
+            conditions.append(PipelineRun.closed_at >= self.since)
+        if self.until is not None:
+            conditions.append(PipelineRun.closed_at < self.until)
+        return conditions
+
+
+@dataclass(frozen=True)
+class Page:
+    rows: list[dict[str, Any]]
+    page: int  # 1-based
+    pages: int  # at least 1, even when there is nothing to list
+    total: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "page": self.page, "pages": self.pages, "total": self.total}
+
+
 def fleet_status(res: Resources) -> dict[str, Any]:
-    """The JSON contract of `mailpipe status --json` (README), plus the last sweep."""
+    """The JSON contract of `mailpipe status --json` (README), plus the last sweep, every queue
+    and the live workers."""
     with res.db.session() as session:
         emails = session.scalar(select(func.count()).select_from(EmailMessage)) or 0
         no_run = session.scalar(
@@ -44,7 +88,13 @@ def fleet_status(res: Resources) -> dict[str, Any]:
         last_sweep = session.scalars(
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
-    stats = queue_stats(res.redis, res.settings.queue)
+    settings = res.settings
+    names = {
+        "email": email_queue(settings),
+        "model": model_queue(settings),
+        "control": control_queue(settings),
+    }
+    queues = {role: _queue_dict(res, name) for role, name in names.items()}
     paused = {
         stage.value: {
             "error": pause.error,
@@ -53,56 +103,134 @@ def fleet_status(res: Resources) -> dict[str, Any]:
         }
         for stage, pause in pauses.paused(res.redis).items()
     }
+    workers = live_worker_list(res.redis, settings.worker_dead_after, list(names.values()))
     return {
         "emails": emails,
         "no_run": no_run or 0,
         "runs": {status.value: counts.get(status, 0) for status in RunStatus},
         "needs_review": needs_review or 0,
-        "queue": {"depth": stats.depth, "oldest_age_s": stats.oldest_age_s},
+        # The email queue's, as before the other queues were reported.
+        "queue": {key: queues["email"][key] for key in ("depth", "oldest_age_s")},
+        "queues": queues,
+        "workers": [
+            {
+                "id": worker.worker_id,
+                "hostname": worker.hostname,
+                "last_seen_s": round(worker.last_seen_s, 3),
+                "queues": worker.queues,
+            }
+            for worker in workers
+        ],
         "model_calls": model_calls,
         "paused": paused,
         "last_sweep": _sweep_dict(last_sweep),
     }
 
 
-def failed_runs(session: Session, limit: int) -> list[dict[str, Any]]:
-    """`mailpipe failed`: the failed runs, the latest first."""
-    rows = session.execute(
-        select(PipelineRun.email_id, PipelineRun.attempts, PipelineRun.closed_at, PipelineRun.error)
-        .where(PipelineRun.status == RunStatus.FAILED)
-        .order_by(PipelineRun.closed_at.desc())
-        .limit(limit)
+def _queue_dict(res: Resources, name: str) -> dict[str, Any]:
+    backlog = read_backlog(res, name)
+    return {
+        "name": name,
+        "depth": backlog.queue_depth,
+        # None when nothing waits, as `mailpipe status` has always shown it.
+        "oldest_age_s": backlog.oldest_job_age_s if backlog.queue_depth else None,
+        "deferred": backlog.deferred_jobs,
+        "workers": backlog.running_tasks,
+    }
+
+
+def failed_page(
+    session: Session, filt: FailedFilter | None = None, page: int = 1, per_page: int = 50
+) -> Page:
+    """`mailpipe failed` and the console's failed list: the failed runs `filt` lists, the latest
+    first."""
+    where = (filt or FailedFilter()).where()
+    total = session.scalar(select(func.count()).select_from(PipelineRun).where(*where)) or 0
+    query = (
+        select(
+            PipelineRun.email_id,
+            PipelineRun.attempts,
+            PipelineRun.closed_at,
+            PipelineRun.converted_at,
+            PipelineRun.error_class,
+            PipelineRun.error,
+            EmailMessage.needs_review,
+        )
+        .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
+        .where(*where)
+        # The id breaks ties: runs failed in one statement (a sweep) share their closed_at.
+        .order_by(PipelineRun.closed_at.desc(), PipelineRun.id.desc())
     )
-    return [
+    rows = [
         {
             "email_id": row.email_id,
             "attempts": row.attempts,
             "failed_at": _iso(row.closed_at),
+            "stage": (Stage.CPU if row.converted_at is None else Stage.MODEL).value,
+            "error_class": row.error_class,
             "error": row.error,
+            "needs_review": row.needs_review,
         }
-        for row in rows
+        for row in session.execute(_paged(query, page, per_page))
     ]
+    return _page(rows, page, per_page, total)
 
 
-def review_list(session: Session, limit: int) -> list[dict[str, Any]]:
-    """`mailpipe review`: the emails marked for review and why, the oldest first."""
+def error_classes(session: Session) -> list[tuple[str, int]]:
+    """The error classes among the listed failed runs, each with its count, the commonest first."""
+    count = func.count().label("count")
     rows = session.execute(
-        select(EmailMessage.id, EmailMessage.subject, EmailMessage.review_reason)
-        # The bare column, as the partial index over the marked emails is written.
-        .where(EmailMessage.needs_review)
-        .order_by(EmailMessage.id)
-        .limit(limit)
+        select(PipelineRun.error_class, count)
+        .where(*FailedFilter().where(), PipelineRun.error_class.is_not(None))
+        .group_by(PipelineRun.error_class)
+        .order_by(count.desc(), PipelineRun.error_class)
     )
-    return [
-        {"email_id": row.id, "subject": row.subject, "reason": row.review_reason} for row in rows
+    return [(str(name), n) for name, n in rows.tuples()]
+
+
+def review_page(session: Session, page: int = 1, per_page: int = 50) -> Page:
+    """`mailpipe review` and the console's review list: the emails marked for review and why,
+    the oldest first, with their run's status (None: no run yet)."""
+    # The bare column, as the partial index over the marked emails is written.
+    marked = EmailMessage.needs_review
+    total = session.scalar(select(func.count()).select_from(EmailMessage).where(marked)) or 0
+    query = (
+        select(
+            EmailMessage.id, EmailMessage.subject, EmailMessage.review_reason, PipelineRun.status
+        )
+        .outerjoin(PipelineRun, PipelineRun.email_id == EmailMessage.id)
+        .where(marked)
+        .order_by(EmailMessage.id)
+    )
+    rows = [
+        {
+            "email_id": row.id,
+            "subject": row.subject,
+            "reason": row.review_reason,
+            "status": None if row.status is None else row.status.value,
+        }
+        for row in session.execute(_paged(query, page, per_page))
     ]
+    return _page(rows, page, per_page, total)
+
+
+def _paged(query: Select, page: int, per_page: int) -> Select:
+    if page < 1 or per_page < 1:
+        raise ValueError(f"page {page} of {per_page} rows: both must be at least 1")
+    return query.offset((page - 1) * per_page).limit(per_page)
+
+
+def _page(rows: list[dict[str, Any]], page: int, per_page: int, total: int) -> Page:
+    return Page(rows, page, max(1, math.ceil(total / per_page)), total)
 
 
 def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
-    """`mailpipe show`: the email's run, documents, labels and classification."""
+    """`mailpipe show` and the console's email page: the email's run, documents, labels,
+    classification, origin and the history of its attempts; None when there is no such email."""
     email = session.get(EmailMessage, email_id)
     if email is None:
         return None
+    origin = None if email.origin_id is None else session.get(EmailOrigin, email.origin_id)
     run = session.scalars(select(PipelineRun).where(PipelineRun.email_id == email_id)).first()
     classification = None
     if run is not None:
@@ -123,14 +251,24 @@ def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
         "blob_key": email.blob_key,
         "received_at": _iso(email.received_at),
         "duplicate_of": email.duplicate_of,
+        "origin": None
+        if origin is None
+        else {
+            "id": origin.id,
+            "message_id": origin.message_id,
+            "first_email_id": origin.first_email_id,
+            "created_at": _iso(origin.created_at),
+        },
         "needs_review": email.needs_review,
         "review_reason": email.review_reason,
+        "dismissed_at": None if run is None else _iso(run.dismissed_at),
         "run": None
         if run is None
         else {
             "status": run.status.value,
             "attempts": run.attempts,
             "sweep_count": run.sweep_count,
+            "error_class": run.error_class,
             "error": run.error,
             "parse_defects": run.parse_defects,
             "created_at": _iso(run.created_at),
@@ -167,6 +305,82 @@ def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
             "output_tokens": classification.output_tokens,
             "latency_ms": classification.latency_ms,
         },
+        "history": history(session, email_id),
+    }
+
+
+def history(session: Session, email_id: int) -> list[dict[str, Any]]:
+    """The attempts of the email's run, of both stages, in the order they ended."""
+    attempts = session.scalars(
+        select(RunAttempt).where(RunAttempt.email_id == email_id).order_by(RunAttempt.id)
+    )
+    return [
+        {
+            "stage": row.stage,
+            "attempt": row.attempt,
+            "started_at": _iso(row.started_at),
+            "ended_at": _iso(row.ended_at),
+            "outcome": row.outcome,
+            "error_class": row.error_class,
+            "error": row.error,
+            "host": row.host,
+        }
+        for row in attempts
+    ]
+
+
+def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any] | None:
+    """The job status API (`GET /api/jobs/<email_id>`); None when there is no such email.
+
+    `state`, from the run row and the email's enqueue marker in Redis:
+    - a closed run: its status (succeeded, duplicate, failed; a dismissed run is failed);
+    - an open run with an attempt started and not ended: running (also for an attempt whose
+      process died, until the next claim of the run finds it so);
+    - an open run with an error and no attempt running: retrying (a failed attempt waits for its
+      next, or a reopened run for its first);
+    - any other open run, or no run yet but a marker set: queued;
+    - no run and no marker: not_enqueued.
+    """
+    email = session.execute(
+        select(EmailMessage.needs_review, EmailMessage.created_at).where(
+            EmailMessage.id == email_id
+        )
+    ).one_or_none()
+    if email is None:
+        return None
+    run = session.execute(
+        select(
+            PipelineRun.status,
+            PipelineRun.attempts,
+            PipelineRun.attempt_started_at,
+            PipelineRun.error_class,
+            PipelineRun.error,
+            PipelineRun.updated_at,
+        ).where(PipelineRun.email_id == email_id)
+    ).one_or_none()
+    labels = session.scalars(
+        select(EmailLabel.label).where(EmailLabel.email_id == email_id).order_by(EmailLabel.label)
+    ).all()
+    if run is not None and run.status is not RunStatus.OPEN:
+        state = run.status.value
+    elif run is not None and run.attempt_started_at is not None:
+        state = "running"
+    elif run is not None and run.error is not None:
+        state = "retrying"
+    elif run is not None or markers.read(res.redis, [email_id])[0] is not None:
+        state = "queued"
+    else:
+        state = "not_enqueued"
+    return {
+        "email_id": email_id,
+        "state": state,
+        "attempts": 0 if run is None else run.attempts,
+        "error_class": None if run is None else run.error_class,
+        "error": None if run is None else run.error,
+        "needs_review": email.needs_review,
+        "labels": list(labels),
+        "updated_at": _iso(email.created_at if run is None else run.updated_at),
+        "history": history(session, email_id),
     }
 
 

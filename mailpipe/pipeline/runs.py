@@ -544,6 +544,8 @@ def reopen(session: Session, email_id: int) -> bool:
     run.cutoffs = 0
     run.attempt_started_at = None
     run.classified_at = None
+    # Asked for by its id, a dismissed run is taken back onto the failed list should it fail again.
+    run.dismissed_at = None
     # A manual retry runs the whole job again, the CPU stage included.
     run.converted_at = None
     run.closed_at = None
@@ -559,10 +561,13 @@ def reopen_failed(
     session: Session, email_ids: list[int] | None
 ) -> tuple[list[int], dict[int, RunStatus]]:
     """Reopen the failed runs among `email_ids` (None: every failed run). Returns the emails
-    reopened and the status each asked-for email's run had (no entry: it has no run)."""
+    reopened and the status each asked-for email's run had (no entry: it has no run). A dismissed
+    run among `email_ids` is reopened too; None passes over them."""
     query = select(PipelineRun.email_id, PipelineRun.status).order_by(PipelineRun.email_id)
     if email_ids is None:
-        query = query.where(PipelineRun.status == RunStatus.FAILED)
+        query = query.where(
+            PipelineRun.status == RunStatus.FAILED, PipelineRun.dismissed_at.is_(None)
+        )
     else:
         query = query.where(PipelineRun.email_id.in_(email_ids))
     # Locked, so that the statuses read are those reopen finds.
@@ -660,3 +665,37 @@ def _host() -> str:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
+def dismiss(session: Session, email_ids: list[int]) -> list[int]:
+    """An operator gives up on the failed runs among `email_ids` not dismissed yet: each stays
+    failed, leaves the failed list and the review list, and no retry-all or sweep reopens it (a
+    retry by its id does). Returns the emails dismissed."""
+    dismissed = list(
+        session.scalars(
+            update(PipelineRun)
+            .where(
+                PipelineRun.email_id.in_(email_ids),
+                PipelineRun.status == RunStatus.FAILED,
+                PipelineRun.dismissed_at.is_(None),
+            )
+            .values(dismissed_at=utcnow())
+            .returning(PipelineRun.email_id)
+        )
+    )
+    if dismissed:
+        clear_review(session, dismissed)
+    return sorted(dismissed)
+
+
+def clear_review(session: Session, email_ids: list[int]) -> list[int]:
+    """Take the emails among `email_ids` off the review list, their runs left as they are.
+    Returns the emails that were on it."""
+    return sorted(
+        session.scalars(
+            update(EmailMessage)
+            .where(EmailMessage.id.in_(email_ids), EmailMessage.needs_review)
+            .values(needs_review=False, review_reason=None)
+            .returning(EmailMessage.id)
+        )
+    )

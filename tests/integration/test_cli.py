@@ -187,20 +187,34 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
 
     listed = mailpipe("failed", "--json")
     assert listed.returncode == 0, listed.stderr
-    rows = json.loads(listed.stdout)
+    rows = json.loads(listed.stdout)["rows"]
     assert sorted(row["email_id"] for row in rows) == ids
     for row in rows:
-        assert set(row) == {"email_id", "attempts", "failed_at", "error"}
+        assert set(row) == {
+            "email_id",
+            "attempts",
+            "failed_at",
+            "stage",
+            "error_class",
+            "error",
+            "needs_review",
+        }
         assert row["attempts"] == 1 and "not an email" in row["error"]
+        assert (row["stage"], row["needs_review"]) == ("cpu", False)
         datetime.fromisoformat(row["failed_at"])
-    assert len(json.loads(mailpipe("failed", "--json", "--limit", "2").stdout)) == 2
+    first = json.loads(mailpipe("failed", "--json", "--limit", "2").stdout)
+    assert (len(first["rows"]), first["page"], first["pages"], first["total"]) == (2, 1, 2, 3)
+    second = json.loads(mailpipe("failed", "--json", "--limit", "2", "--page", "2").stdout)
+    assert [row["email_id"] for row in first["rows"] + second["rows"]] == [
+        row["email_id"] for row in rows
+    ]
 
     retried = mailpipe("failed", "--retry-all")
     assert retried.returncode == 0, retried.stderr
     assert retried.stdout.strip() == "reopened 3, enqueued 3"
     assert statuses(res) == {email_id: "open" for email_id in ids}
     assert all(res.redis.exists(redis_keys.job_marker(i)) for i in ids)
-    assert json.loads(mailpipe("failed", "--json").stdout) == []
+    assert json.loads(mailpipe("failed", "--json").stdout)["rows"] == []
 
 
 def test_retry_names_the_ids_it_cannot_retry_and_retries_the_rest(res) -> None:  # type: ignore[no-untyped-def]
@@ -252,16 +266,16 @@ def lose_the_job_until_marked_for_review(res: Resources) -> int:
 
 def test_review_lists_the_marked_emails_and_a_retry_clears_the_mark(res) -> None:  # type: ignore[no-untyped-def]
     stuck = lose_the_job_until_marked_for_review(res)
-    [marked] = json.loads(mailpipe("review", "--json").stdout)
+    [marked] = json.loads(mailpipe("review", "--json").stdout)["rows"]
     # Its job never ran, so nothing was parsed: no subject yet.
-    assert (marked["email_id"], marked["subject"]) == (stuck, None)
+    assert (marked["email_id"], marked["subject"], marked["status"]) == (stuck, None, "failed")
     assert "re-added 3 times" in marked["reason"]
     assert str(stuck) in mailpipe("review").stdout
     assert json.loads(mailpipe("status", "--json").stdout)["needs_review"] == 1
 
     retried = mailpipe("failed", "--retry", str(stuck))
     assert retried.returncode == 0, retried.stderr
-    assert json.loads(mailpipe("review", "--json").stdout) == []
+    assert json.loads(mailpipe("review", "--json").stdout)["rows"] == []
     shown = json.loads(mailpipe("show", str(stuck)).stdout)
     assert (shown["needs_review"], shown["review_reason"]) == (False, None)
     assert shown["run"]["status"] == "open"

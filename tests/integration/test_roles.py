@@ -280,7 +280,7 @@ def procfile() -> dict[str, str]:
 
 
 def test_the_procfile_names_every_role():
-    assert set(procfile()) == {"release", "worker", "model", "beat", "flower"}
+    assert set(procfile()) == {"release", "worker", "model", "beat", "flower", "web"}
 
 
 @pytest.fixture
@@ -371,6 +371,33 @@ def test_procfile_flower_asks_for_its_credentials(procfile_env, tmp_path) -> Non
         wait_flower_ready(flower, port, (user, password))
     finally:
         flower.stop()
+
+
+def test_procfile_web_answers_its_health_check_and_stops_at_sigterm(  # type: ignore[no-untyped-def]
+    procfile_env, tmp_path
+) -> None:
+    """`mailpipe web` as the Procfile has it, on the port the environment gives it: /healthz
+    answers without credentials; with no users, on loopback, the local operator reads the API
+    (as Flower is open on loopback); SIGTERM ends it after uvicorn's graceful shutdown."""
+    procfile_env["MAILPIPE_WEB_PORT"] = str(free_port())
+    url = f"http://127.0.0.1:{procfile_env['MAILPIPE_WEB_PORT']}"
+    web = start_procfile_line("web", procfile_env, tmp_path)
+
+    def healthy() -> bool:
+        web.check_alive()
+        try:
+            return requests.get(f"{url}/healthz", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    try:
+        wait_for(healthy, 60, "the console to answer /healthz")
+        queues = requests.get(f"{url}/api/queues", timeout=10)
+        assert queues.status_code == 200, queues.text
+        assert queues.json()["queues"]["email"]["name"] == "mailpipe"
+    finally:
+        web.stop()
+    assert "Application shutdown complete" in web.output(), web.output()[-3000:]
 
 
 # --- the README's local fleet ------------------------------------------------------------------

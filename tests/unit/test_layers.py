@@ -26,6 +26,7 @@ LAYERS = {
     "pipeline": ("mailpipe.pipeline",),
     "operations": ("mailpipe.operations",),
     "app": ("mailpipe.app", "mailpipe.celery", "mailpipe.enqueue"),
+    "web": ("mailpipe.web",),
     "cli": ("mailpipe.cli",),
 }
 
@@ -84,6 +85,18 @@ EXPECTED = {
         "operations",
         "app",
     },
+    # The console: what it shows and does, and the deduplicated enqueue its retries go through.
+    "mailpipe.web.app": {
+        "base",
+        "storage",
+        "broker",
+        "coordination",
+        "resources",
+        "pipeline",
+        "operations",
+        "app",
+        "web",
+    },
     "mailpipe.cli.main": {"base", "resources", "cli"},
     # The worker the demo starts, as the tests and benchmarks start theirs: no app, no pipeline.
     "mailpipe.cli.demo.fleet": {"base", "cli"},
@@ -103,6 +116,7 @@ LIBRARIES = (
     "click",
     "docx",
     "email.policy",
+    "jinja2",
     "kombu.transport.redis",
     "openpyxl",
     "psycopg",
@@ -112,6 +126,7 @@ LIBRARIES = (
     "rich",
     "sqlalchemy.dialects.postgresql",
     "sqlalchemy.orm",
+    "starlette.applications",
 )
 
 _PROBE = """

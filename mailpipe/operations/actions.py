@@ -1,0 +1,189 @@
+"""What an operator does to failed runs and the review list, from `mailpipe` or the console.
+
+Every write goes through mailpipe.pipeline.runs, in batches of one transaction each, so that
+acting on ten thousand runs never holds ten thousand row locks; a retry enqueues each batch's
+jobs after its commit, through the deduplicated enqueue it is handed (`mailpipe.enqueue.sender`:
+this layer never imports Celery). Nothing asked for is passed over without saying why
+(`Done.refused`), and each batch is logged with the action, the user and the email ids (ids
+only: never an email's content).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from mailpipe.broker.queues import TaskName
+from mailpipe.operations.status import FailedFilter
+from mailpipe.operations.sweeper import Enqueue
+from mailpipe.pipeline import runs
+from mailpipe.resources import Resources
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class Done:
+    done: list[int]  # the emails acted on
+    enqueued: int = 0  # jobs sent (retry only; an email whose job is queued already gets none)
+    refused: dict[int, str] = field(default_factory=dict)  # email id -> why not
+
+
+def retry(
+    res: Resources,
+    email_ids: Sequence[int] | None = None,
+    filt: FailedFilter | None = None,
+    *,
+    enqueue: Enqueue,
+    user: str,
+    batch: int = BATCH,
+) -> Done:
+    """Reopen failed runs with a fresh attempt budget and enqueue their jobs, which run the whole
+    job again. `email_ids`: those (a dismissed one included); else every listed failed run that
+    `filt` matches (no dismissed one). The review mark of each reopened email is cleared."""
+    # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
+    res.redis.ping()
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    enqueued = 0
+    for reopened, not_reopened in _in_batches(
+        res, email_ids, filt, batch, lambda session, ids: runs.reopen_failed(session, ids)[0]
+    ):
+        _logged("retry", user, reopened)
+        done.extend(reopened)
+        refused.update(not_reopened)
+        if reopened:
+            enqueued += len(enqueue(reopened, TaskName.PROCESS_EMAIL))
+    return Done(done, enqueued, refused)
+
+
+def dismiss(
+    res: Resources,
+    email_ids: Sequence[int] | None = None,
+    filt: FailedFilter | None = None,
+    *,
+    user: str,
+    batch: int = BATCH,
+) -> Done:
+    """Dismiss failed runs: each stays failed, leaves the failed list and the review list, and
+    no retry-all or sweep reopens it. `email_ids`: those; else every listed failed run that
+    `filt` matches."""
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    for dismissed, not_dismissed in _in_batches(res, email_ids, filt, batch, runs.dismiss):
+        _logged("dismiss", user, dismissed)
+        done.extend(dismissed)
+        refused.update(not_dismissed)
+    return Done(done, refused=refused)
+
+
+def clear_review(
+    res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
+) -> Done:
+    """Take emails off the review list without a retry; their runs are left as they are."""
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    for cleared, not_cleared in _in_batches(
+        res, email_ids, None, batch, runs.clear_review, _not_marked
+    ):
+        _logged("clear_review", user, cleared)
+        done.extend(cleared)
+        refused.update(not_cleared)
+    return Done(done, refused=refused)
+
+
+Act = Callable[[Session, list[int]], list[int]]
+Why = Callable[[Session, list[int]], dict[int, str]]
+
+
+def _in_batches(
+    res: Resources,
+    email_ids: Sequence[int] | None,
+    filt: FailedFilter | None,
+    size: int,
+    act: Act,
+    why_not: Why | None = None,
+) -> Iterator[tuple[list[int], dict[int, str]]]:
+    """`act` on batches of emails, each in a transaction of its own; yields after each commit
+    the emails acted on, and why not (`why_not`, by default `_why_not`) for the others.
+    The batches: `email_ids` in chunks, or the failed runs `filt` lists in keyset batches,
+    locked in the batch's transaction so that none changes before it is acted on."""
+    if email_ids is not None and filt is not None:
+        raise ValueError("either email ids or a filter, not both")
+    if size < 1:
+        raise ValueError(f"batch size {size}: must be at least 1")
+    pending = None if email_ids is None else list(dict.fromkeys(email_ids))
+    after = 0
+    while True:
+        with res.db.transaction() as session:
+            if pending is None:
+                chunk = _listed(session, filt or FailedFilter(), after, size)
+            else:
+                chunk, pending = pending[:size], pending[size:]
+            if not chunk:
+                return
+            acted = act(session, chunk)
+            left = sorted(set(chunk) - set(acted))
+            refused = (why_not or _why_not)(session, left) if left else {}
+        after = chunk[-1]
+        yield acted, refused
+
+
+def _listed(session: Session, filt: FailedFilter, after: int, size: int) -> list[int]:
+    """The next keyset batch of the failed runs `filt` lists, locked."""
+    return list(
+        session.scalars(
+            select(PipelineRun.email_id)
+            .where(*filt.where(), PipelineRun.email_id > after)
+            .order_by(PipelineRun.email_id)
+            .limit(size)
+            .with_for_update()
+        )
+    )
+
+
+def _why_not(session: Session, email_ids: list[int]) -> dict[int, str]:
+    """Why a run was not acted on: its state, read in the transaction that acted."""
+    found = {
+        email_id: (status, dismissed_at)
+        for email_id, status, dismissed_at in session.execute(
+            select(PipelineRun.email_id, PipelineRun.status, PipelineRun.dismissed_at).where(
+                PipelineRun.email_id.in_(email_ids)
+            )
+        ).tuples()
+    }
+    reasons = {}
+    for email_id in email_ids:
+        status, dismissed_at = found.get(email_id, (None, None))
+        if status is None:
+            reasons[email_id] = "it has no run"
+        elif status is RunStatus.FAILED and dismissed_at is not None:
+            reasons[email_id] = "its run is dismissed already"
+        else:
+            reasons[email_id] = f"its run is {status.value}"
+    return reasons
+
+
+def _not_marked(session: Session, email_ids: list[int]) -> dict[int, str]:
+    """Why an email was not taken off the review list."""
+    known = set(session.scalars(select(EmailMessage.id).where(EmailMessage.id.in_(email_ids))))
+    return {i: "not on the review list" if i in known else "no such email" for i in email_ids}
+
+
+def _logged(action: str, user: str, email_ids: list[int]) -> None:
+    if email_ids:
+        log.info(
+            "%s by %s: %d email(s): %s",
+            action,
+            user,
+            len(email_ids),
+            " ".join(map(str, email_ids)),
+            extra={"action": action, "user": user, "email_ids": email_ids},
+        )
