@@ -76,9 +76,10 @@ def beat_lock() -> str:
     return key("beat:lock")
 
 
-def failed_runs_cursor() -> str:
-    """Where the fleet's count of failed runs reported to CloudWatch has got to."""
-    return key("metrics:failed-runs-cursor")
+def report_cursor() -> str:
+    """The end of the last window the fleet's metrics report counted (failed runs, the stages'
+    jobs), as unix time."""
+    return key("metrics:report-cursor")
 
 
 def pause(stage: str) -> str:

@@ -18,13 +18,18 @@ With the email queue's dimension only:
 
 Per stage (dimension `Stage`: `cpu`, `model`):
 
-- `StagePaused`: 1 while the stage is paused (mailpipe.coordination.pauses), else 0.
+- `StagePaused`: 1 while the stage is paused (mailpipe.coordination.pauses), else 0;
+- `JobsSucceeded`, `JobsFailed`, `JobsRetried`, `JobsDeferred`: the stage's attempts that ended
+  since the previous report (`run_attempt` rows), by what they came to (`JOB_COUNTS`);
+- `JobDuration`: how long each of those attempts ran, as a distribution (`Values` and `Counts`)
+  from which CloudWatch computes percentiles.
 
 One reporter sends them for the whole fleet: the `Reporter` of the beat that holds the beat lock
 (mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
 runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
-A report is one reading of Redis, one indexed count in the database and one batched
-PutMetricData, whatever the fleet's size. The sweeper reads the same backlog for its own report,
+A report is one reading of Redis, one transaction of two indexed range reads in the database
+(the failed runs, the attempts that ended) and one batched PutMetricData, whatever the fleet's
+size. The sweeper reads the same backlog for its own report,
 and sends nothing.
 
 One small interface with two sinks: CloudWatch when `MAILPIPE_METRICS_NAMESPACE` is set, the log
@@ -34,9 +39,11 @@ otherwise. This module never imports Celery.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -49,20 +56,72 @@ from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_workers
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
-from mailpipe.storage.models import PipelineRun, RunStatus
+from mailpipe.storage.models import AttemptOutcome, PipelineRun, RunAttempt, RunStatus
 
 log = logging.getLogger("mailpipe.operations.metrics")
 
-# A run's closed_at is stamped before its transaction commits: a window that ends this long
-# before now sees every run that failed in it, at the cost of reporting failures this much later.
-FAILED_RUNS_SETTLE_S = 5.0
+# A run's closed_at and an attempt's ended_at are stamped before their transaction commits: a
+# window that ends this long before now sees every run failed and attempt ended in it, at the
+# cost of reporting them this much later.
+REPORT_SETTLE_S = 5.0
 
-# Moves the shared FailedRuns cursor only if no other reporter moved it since it was read.
+# What each outcome of an attempt counts as, in its stage's figures.
+JOB_COUNTS = {
+    AttemptOutcome.SUCCEEDED: "JobsSucceeded",
+    AttemptOutcome.DUPLICATE: "JobsSucceeded",
+    # The CPU stage's work is done: the model stage is next, or waits for model calls.
+    AttemptOutcome.HANDED_OFF: "JobsSucceeded",
+    AttemptOutcome.WAITING: "JobsSucceeded",
+    AttemptOutcome.FAILED: "JobsFailed",
+    AttemptOutcome.RETRYING: "JobsRetried",
+    AttemptOutcome.LOST: "JobsRetried",
+    AttemptOutcome.CUT_OFF: "JobsRetried",
+    AttemptOutcome.DEFERRED: "JobsDeferred",
+}
+JOB_COUNT_NAMES = ("JobsSucceeded", "JobsFailed", "JobsRetried", "JobsDeferred")
+# Outcomes written by a later claim: their ended_at is when the loss was noticed, so their
+# duration says nothing of the job's.
+UNTIMED_OUTCOMES = frozenset({AttemptOutcome.LOST, AttemptOutcome.CUT_OFF})
+
+# JobDuration's values are rounded to steps of a twentieth of a decade from 1 ms (each value
+# within 6 % of the duration): 150 steps, the most distinct values CloudWatch takes for one
+# metric in one request, reach 8.7 hours, far above any job's hard time limit.
+DURATION_FLOOR_S = 0.001
+DURATION_STEPS_PER_DECADE = 20
+DURATION_STEPS = 150
+
+# Moves the shared report cursor only if no other reporter moved it since it was read.
 _ADVANCE_CURSOR = """
 if (redis.call('get', KEYS[1]) or '') ~= ARGV[1] then return 0 end
 redis.call('set', KEYS[1], ARGV[2])
 return 1
 """
+
+
+@dataclass(frozen=True)
+class StageJobs:
+    """One stage's attempts that ended in a report's window."""
+
+    counts: Mapping[str, int]  # JOB_COUNT_NAMES -> attempts
+    durations: Mapping[float, int]  # seconds, rounded by duration_step -> attempts
+
+    def percentile(self, q: float) -> float | None:
+        """The duration `q` (0 to 1) of the attempts are at or under, or None with none."""
+        total = sum(self.durations.values())
+        seen = 0
+        for seconds, count in sorted(self.durations.items()):
+            seen += count
+            if seen >= q * total:
+                return seconds
+        return None
+
+
+@dataclass(frozen=True)
+class Window:
+    """What ended since the previous report: the runs that failed, each stage's attempts."""
+
+    failed_runs: int
+    stage_jobs: Mapping[Stage, StageJobs]
 
 
 @dataclass(frozen=True)
@@ -77,6 +136,8 @@ class BacklogMetrics:
     deferrals: int | None = None
     # The stages paused now; None on the readings that do not carry the fleet's figures.
     paused_stages: frozenset[Stage] | None = None
+    # Each stage's attempts since the last report; None as for failed_runs.
+    stage_jobs: Mapping[Stage, StageJobs] | None = None
     # The queue's stage is paused: no task may take its jobs, however many run.
     held: bool = False
     measured_at: float = field(default_factory=time.time)
@@ -100,6 +161,15 @@ class LogMetricsSink:
             self._log(metrics)
 
     def _log(self, metrics: BacklogMetrics) -> None:
+        for stage, jobs in (metrics.stage_jobs or {}).items():
+            figures = " ".join(f"{name}={jobs.counts[name]}" for name in JOB_COUNT_NAMES)
+            log.info(
+                "metrics stage=%s %s JobDurationP50=%s JobDurationP90=%s",
+                stage,
+                figures,
+                jobs.percentile(0.5),
+                jobs.percentile(0.9),
+            )
         counts = "".join(
             f" {name}={value}"
             for name, value in (
@@ -123,8 +193,8 @@ class LogMetricsSink:
 
 
 class CloudWatchSink:
-    """One batched PutMetricData per report (every queue's figures and the stages' pauses: at
-    most 14 entries, well within the API's 1,000).
+    """One batched PutMetricData per report (every queue's figures, the stages' pauses and
+    jobs: at most 24 entries, well within the API's 1,000).
 
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
@@ -168,7 +238,7 @@ class CloudWatchSink:
 
 def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
     """The PutMetricData entries of one reading: its queue's figures (dimension `Queue`), and
-    each stage's pause (dimension `Stage`) when the reading carries them."""
+    each stage's pause and jobs (dimension `Stage`) when the reading carries them."""
     queue = [{"Name": "Queue", "Value": metrics.queue}]
     figures: list[tuple[str, float, str, list[dict[str, str]]]] = [
         ("QueueDepth", metrics.queue_depth, "Count", queue),
@@ -191,8 +261,13 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
             )
             for stage in Stage
         )
+    for stage, jobs in (metrics.stage_jobs or {}).items():
+        figures.extend(
+            (name, jobs.counts[name], "Count", [{"Name": "Stage", "Value": stage}])
+            for name in JOB_COUNT_NAMES
+        )
     timestamp = datetime.fromtimestamp(metrics.measured_at, UTC)
-    return [
+    entries = [
         {
             "MetricName": name,
             "Dimensions": dimensions,
@@ -202,6 +277,20 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
         }
         for name, value, unit, dimensions in figures
     ]
+    for stage, jobs in (metrics.stage_jobs or {}).items():
+        if jobs.durations:  # an empty Values array is refused
+            durations = sorted(jobs.durations.items())
+            entries.append(
+                {
+                    "MetricName": "JobDuration",
+                    "Dimensions": [{"Name": "Stage", "Value": stage}],
+                    "Timestamp": timestamp,
+                    "Values": [seconds for seconds, _ in durations],
+                    "Counts": [float(count) for _, count in durations],
+                    "Unit": "Seconds",
+                }
+            )
+    return entries
 
 
 def make_sink(settings: Settings) -> MetricsSink:
@@ -212,8 +301,8 @@ def make_sink(settings: Settings) -> MetricsSink:
 
 def collect(res: Resources) -> list[BacklogMetrics]:
     """One reading of every metric, a reading per job queue; the email queue's carries the
-    fleet's counts. A database error costs FailedRuns only: the backlog figures, which scaling
-    depends on, are still worth sending."""
+    fleet's counts. A database error costs FailedRuns and the stages' jobs only: the backlog
+    figures, which scaling depends on, are still worth sending."""
     measured_at = time.time()
     settings = res.settings
     holding = {
@@ -227,14 +316,20 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     ]
     counted = res.redis.getdel(redis_keys.deferrals_counter())
     try:
-        failed = claim_failed_runs(res, lookback=settings.metrics_interval)
+        window = claim_window(res, lookback=settings.metrics_interval)
     except Exception:
-        log.warning("could not count failed runs for FailedRuns", exc_info=True)
-        failed = None
+        log.warning("could not count failed runs and ended jobs", exc_info=True)
+        window = None
     deferrals = int(counted) if counted is not None else None
     paused = frozenset(pauses.paused(res.redis))
     return [
-        replace(email, failed_runs=failed, deferrals=deferrals, paused_stages=paused),
+        replace(
+            email,
+            failed_runs=window.failed_runs if window else None,
+            stage_jobs=window.stage_jobs if window else None,
+            deferrals=deferrals,
+            paused_stages=paused,
+        ),
         *others,
     ]
 
@@ -296,39 +391,76 @@ def read_backlog(res: Resources, queue: str, now: float | None = None) -> Backlo
     )
 
 
-def claim_failed_runs(res: Resources, lookback: float) -> int | None:
-    """Runs that failed since the last report, or None if another report has counted up to now
-    already.
+def claim_window(res: Resources, lookback: float) -> Window | None:
+    """The runs failed and the attempts ended since the last report, or None if another report
+    has counted up to now already.
 
     Reports come from whichever beat holds the lock, and the holder changes (a deploy, a beat
     that died), so "since my last report" is no one's to keep. A cursor in Redis holds the end of
-    the last counted window instead: a report counts the runs failed in (cursor, now - settle]
-    and moves the cursor with a compare-and-set; if another report moved it first (the old
-    holder's last report still in flight), its count is dropped. Each failure is thus counted
-    once (at most once: a report lost on its way to CloudWatch loses its count). With no cursor
-    yet (a new fleet, a flushed Redis) the first window is `lookback` long.
+    the last counted window instead: a report reads the runs failed and the attempts ended in
+    (cursor, now - settle] and moves the cursor with a compare-and-set; if another report moved
+    it first (the old holder's last report still in flight), its figures are dropped. Each is
+    thus counted once (at most once: a report lost on its way to CloudWatch loses its figures).
+    With no cursor yet (a new fleet, a flushed Redis) the first window is `lookback` long.
 
-    The count is a range scan of the partial index on failed runs' `closed_at`.
+    Two range scans of indexes: the partial index on failed runs' `closed_at`, and the attempts'
+    `ended_at`, whose rows are read (one per attempt: the report's cost grows with the fleet's
+    throughput, not its size).
     """
-    key = redis_keys.failed_runs_cursor()
-    end = time.time() - FAILED_RUNS_SETTLE_S
+    key = redis_keys.report_cursor()
+    end = time.time() - REPORT_SETTLE_S
     cursor = res.redis.get(key)
     start = float(cursor) if cursor is not None else end - lookback
     if end <= start:
         return None
+    since, until = _naive_utc(start), _naive_utc(end)
     with res.db.session() as session:
-        count = session.scalar(
+        failed = session.scalar(
             select(func.count())
             .select_from(PipelineRun)
             .where(
                 PipelineRun.status == RunStatus.FAILED,
-                PipelineRun.closed_at > _naive_utc(start),
-                PipelineRun.closed_at <= _naive_utc(end),
+                PipelineRun.closed_at > since,
+                PipelineRun.closed_at <= until,
             )
         )
+        attempts = session.execute(
+            select(
+                RunAttempt.stage, RunAttempt.outcome, RunAttempt.started_at, RunAttempt.ended_at
+            ).where(RunAttempt.ended_at > since, RunAttempt.ended_at <= until)
+        ).all()
     if not res.redis.eval(_ADVANCE_CURSOR, 1, key, cursor or b"", repr(end)):
         return None
-    return count or 0
+    return Window(failed_runs=failed or 0, stage_jobs=stage_jobs(attempts))
+
+
+def stage_jobs(
+    attempts: Iterable[tuple[str, str, datetime | None, datetime]],
+) -> dict[Stage, StageJobs]:
+    """Each stage's figures from its attempts' (stage, outcome, started_at, ended_at)."""
+    counts: dict[Stage, Counter[str]] = {stage: Counter() for stage in Stage}
+    durations: dict[Stage, Counter[float]] = {stage: Counter() for stage in Stage}
+    for stage_name, outcome, started_at, ended_at in attempts:
+        stage = Stage(stage_name)
+        counts[stage][JOB_COUNTS[AttemptOutcome(outcome)]] += 1
+        if started_at is not None and outcome not in UNTIMED_OUTCOMES:
+            durations[stage][duration_step((ended_at - started_at).total_seconds())] += 1
+    return {
+        stage: StageJobs(
+            counts={name: counts[stage][name] for name in JOB_COUNT_NAMES},
+            durations=dict(durations[stage]),
+        )
+        for stage in Stage
+    }
+
+
+def duration_step(seconds: float) -> float:
+    """The value a duration is reported as: the middle of its step (DURATION_STEPS_PER_DECADE),
+    the durations below 1 ms in the first step and those beyond the last in the last."""
+    decades = math.log10(max(seconds, DURATION_FLOOR_S) / DURATION_FLOOR_S)
+    step = min(int(decades * DURATION_STEPS_PER_DECADE), DURATION_STEPS - 1)
+    middle = DURATION_FLOOR_S * 10 ** ((step + 0.5) / DURATION_STEPS_PER_DECADE)
+    return float(f"{middle:.4g}")
 
 
 def _names(stages: frozenset[Stage] | None) -> str | None:

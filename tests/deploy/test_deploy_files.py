@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import botocore.session
@@ -27,16 +28,28 @@ from mailpipe.broker.queues import (
     job_queues,
     model_queue,
 )
+from mailpipe.operations.metrics import JOB_COUNT_NAMES, BacklogMetrics, metric_data, stage_jobs
 from mailpipe.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 TEMPLATE = DEPLOY / "cloudformation" / "mailpipe.yaml"
-ROLES = ("worker", "model", "beat", "flower", "release")
-SERVICES = ("worker", "model", "beat", "flower")  # long-running; release is a one-off run-task
+ROLES = ("worker", "model", "beat", "flower", "web", "release")
+# long-running; release is a one-off run-task
+SERVICES = ("worker", "model", "beat", "flower", "web")
 WORKERS = ("worker", "model")  # Celery workers: the CPU stage and the model stage
-# Roles that call AWS APIs: S3 (worker), Bedrock (model), PutMetricData (beat).
-WITH_TASK_ROLE = ("worker", "model", "beat")
+# Roles that call AWS APIs: S3 (worker), Bedrock (model), PutMetricData (beat), and the roles
+# whose tasks run ECS Exec's agent (beat, web).
+WITH_TASK_ROLE = ("worker", "model", "beat", "web")
+WITH_EXEC = ("beat", "web")
+# ECS Exec's agent writes its state and logs here; with a read-only root they must be volumes.
+EXEC_AGENT_PATHS = {"/var/lib/amazon", "/var/log/amazon"}
+EXEC_ACTIONS = {
+    "ssmmessages:CreateControlChannel",
+    "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel",
+    "ssmmessages:OpenDataChannel",
+}
 ACCOUNT = "123456789012"
 
 # Fargate's allowed task sizes: cpu units -> memory MiB.
@@ -54,7 +67,7 @@ SECRET_NAME = re.compile(
 STAR_RESOURCE_ACTIONS = {
     "cloudwatch:PutMetricData": "cloudwatch:namespace",  # narrowed by this condition key
     "ecr:GetAuthorizationToken": None,  # a token for the registry, no resource type exists
-}
+} | dict.fromkeys(EXEC_ACTIONS)  # ECS Exec's channels: no resource type either
 
 
 def load_task_definition(role: str) -> dict:
@@ -144,7 +157,9 @@ def test_container_runs_as_the_image_user_with_a_read_only_root(role):
     volumes = {v["name"] for v in load_task_definition(role)["volumes"]}
     mounts = {m["containerPath"] for m in c["mountPoints"]}
     assert {m["sourceVolume"] for m in c["mountPoints"]} <= volumes
-    assert mounts <= set(dockerfile_volumes())
+    exec_agent = EXEC_AGENT_PATHS if role in WITH_EXEC else set()
+    assert mounts <= set(dockerfile_volumes()) | exec_agent
+    assert exec_agent <= mounts
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -199,6 +214,7 @@ def test_command_is_the_role_and_keeps_the_image_entrypoint(role):
             "--conf=/etc/mailpipe/flowerconfig.py",
             "--port=5555",
         ],
+        "web": ["mailpipe", "web"],
         "release": ["mailpipe", "db", "upgrade"],
     }[role]
     assert c["command"] == expected
@@ -359,6 +375,19 @@ def test_flower_health_check_uses_the_unauthenticated_endpoint_with_curl():
     assert re.search(r"\bcurl\b", installs)
 
 
+def test_web_health_check_asks_the_open_healthz_with_curl():
+    """The image has curl (Flower's check), so the console's check starts no interpreter."""
+    command = container("web")["healthCheck"]["command"]
+    port = int(env("web")["MAILPIPE_WEB_PORT"])
+    assert command[:2] == ["CMD", "curl"]
+    assert "--fail" in command and command[-1] == f"http://127.0.0.1:{port}/healthz"
+    max_time = float(command[command.index("--max-time") + 1])
+    assert max_time < container("web")["healthCheck"]["timeout"]
+    assert [p["containerPort"] for p in container("web")["portMappings"]] == [port]
+    # Every interface of the task's own network namespace: the load balancer's and the check's.
+    assert env("web")["MAILPIPE_WEB_HOST"] == "0.0.0.0"
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_every_role_logs_json_lines_and_awslogs_starts_an_event_at_each(role):
     assert env(role)["MAILPIPE_LOG_FORMAT"] == "json"
@@ -436,7 +465,7 @@ def test_every_broker_client_uses_the_same_visibility_timeout():
         for role in ROLES
         if "MAILPIPE_BROKER_URL" in secrets(role)
     }
-    assert set(timeouts) == {"worker", "model", "beat", "flower"}
+    assert set(timeouts) == {"worker", "model", "beat", "flower", "web"}
     assert set(timeouts.values()) == {"900"}, timeouts
 
 
@@ -446,7 +475,14 @@ def test_no_literal_secret_in_the_environment(role):
         assert not SECRET_NAME.search(name), name
         assert not (name.endswith("_URL") and "@" in value), name
         assert not re.search(r"://[^/\s:@]+:[^/\s@]+@", value), name
-    for required in ("MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL", "MAILPIPE_FLOWER_BASIC_AUTH"):
+    for required in (
+        "MAILPIPE_DATABASE_URL",
+        "MAILPIPE_BROKER_URL",
+        "MAILPIPE_FLOWER_BASIC_AUTH",
+        "MAILPIPE_WEB_OPERATORS",
+        "MAILPIPE_WEB_VIEWERS",
+        "MAILPIPE_WEB_SECRET",
+    ):
         assert required not in env(role)
 
 
@@ -469,6 +505,17 @@ def test_roles_get_only_the_secrets_they_use():
     # Beat's report counts the failed runs in the database.
     assert set(secrets("beat")) == {"MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"}
     assert set(secrets("flower")) == {"MAILPIPE_BROKER_URL", "MAILPIPE_FLOWER_BASIC_AUTH"}
+    # The console reads and acts on runs (database), queues and enqueues (broker), and holds its
+    # users and its CSRF key.
+    assert set(secrets("web")) == {
+        "MAILPIPE_DATABASE_URL",
+        "MAILPIPE_BROKER_URL",
+        "MAILPIPE_WEB_OPERATORS",
+        "MAILPIPE_WEB_VIEWERS",
+        "MAILPIPE_WEB_SECRET",
+    }
+    # `mailpipe db upgrade` opens no Redis connection (tests/integration/test_roles.py runs it
+    # with the database alone).
     assert set(secrets("release")) == {"MAILPIPE_DATABASE_URL"}
     # One secret per setting across roles.
     for name in ("MAILPIPE_DATABASE_URL", "MAILPIPE_BROKER_URL"):
@@ -708,8 +755,10 @@ def test_services(template):
     assert "DesiredCount" not in res["ModelService"]["Properties"], "and the model count"
     assert res["BeatService"]["Properties"]["DesiredCount"] == 1
     assert res["FlowerService"]["Properties"]["DesiredCount"] == 1
+    assert res["WebService"]["Properties"]["DesiredCount"] >= 1
     assert res["ModelService"]["Properties"]["TaskDefinition"] == {"Ref": "ModelTaskDefinitionArn"}
-    for name in ("WorkerService", "ModelService", "BeatService", "FlowerService"):
+    assert res["WebService"]["Properties"]["TaskDefinition"] == {"Ref": "WebTaskDefinitionArn"}
+    for name in ("WorkerService", "ModelService", "BeatService", "FlowerService", "WebService"):
         props = res[name]["Properties"]
         assert props["LaunchType"] == "FARGATE"
         assert props["NetworkConfiguration"]["AwsvpcConfiguration"]["AssignPublicIp"] == "DISABLED"
@@ -717,23 +766,146 @@ def test_services(template):
     assert "ClusterName" in template["Parameters"]
 
 
-ALARMS = {
-    # alarm: the metric and its dimension
-    "OldestJobAgeAlarm": ("OldestJobAgeSeconds", {"Name": "Queue", "Value": {"Ref": "QueueName"}}),
-    "FailedRunsAlarm": ("FailedRuns", {"Name": "Queue", "Value": {"Ref": "QueueName"}}),
-    "MetricsMissingAlarm": ("BacklogPerTask", {"Name": "Queue", "Value": {"Ref": "QueueName"}}),
-    "CpuStagePausedAlarm": ("StagePaused", {"Name": "Stage", "Value": "cpu"}),
-    "ModelStagePausedAlarm": ("StagePaused", {"Name": "Stage", "Value": "model"}),
+def services_by_role(template: dict) -> dict[str, dict]:
+    """The ECS services' properties, by the role their tag names."""
+    return {
+        tag["Value"]: r["Properties"]
+        for r in template["Resources"].values()
+        if r["Type"] == "AWS::ECS::Service"
+        for tag in r["Properties"]["Tags"]
+        if tag["Key"] == "role"
+    }
+
+
+def test_the_console_stays_up_through_a_deployment(template):
+    """The new web task starts, and is healthy, before the old one stops."""
+    deployment = services_by_role(template)["web"]["DeploymentConfiguration"]
+    desired = services_by_role(template)["web"]["DesiredCount"]
+    assert deployment["MinimumHealthyPercent"] >= 100
+    assert desired * deployment["MaximumPercent"] // 100 > desired
+
+
+def test_the_console_is_reachable_on_its_port_from_the_given_group_only(template):
+    web = services_by_role(template)["web"]
+    (group,) = web["NetworkConfiguration"]["AwsvpcConfiguration"]["SecurityGroups"]
+    (ingress,) = template["Resources"][group["Ref"]]["Properties"]["SecurityGroupIngress"]
+    port = int(env("web")["MAILPIPE_WEB_PORT"])
+    assert (ingress["FromPort"], ingress["ToPort"]) == (port, port)
+    assert ingress["SourceSecurityGroupId"] == {"Ref": "WebIngressSecurityGroupId"}
+    balanced = web["LoadBalancers"]["Fn::If"][1]
+    assert balanced == [
+        {
+            "ContainerName": "web",
+            "ContainerPort": port,
+            "TargetGroupArn": {"Ref": "WebTargetGroupArn"},
+        }
+    ]
+
+
+def test_ecs_exec_is_on_for_web_and_beat_only_and_their_task_roles_may_open_its_channels(template):
+    """`aws ecs execute-command` runs the CLI on the web task (or beat's): the service must allow
+    it and the task role must let the agent open its channels; no other role gets either."""
+    services = services_by_role(template)
+    assert {role for role, props in services.items() if props.get("EnableExecuteCommand")} == set(
+        WITH_EXEC
+    )
+    granted = _actions_by_policy(template)
+    with_exec = {name for name, actions in granted.items() if actions & EXEC_ACTIONS}
+    assert with_exec == {
+        "BeatTaskRole",
+        "beat-task-policy",
+        "WebTaskRole",
+        "web-task-policy",
+    }
+    for name in with_exec:
+        assert EXEC_ACTIONS <= granted[name], name
+    task_roles = {
+        load_task_definition(role)["taskRoleArn"].rsplit("/", 1)[1]: role for role in WITH_EXEC
+    }
+    assert sorted(task_roles.values()) == sorted(WITH_EXEC)
+
+
+# --- what the alarms and the dashboard read: metrics the report sends --------------------------
+
+QUEUE = Settings.model_fields["queue"].default
+TEMPLATE_VALUES = {
+    "${QueueName}": QUEUE,
+    "${MetricsNamespace}": "Mailpipe",
+    "${AWS::Region}": "us-east-1",
 }
 
 
-@pytest.mark.parametrize("alarm", sorted(ALARMS))
-def test_alarms_notify_the_topic(template, alarm):
+def emitted_metrics() -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    """(name, dimensions) of every datapoint a report may send, from mailpipe.operations.metrics
+    itself: every queue's reading, the email queue's with every fleet figure set."""
+    settings = Settings.model_construct(queue=QUEUE)
+    email, *others = job_queues(settings)
+    jobs = stage_jobs(
+        [(stage.value, "succeeded", datetime(2025, 1, 1), datetime(2025, 1, 1)) for stage in Stage]
+    )
+    readings = [
+        BacklogMetrics(
+            queue=email,
+            queue_depth=1,
+            oldest_job_age_s=1.0,
+            running_tasks=1,
+            failed_runs=1,
+            deferrals=1,
+            paused_stages=frozenset(),
+            stage_jobs=jobs,
+        ),
+        *(
+            BacklogMetrics(queue=q, queue_depth=1, oldest_job_age_s=1.0, running_tasks=1)
+            for q in others
+        ),
+    ]
+    return {
+        (e["MetricName"], frozenset((d["Name"], d["Value"]) for d in e["Dimensions"]))
+        for reading in readings
+        for e in metric_data(reading)
+    }
+
+
+def resolved(value) -> str:
+    """A template value with the parameters' defaults put in."""
+    if isinstance(value, str):
+        return value
+    if "Ref" in value:
+        return TEMPLATE_VALUES["${" + value["Ref"] + "}"]
+    text = value["Fn::Sub"]
+    for name, default in TEMPLATE_VALUES.items():
+        text = text.replace(name, default)
+    return text
+
+
+def test_the_emitted_metrics_are_read_from_the_module():
+    """Guards the checks below: the set holds each stage's jobs and each queue's backlog."""
+    emitted = emitted_metrics()
+    assert ("JobDuration", frozenset({("Stage", "model")})) in emitted
+    assert ("QueueDepth", frozenset({("Queue", f"{QUEUE}.model")})) in emitted
+    assert ("FailedRuns", frozenset({("Queue", f"{QUEUE}.model")})) not in emitted
+
+
+ALARMED = {
+    # alarm: the metric, its queue or stage
+    "OldestJobAgeAlarm": ("OldestJobAgeSeconds", ("Queue", QUEUE)),
+    "ModelOldestJobAgeAlarm": ("OldestJobAgeSeconds", ("Queue", f"{QUEUE}.model")),
+    "QueueDepthAlarm": ("QueueDepth", ("Queue", QUEUE)),
+    "ModelQueueDepthAlarm": ("QueueDepth", ("Queue", f"{QUEUE}.model")),
+    "FailedRunsAlarm": ("FailedRuns", ("Queue", QUEUE)),
+    "MetricsMissingAlarm": ("BacklogPerTask", ("Queue", QUEUE)),
+    "CpuStagePausedAlarm": ("StagePaused", ("Stage", "cpu")),
+    "ModelStagePausedAlarm": ("StagePaused", ("Stage", "model")),
+}
+
+
+@pytest.mark.parametrize("alarm", sorted(ALARMED))
+def test_every_alarm_watches_a_metric_the_report_sends_and_notifies_the_topic(template, alarm):
     props = template["Resources"][alarm]["Properties"]
-    metric, dimension = ALARMS[alarm]
-    assert props["MetricName"] == metric
+    dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in props["Dimensions"])
+    assert (props["MetricName"], dimensions) in emitted_metrics()
+    assert (props["MetricName"], dimensions) == (ALARMED[alarm][0], frozenset({ALARMED[alarm][1]}))
     assert props["Namespace"] == {"Ref": "MetricsNamespace"}
-    assert props["Dimensions"] == [dimension]
     assert props["AlarmActions"] == props["OKActions"] == [{"Ref": "AlarmTopicArn"}]
     assert template["Parameters"]["AlarmTopicArn"]["Type"] == "String"
 
@@ -741,7 +913,66 @@ def test_alarms_notify_the_topic(template, alarm):
 def test_every_alarm_is_tested(template):
     resources = template["Resources"]
     alarms = {name for name, r in resources.items() if r["Type"] == "AWS::CloudWatch::Alarm"}
-    assert alarms == set(ALARMS)
+    assert alarms == set(ALARMED)
+
+
+def test_the_failed_runs_alarm_points_at_the_console_and_the_cli(template):
+    text = template["Resources"]["FailedRunsAlarm"]["Properties"]["AlarmDescription"]["Fn::Sub"]
+    assert "${NamePrefix}-web service, path /failed" in text
+    command = re.search(r"aws ecs execute-command .*", " ".join(text.split()))
+    assert command is not None
+    words = command[0].split()
+    assert option_value(words, "--cluster") == "${ClusterName}"
+    assert option_value(words, "--container") == container("web")["name"]
+    assert "--interactive" in words
+    assert '--command "mailpipe failed"' in command[0]
+    # The alarm's text holds only names of the stack's parameters and resources.
+    names = set(template["Parameters"]) | set(template["Resources"]) | {"AWS::Region"}
+    assert set(re.findall(r"\$\{([^}]+)\}", text)) <= names
+
+
+def option_value(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def dashboard_metrics(template: dict) -> list[tuple[str, str, frozenset[tuple[str, str]], dict]]:
+    """(namespace, name, dimensions, options) of every metric the dashboard draws."""
+    body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
+    for name, default in TEMPLATE_VALUES.items():
+        body = body.replace(name, default)
+    assert "${" not in body, "a substitution the test does not know"
+    rows = []
+    for widget in json.loads(body)["widgets"]:
+        for row in widget["properties"]["metrics"]:
+            options = row[-1] if isinstance(row[-1], dict) else {}
+            namespace, name, *pairs = row[:-1] if options else row
+            dimensions = frozenset(zip(pairs[::2], pairs[1::2], strict=True))
+            rows.append((namespace, name, dimensions, widget["properties"] | options))
+    return rows
+
+
+def test_the_dashboard_draws_only_metrics_the_report_sends(template):
+    drawn = dashboard_metrics(template)
+    assert {namespace for namespace, *_ in drawn} == {"Mailpipe"}
+    assert {(name, dims) for _, name, dims, _ in drawn} <= emitted_metrics()
+
+
+def test_the_dashboard_shows_both_queues_and_each_stage_s_jobs(template):
+    drawn = {(name, dims): options for _, name, dims, options in dashboard_metrics(template)}
+    for queue in (QUEUE, f"{QUEUE}.model"):
+        for name in ("QueueDepth", "OldestJobAgeSeconds", "BacklogPerTask"):
+            assert (name, frozenset({("Queue", queue)})) in drawn, (name, queue)
+    for stage in Stage:
+        dims = frozenset({("Stage", stage.value)})
+        for name in JOB_COUNT_NAMES:
+            assert drawn[(name, dims)]["stat"] == "Sum", name
+    # The percentiles: one line per stage and percentile.
+    percentiles = {
+        (dict(dims)["Stage"], options["stat"])
+        for _, name, dims, options in dashboard_metrics(template)
+        if name == "JobDuration"
+    }
+    assert percentiles == {(stage.value, p) for stage in Stage for p in ("p50", "p90")}
 
 
 def test_a_silent_report_alarms_on_its_own(template):
@@ -808,8 +1039,9 @@ def test_task_role_trust_is_limited_to_this_account():
 
 
 def test_metrics_are_limited_to_the_mailpipe_namespace():
-    (statement,) = iam_document("beat-task-policy")["Statement"]
-    assert statement["Sid"] == "PutMetrics"
+    (statement,) = [
+        s for s in iam_document("beat-task-policy")["Statement"] if s["Sid"] == "PutMetrics"
+    ]
     assert statement["Condition"] == {"StringEquals": {"cloudwatch:namespace": "Mailpipe"}}
 
 
@@ -908,6 +1140,8 @@ STANDALONE_TWINS = {
     "BeatTaskRole": ["beat-task-policy"],
     "BeatExecutionRole": ["beat-execution-policy"],
     "FlowerExecutionRole": ["flower-execution-policy"],
+    "WebTaskRole": ["web-task-policy"],
+    "WebExecutionRole": ["web-execution-policy"],
     "ReleaseExecutionRole": ["release-execution-policy"],
     "ExecutionCommonPolicy": ["execution-common-policy"],
 }

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 from mailpipe.storage import flags
-from mailpipe.storage.models import ErrorClass, PipelineRun, RunStatus
+from mailpipe.storage.models import ErrorClass, PipelineRun, RunAttempt, RunStatus
 from tests.support.fleet import enqueue_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
@@ -46,6 +46,9 @@ NAMES = {
     "FailedRuns",
 }
 BACKLOG = NAMES - {"FailedRuns"}
+JOB_COUNTS = {"JobsSucceeded", "JobsFailed", "JobsRetried", "JobsDeferred"}
+# Per stage in every report; JobDuration only when some attempt of the stage was timed.
+STAGE_NAMES = {"StagePaused", *JOB_COUNTS}
 
 
 def dimension(queue: str) -> list[dict[str, str]]:
@@ -170,16 +173,21 @@ def stage_paused(
     return stats(namespace, "StagePaused", start, end, dimensions=stage_dimension(stage))
 
 
-def wait_for_failures_to_settle(res: Resources) -> None:
-    """Until a report's window (which ends FAILED_RUNS_SETTLE_S before it is read) covers every
-    run failed so far; their closing times are the workers' clocks, this host's."""
+def wait_for_window_to_settle(res: Resources) -> None:
+    """Until a report's window (which ends REPORT_SETTLE_S before it is read) covers every run
+    failed and every attempt ended so far; their times are the workers' clocks, this host's."""
     with res.db.session() as session:
-        last = session.scalar(
-            select(func.max(PipelineRun.closed_at)).where(PipelineRun.status == RunStatus.FAILED)
-        )
-    assert last is not None
-    settled_at = last.replace(tzinfo=UTC).timestamp() + metrics.FAILED_RUNS_SETTLE_S
-    wait_for(lambda: time.time() > settled_at, 30, "the failures' window to settle")
+        ends = [
+            session.scalar(
+                select(func.max(PipelineRun.closed_at)).where(
+                    PipelineRun.status == RunStatus.FAILED
+                )
+            ),
+            session.scalar(select(func.max(RunAttempt.ended_at))),
+        ]
+    last = max(end for end in ends if end is not None)
+    settled_at = last.replace(tzinfo=UTC).timestamp() + metrics.REPORT_SETTLE_S
+    wait_for(lambda: time.time() > settled_at, 30, "the window to settle")
 
 
 def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -212,7 +220,7 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
         assert sorted(statuses.values()) == ["failed"] * 2 + ["succeeded"] * 4
         # The failures are counted once their window has settled; the worker's next heartbeat
         # names the queue it was told to consume.
-        wait_for_failures_to_settle(res)
+        wait_for_window_to_settle(res)
         wait_for(
             lambda: res.redis.zcard(prefix + "mailpipe:queue:mailpipe:workers") == 1,
             10,
@@ -237,15 +245,16 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
         stage: {m["MetricName"] for m in listed if m["Dimensions"] == stage_dimension(stage)}
         for stage in Stage
     }
-    assert by_stage == {stage: {"StagePaused"} for stage in Stage}
-    assert len(listed) == len(NAMES) + len(BACKLOG) + len(Stage)
-    # One report's datapoints: five per queue, FailedRuns, one StagePaused per stage (and no
-    # Deferrals: nothing was deferred).
+    # Only the CPU stage ran jobs (the rules backend classifies at once).
+    assert by_stage == {Stage.CPU: STAGE_NAMES | {"JobDuration"}, Stage.MODEL: STAGE_NAMES}
+    assert len(listed) == len(NAMES) + len(BACKLOG) + 2 * len(STAGE_NAMES) + 1
+    # One report's datapoints: five per queue, FailedRuns, per stage its pause and four job
+    # counts (and no Deferrals: nothing was deferred; no JobDuration: no job had run).
     first_report = [
         stats(namespace, m["MetricName"], waiting_from, waiting_until, dimensions=m["Dimensions"])
         for m in listed
     ]
-    assert sum(figures["SampleCount"] for figures in first_report) == 13
+    assert sum(figures["SampleCount"] for figures in first_report) == 21
 
     # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}
@@ -275,6 +284,27 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     # The two poison emails, counted once over the two reports.
     assert drained["FailedRuns"]["Sum"] == 2
     assert drained["FailedRuns"]["Maximum"] == 2 and drained["FailedRuns"]["Minimum"] == 0
+    # The attempts the workers wrote, each counted once in its stage: the four emails that
+    # succeeded and the two rejected at once, each timed.
+    jobs = {
+        stage: {
+            name: stats(namespace, name, drained_from, ended, dimensions=stage_dimension(stage))
+            for name in [*JOB_COUNTS, "JobDuration"]
+        }
+        for stage in Stage
+    }
+    assert {
+        name: figures["Sum"] for name, figures in jobs[Stage.CPU].items() if name in JOB_COUNTS
+    } == {
+        "JobsSucceeded": 4,
+        "JobsFailed": 2,
+        "JobsRetried": 0,
+        "JobsDeferred": 0,
+    }
+    assert jobs[Stage.CPU]["JobDuration"]["SampleCount"] == 6
+    assert jobs[Stage.CPU]["JobDuration"]["Maximum"] <= ended - started
+    assert {jobs[Stage.MODEL][name]["Sum"] for name in JOB_COUNTS} == {0}
+    assert jobs[Stage.MODEL]["JobDuration"]["SampleCount"] == 0
 
 
 def test_beat_reports_every_interval_while_every_worker_child_is_busy(res, fleet) -> None:  # type: ignore[no-untyped-def]
@@ -354,9 +384,35 @@ def test_only_the_beat_holding_the_lock_reports(res, tmp_path: Path) -> None:  #
     )  # the control queue is not a job queue: no figures of its own
 
 
-def test_failed_runs_are_counted_once_across_concurrent_reports(res) -> None:  # type: ignore[no-untyped-def]
+def add_attempts(res: Resources, rows: list[tuple[str, str, float | None, float]]) -> list[int]:
+    """One email and run per (stage, outcome, seconds it ran or None, when it ended as unix time),
+    with its attempt row, as the job writes them."""
+    ids = store_emails(res, [good_email(i) for i in range(len(rows))])
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, ids)
+        run_ids = {
+            row.email_id: row.id
+            for row in session.execute(select(PipelineRun.email_id, PipelineRun.id))
+        }
+        for email_id, (stage, outcome, seconds, ended) in zip(ids, rows, strict=True):
+            ended_at = datetime.fromtimestamp(ended, UTC).replace(tzinfo=None)
+            session.add(
+                RunAttempt(
+                    run_id=run_ids[email_id],
+                    email_id=email_id,
+                    stage=stage,
+                    attempt=1,
+                    started_at=None if seconds is None else ended_at - timedelta(seconds=seconds),
+                    ended_at=ended_at,
+                    outcome=outcome,
+                )
+            )
+    return ids
+
+
+def test_failed_runs_and_ended_attempts_are_counted_once_across_concurrent_reports(res) -> None:  # type: ignore[no-untyped-def]
     """Eight reports claim at the same moment (two beats for a moment, a late delivery): the
-    failures are counted once in all."""
+    failures and the attempts are counted once in all."""
     ids = store_emails(res, [good_email(i) for i in range(4)])
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
@@ -364,14 +420,15 @@ def test_failed_runs_are_counted_once_across_concurrent_reports(res) -> None:  #
             assert runs.fail(
                 session, email_id, "given up", error_class=ErrorClass.DEFERRED_TOO_LONG
             )
-    wait_for_failures_to_settle(res)
+    add_attempts(res, [("cpu", "succeeded", 0.2, time.time())] * 5)
+    wait_for_window_to_settle(res)
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
-    counts: list[int | None] = [None] * len(reporters)
+    windows: list[metrics.Window | None] = [None] * len(reporters)
 
     def claim(i: int) -> None:
         barrier.wait()
-        counts[i] = metrics.claim_failed_runs(reporters[i], lookback=60)
+        windows[i] = metrics.claim_window(reporters[i], lookback=60)
 
     threads = [threading.Thread(target=claim, args=(i,)) for i in range(len(reporters))]
     for thread in threads:
@@ -380,14 +437,86 @@ def test_failed_runs_are_counted_once_across_concurrent_reports(res) -> None:  #
         thread.join()
     for reporter in reporters:
         reporter.close()
-    assert sum(c for c in counts if c is not None) == 3, counts
-    cursor = float(res.redis.get(redis_keys.failed_runs_cursor()))
-    # A later report, once its window has moved past the cursor, counts only what failed after:
+    claimed = [w for w in windows if w is not None]
+    assert sum(w.failed_runs for w in claimed) == 3, windows
+    assert sum(w.stage_jobs[Stage.CPU].counts["JobsSucceeded"] for w in claimed) == 5, windows
+    cursor = float(res.redis.get(redis_keys.report_cursor()))
+    # A later report, once its window has moved past the cursor, counts only what ended after:
     # nothing.
-    wait_for(
-        lambda: time.time() - metrics.FAILED_RUNS_SETTLE_S > cursor, 30, "the window to move on"
+    wait_for(lambda: time.time() - metrics.REPORT_SETTLE_S > cursor, 30, "the window to move on")
+    later = metrics.claim_window(res, lookback=60)
+    assert later is not None and later.failed_runs == 0
+    assert not any(sum(jobs.counts.values()) for jobs in later.stage_jobs.values())
+
+
+def test_a_report_gives_each_stage_s_jobs_and_durations(res) -> None:  # type: ignore[no-untyped-def]
+    """Attempts written as the job writes them, in the window of one report and before it: the
+    report counts each stage's attempts in its window by what they came to, and sends their
+    durations as one distribution per stage; the next report, with nothing ended since, zeros."""
+    env = fleet_env()
+    namespace = env["MAILPIPE_METRICS_NAMESPACE"]
+    cursor_key = env["MAILPIPE_REDIS_PREFIX"] + "mailpipe:metrics:report-cursor"
+    now = time.time()
+    res.redis.set(cursor_key, repr(now - 30))  # where the last report stopped
+    add_attempts(
+        res,
+        [
+            # before the window: counted by the last report
+            ("cpu", "succeeded", 9.0, now - 40),
+            ("model", "failed", 9.0, now - 31),
+            # in it
+            ("cpu", "handed_off", 0.2, now - 20),
+            ("cpu", "handed_off", 0.2, now - 20),
+            ("cpu", "succeeded", 0.4, now - 20),
+            ("cpu", "duplicate", 0.1, now - 20),
+            ("cpu", "failed", 0.05, now - 20),
+            ("cpu", "retrying", 240.0, now - 20),
+            ("cpu", "cut_off", 300.0, now - 20),  # untimed: ended when a later claim saw it
+            ("model", "succeeded", 2.0, now - 10),
+            ("model", "succeeded", 3.0, now - 10),
+            ("model", "deferred", None, now - 10),
+            ("model", "lost", 900.0, now - 10),
+        ],
     )
-    assert metrics.claim_failed_runs(res, lookback=60) == 0
+    wait_for(lambda: time.time() - metrics.REPORT_SETTLE_S > now, 30, "the window to settle")
+    window_from = time.time() - 1
+    report(env)
+    wait_for(lambda: reports_sent(namespace) == 1, 30, "the report")
+    window_until = time.time() + 1
+    # The next report's datapoints are stamped after the first's whole seconds.
+    wait_for(lambda: time.time() > window_until, 10, "the first report's last second to pass")
+    report(env)
+    wait_for(lambda: reports_sent(namespace) == 2, 30, "the next report")
+    ended = time.time() + 1
+
+    def figures(name: str, stage: Stage, start: float, end: float) -> dict[str, float]:
+        return stats(namespace, name, start, end, dimensions=stage_dimension(stage))
+
+    expected = {
+        Stage.CPU: {"JobsSucceeded": 4, "JobsFailed": 1, "JobsRetried": 2, "JobsDeferred": 0},
+        Stage.MODEL: {"JobsSucceeded": 2, "JobsFailed": 0, "JobsRetried": 1, "JobsDeferred": 1},
+    }
+    for stage, counts in expected.items():
+        got = {name: figures(name, stage, window_from, window_until) for name in counts}
+        assert {name: f["Sum"] for name, f in got.items()} == counts, stage
+        assert {f["SampleCount"] for f in got.values()} == {1}, stage
+        later = {name: figures(name, stage, window_until, ended) for name in counts}
+        assert {name: f["Sum"] for name, f in later.items()} == dict.fromkeys(counts, 0), stage
+    cpu = figures("JobDuration", Stage.CPU, window_from, window_until)
+    assert cpu["SampleCount"] == 6  # the cut-off attempt is not timed
+    assert (cpu["Minimum"], cpu["Maximum"]) == (
+        metrics.duration_step(0.05),
+        metrics.duration_step(240.0),
+    )
+    model = figures("JobDuration", Stage.MODEL, window_from, window_until)
+    assert model["SampleCount"] == 2  # neither the deferral without a start nor the lost one
+    assert (model["Minimum"], model["Maximum"]) == (
+        metrics.duration_step(2.0),
+        metrics.duration_step(3.0),
+    )
+    # Nothing ended since the first report: no duration in the second.
+    for stage in Stage:
+        assert figures("JobDuration", stage, window_until, ended)["SampleCount"] == 0
 
 
 def test_the_sweeper_reads_the_backlog_and_sends_nothing(res) -> None:  # type: ignore[no-untyped-def]

@@ -552,8 +552,11 @@ class Image:
         pattern = re.compile("|".join(re.escape(path) for path in image_paths))
         text = pattern.sub(lambda found: self.paths[found[0]], text)
         # The container's own network namespace has Flower alone on 5555; here it needs a port.
+        # So has the console on 8080 (its task sets MAILPIPE_WEB_PORT, which the test overrides).
         text = text.replace("--port=5555", f"--port={self.port}")
-        return text.replace("127.0.0.1:5555/", f"127.0.0.1:{self.port}/")
+        for port in ("5555", "8080"):
+            text = text.replace(f"127.0.0.1:{port}/", f"127.0.0.1:{self.port}/")
+        return text
 
     def task_env(self, role: str, secrets: dict[str, str], own: dict[str, str]) -> dict[str, str]:
         container = task_definition(role)
@@ -582,6 +585,9 @@ def secrets_of_the_test(database_url: str) -> dict[str, str]:
         "MAILPIPE_BROKER_URL": REDIS_URL,
         "MAILPIPE_DATABASE_URL": database_url,
         "MAILPIPE_FLOWER_BASIC_AUTH": f"ops:{uuid.uuid4().hex}",
+        "MAILPIPE_WEB_OPERATORS": f"ops:{uuid.uuid4().hex}",
+        "MAILPIPE_WEB_VIEWERS": f"viewer:{uuid.uuid4().hex}",
+        "MAILPIPE_WEB_SECRET": uuid.uuid4().hex,
     }
 
 
@@ -815,3 +821,54 @@ def test_ecs_flower_reads_its_config_wherever_it_starts(image, tmp_path) -> None
         code = flower.stop()
     assert code == 0, flower.output()[-3000:]
     json_lines(flower.output())
+
+
+def test_ecs_web_asks_for_its_users_passes_its_health_check_and_runs_the_cli(  # type: ignore[no-untyped-def]
+    image, migrated_database, tmp_path
+) -> None:
+    """The console's task definition: on every interface, its users and CSRF key from the task's
+    secrets. /healthz answers without credentials, and the task's health check passes; every other
+    page asks for a user; a viewer reads the API. `mailpipe failed`, as ECS Exec runs it in the
+    task, works with the task's settings. The port is the test's own (8080 in the task)."""
+    secrets = secrets_of_the_test(migrated_database.url)
+    env = image.task_env("web", secrets, own_env(MAILPIPE_WEB_PORT=str(image.port)))
+    viewer = tuple(secrets["MAILPIPE_WEB_VIEWERS"].split(":"))
+    operator = tuple(secrets["MAILPIPE_WEB_OPERATORS"].split(":"))
+    url = f"http://127.0.0.1:{image.port}"
+    web = image.start("web", env, tmp_path / "web.log")
+
+    def healthy() -> bool:
+        web.check_alive()
+        try:
+            return requests.get(f"{url}/healthz", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    try:
+        wait_for(healthy, 60, "the console to answer /healthz")
+        check = run_health_check(image.health_check("web"), env)
+        assert check.returncode == 0, check.stderr
+        assert requests.get(f"{url}/", timeout=5).status_code == 401
+        assert (
+            requests.get(f"{url}/failed", auth=(operator[0], "wrong"), timeout=5).status_code == 401
+        )
+        assert requests.get(f"{url}/failed", auth=operator, timeout=10).status_code == 200
+        queues = requests.get(f"{url}/api/queues", auth=viewer, timeout=10)
+        assert queues.status_code == 200, queues.text
+        assert queues.json()["queues"]["model"]["name"] == "mailpipe.model"
+        cli = subprocess.run(
+            [image.map(token) for token in ["mailpipe", "failed", "--json"]],
+            env=env,
+            cwd=image.workdir,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+    finally:
+        code = web.stop()
+    # uvicorn ends its graceful shutdown by raising the signal it got again.
+    assert code == -signal.SIGTERM, web.output()[-3000:]
+    assert "Application shutdown complete." in [r["message"] for r in json_lines(web.output())]
+    # A health check that fails: nothing answers on the port once the task has stopped.
+    assert run_health_check(image.health_check("web"), env).returncode != 0

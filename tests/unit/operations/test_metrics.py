@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timedelta
 
 import pytest
 
 from mailpipe.broker.queues import Stage
-from mailpipe.operations.metrics import BacklogMetrics, LogMetricsSink, metric_data
+from mailpipe.operations.metrics import (
+    JOB_COUNT_NAMES,
+    JOB_COUNTS,
+    BacklogMetrics,
+    LogMetricsSink,
+    duration_step,
+    metric_data,
+    stage_jobs,
+)
+from mailpipe.storage.models import AttemptOutcome
 
 
 def reading(**fleet: object) -> BacklogMetrics:
@@ -48,4 +58,110 @@ def test_the_log_names_the_paused_stages(caplog: pytest.LogCaptureFixture) -> No
     assert [r.getMessage().rsplit(" ", 1)[1] for r in caplog.records] == [
         "StagePaused=cpu,model",
         "StagePaused=none",
+    ]
+
+
+def at(seconds: float) -> datetime:
+    return datetime(2025, 1, 1) + timedelta(seconds=seconds)
+
+
+def attempt(
+    stage: str, outcome: str, seconds: float | None
+) -> tuple[str, str, datetime | None, datetime]:
+    """(stage, outcome, started_at, ended_at) of an attempt that ran `seconds` (None: no start)."""
+    return (stage, outcome, None if seconds is None else at(0), at(seconds or 0))
+
+
+def test_each_outcome_counts_in_its_stage_s_figures() -> None:
+    jobs = stage_jobs(
+        [
+            attempt("cpu", "succeeded", 1.0),
+            attempt("cpu", "duplicate", 1.0),
+            attempt("cpu", "handed_off", 1.0),  # the CPU stage's work done
+            attempt("cpu", "waiting", 1.0),
+            attempt("cpu", "failed", 1.0),
+            attempt("cpu", "retrying", 1.0),
+            attempt("cpu", "lost", 1.0),
+            attempt("cpu", "cut_off", 1.0),
+            attempt("model", "deferred", None),
+            attempt("model", "deferred", 1.0),
+            attempt("model", "succeeded", 2.0),
+        ]
+    )
+    assert {stage: dict(figures.counts) for stage, figures in jobs.items()} == {
+        Stage.CPU: {"JobsSucceeded": 4, "JobsFailed": 1, "JobsRetried": 3, "JobsDeferred": 0},
+        Stage.MODEL: {"JobsSucceeded": 1, "JobsFailed": 0, "JobsRetried": 0, "JobsDeferred": 2},
+    }
+    # A lost or cut-off attempt's end is when a later claim noticed it, and an attempt with no
+    # start has no duration: neither is timed.
+    assert sum(jobs[Stage.CPU].durations.values()) == 6
+    assert sum(jobs[Stage.MODEL].durations.values()) == 2
+
+
+def test_every_outcome_of_an_attempt_counts_as_one_of_the_four() -> None:
+    assert set(JOB_COUNTS) == set(AttemptOutcome)
+    assert set(JOB_COUNTS.values()) == set(JOB_COUNT_NAMES)
+
+
+def test_a_stage_with_no_attempt_reports_zeros_and_no_duration() -> None:
+    jobs = stage_jobs([attempt("model", "succeeded", 0.5)])
+    assert dict(jobs[Stage.CPU].counts) == dict.fromkeys(
+        ("JobsSucceeded", "JobsFailed", "JobsRetried", "JobsDeferred"), 0
+    )
+    data = metric_data(reading(paused_stages=frozenset(), stage_jobs=jobs))
+    by_stage = {
+        stage: sorted(e["MetricName"] for e in data if e["Dimensions"] == stage_dimension(stage))
+        for stage in ("cpu", "model")
+    }
+    counts = ["JobsDeferred", "JobsFailed", "JobsRetried", "JobsSucceeded"]
+    assert by_stage == {
+        "cpu": [*counts, "StagePaused"],
+        "model": ["JobDuration", *counts, "StagePaused"],
+    }
+
+
+def stage_dimension(stage: str) -> list[dict[str, str]]:
+    return [{"Name": "Stage", "Value": stage}]
+
+
+def test_durations_go_as_values_and_counts_that_cloudwatch_takes() -> None:
+    """Every duration from 0 to a day, at once: each stage's JobDuration fits in the 150 distinct
+    values CloudWatch takes per metric and request, each value within 6 % of the durations it
+    stands for, and the whole report within 1,000 entries."""
+    durations = [0.0, 0.0004] + [10 ** (k / 1000) for k in range(-3000, 5000)]
+    attempts = [attempt(stage, "succeeded", s) for stage in ("cpu", "model") for s in durations]
+    data = metric_data(reading(paused_stages=frozenset(), stage_jobs=stage_jobs(attempts)))
+    assert len(data) <= 1000
+    timed = [e for e in data if e["MetricName"] == "JobDuration"]
+    assert [e["Dimensions"] for e in timed] == [stage_dimension("cpu"), stage_dimension("model")]
+    for entry in timed:
+        assert "Value" not in entry and entry["Unit"] == "Seconds"
+        assert len(entry["Values"]) == len(set(entry["Values"])) == len(entry["Counts"]) <= 150
+        assert sum(entry["Counts"]) == len(durations)
+    for seconds in durations:
+        if 0.001 <= seconds <= 30000:
+            assert abs(duration_step(seconds) / seconds - 1) <= 0.06, seconds
+    assert duration_step(0.0) == duration_step(0.0004) == duration_step(0.001)
+
+
+def test_the_percentiles_read_from_the_steps() -> None:
+    jobs = stage_jobs([attempt("cpu", "succeeded", s) for s in [0.1] * 5 + [1.0] * 4 + [30.0]])
+    figures = jobs[Stage.CPU]
+    assert figures.percentile(0.5) == duration_step(0.1)
+    assert figures.percentile(0.9) == duration_step(1.0)
+    assert figures.percentile(1.0) == duration_step(30.0)
+    assert jobs[Stage.MODEL].percentile(0.5) is None
+
+
+def test_the_log_gives_each_stage_s_jobs(caplog: pytest.LogCaptureFixture) -> None:
+    jobs = stage_jobs([attempt("model", "succeeded", 2.0), attempt("model", "retrying", 2.0)])
+    with caplog.at_level(logging.INFO, logger="mailpipe.operations.metrics"):
+        LogMetricsSink().send([reading(paused_stages=frozenset(), stage_jobs=jobs)])
+    lines = [r.getMessage() for r in caplog.records if "stage=" in r.getMessage()]
+    step = duration_step(2.0)
+    assert lines == [
+        "metrics stage=cpu JobsSucceeded=0 JobsFailed=0 JobsRetried=0 JobsDeferred=0 "
+        "JobDurationP50=None JobDurationP90=None",
+        "metrics stage=model JobsSucceeded=1 JobsFailed=0 JobsRetried=1 JobsDeferred=0 "
+        f"JobDurationP50={step} JobDurationP90={step}",
     ]
