@@ -158,7 +158,7 @@ def measure_http(url: str, paths: dict[str, str], repeat: int) -> dict[str, dict
         )
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         try:
-            wait_for(lambda: _answers(conn, "/healthz", {}, server), 30, "mailpipe web to answer")
+            wait_for(lambda: _healthy(conn, server), 30, "mailpipe web to answer")
             for path in paths.values():
                 for _ in range(WARM_UP):
                     _get(conn, path, headers)
@@ -188,13 +188,11 @@ def _get(conn: http.client.HTTPConnection, path: str, headers: dict[str, str]) -
     return body
 
 
-def _answers(
-    conn: http.client.HTTPConnection, path: str, headers: dict[str, str], server: Any
-) -> bool:
+def _healthy(conn: http.client.HTTPConnection, server: subprocess.Popen[bytes]) -> bool:
     if server.poll() is not None:
         raise RuntimeError(f"mailpipe web exited with {server.returncode}")
     try:
-        _get(conn, path, headers)
+        _get(conn, "/healthz", {})
     except ConnectionError:
         conn.close()
         return False
