@@ -240,10 +240,11 @@ def status(as_json: bool) -> None:
         click.echo(json.dumps(data))
         return
     table = Table(title="mailpipe status", show_header=False)
-    table.add_row("emails", str(data["emails"]))
+    about = data["estimated"]
+    table.add_row("emails", _count(data["emails"], "emails" in about))
     table.add_row("no run yet", str(data["no_run"]))
     for name, count in data["runs"].items():
-        table.add_row(f"runs {name}", str(count))
+        table.add_row(f"runs {name}", _count(count, f"runs.{name}" in about))
     table.add_row("needs review", str(data["needs_review"]))
     for role, queue in data["queues"].items():
         age = queue["oldest_age_s"]
@@ -272,6 +273,10 @@ def status(as_json: bool) -> None:
             f"{sweep['readded_stalled']} stalled; {sweep['marked_for_review']} marked for review",
         )
     console.print(table)
+
+
+def _count(n: int, estimated: bool) -> str:
+    return f"about {n} (PostgreSQL's estimate)" if estimated else str(n)
 
 
 _STAGES = click.Choice(["cpu", "model"])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, not_, select
+from sqlalchemy import ColumnElement, Select, func, not_, select, text
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Stage, control_queue, email_queue, model_queue
@@ -70,20 +70,20 @@ def fleet_status(res: Resources) -> dict[str, Any]:
     """The JSON contract of `mailpipe status --json` (README), plus the last sweep, every queue
     and the live workers."""
     with res.db.session() as session:
-        emails = session.scalar(select(func.count()).select_from(EmailMessage)) or 0
-        no_run = session.scalar(
-            select(func.count()).select_from(EmailMessage).where(not_(EmailMessage.has_run))
-        )
-        counts = dict(
-            session.execute(
-                select(PipelineRun.status, func.count()).group_by(PipelineRun.status)
-            ).all()
-        )
-        needs_review = session.scalar(
-            select(func.count())
-            .select_from(EmailMessage)
-            .where(EmailMessage.needs_review.is_(True))
-        )
+        emails, emails_exact = _count_or_estimate(session, select(EmailMessage.id))
+        no_run = _count(session, select(EmailMessage.id).where(not_(EmailMessage.has_run)))
+        runs: dict[str, int] = {}
+        estimated = [] if emails_exact else ["emails"]
+        for status in RunStatus:
+            listed = select(PipelineRun.id).where(PipelineRun.status == status)
+            if status in _ACTED_ON:
+                runs[status.value] = _count(session, listed)
+                continue
+            runs[status.value], exact = _count_or_estimate(session, listed)
+            if not exact:
+                estimated.append(f"runs.{status.value}")
+        # The bare column, as the partial index over the marked emails is written.
+        needs_review = _count(session, select(EmailMessage.id).where(EmailMessage.needs_review))
         model_calls = flags.model_calls_enabled(session)
         last_sweep = session.scalars(
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
@@ -106,9 +106,11 @@ def fleet_status(res: Resources) -> dict[str, Any]:
     workers = live_worker_list(res.redis, settings.worker_dead_after, list(names.values()))
     return {
         "emails": emails,
-        "no_run": no_run or 0,
-        "runs": {status.value: counts.get(status, 0) for status in RunStatus},
-        "needs_review": needs_review or 0,
+        "no_run": no_run,
+        "runs": runs,
+        "needs_review": needs_review,
+        # The figures above that are PostgreSQL's planner estimates, not counts.
+        "estimated": estimated,
         # The email queue's, as before the other queues were reported.
         "queue": {key: queues["email"][key] for key in ("depth", "oldest_age_s")},
         "queues": queues,
@@ -125,6 +127,34 @@ def fleet_status(res: Resources) -> dict[str, Any]:
         "paused": paused,
         "last_sweep": _sweep_dict(last_sweep),
     }
+
+
+# Exact counts where an operator acts on the figure; each has a partial index, so that the count
+# costs what it counts (docs/decisions/console-counts.md).
+_ACTED_ON = (RunStatus.OPEN, RunStatus.FAILED)
+# Counted exactly up to this many; past it, the planner's estimate.
+EXACT_UP_TO = 10_000
+
+
+def _count(session: Session, query: Select) -> int:
+    return session.scalar(select(func.count()).select_from(query.subquery())) or 0
+
+
+def _count_or_estimate(session: Session, query: Select) -> tuple[int, bool]:
+    """How many rows `query` returns, and whether that is exact: counted up to EXACT_UP_TO, past
+    it PostgreSQL's planner estimate (the table's statistics, scaled to its size now), for the
+    totals that grow with every email and that no operator acts on. SQLite counts them all."""
+    if session.get_bind().dialect.name != "postgresql":
+        return _count(session, query), True
+    counted = _count(session, query.limit(EXACT_UP_TO + 1))
+    if counted <= EXACT_UP_TO:
+        return counted, True
+    statement = query.compile(session.get_bind(), compile_kwargs={"literal_binds": True})
+    [plan] = session.execute(text(f"EXPLAIN (FORMAT JSON) {statement}")).scalar_one()
+    # Never less than what was just counted, however stale the statistics; three significant
+    # figures, as much as an estimate knows.
+    estimate = max(counted, int(plan["Plan"]["Plan Rows"]))
+    return round(estimate, 3 - len(str(estimate))), False
 
 
 def _queue_dict(res: Resources, name: str) -> dict[str, Any]:
@@ -146,28 +176,25 @@ def failed_page(
     first."""
     where = (filt or FailedFilter()).where()
     total = session.scalar(select(func.count()).select_from(PipelineRun).where(*where)) or 0
-    # The page's runs first, from the partial indexes over the listed runs; their emails after,
-    # for the page's rows only.
-    runs = _paged(
+    # The page's run ids first: an offset into the partial indexes over the listed runs, read
+    # from the index alone. Only the page's runs and their emails are read from the tables.
+    order = (PipelineRun.closed_at.desc(), PipelineRun.id.desc())
+    page_ids = _paged(select(PipelineRun.id).where(*where).order_by(*order), page, per_page)
+    paged = page_ids.subquery()
+    query = (
         select(
-            PipelineRun.id,
             PipelineRun.email_id,
             PipelineRun.attempts,
             PipelineRun.closed_at,
             PipelineRun.converted_at,
             PipelineRun.error_class,
             PipelineRun.error,
+            EmailMessage.needs_review,
         )
-        .where(*where)
+        .join(paged, paged.c.id == PipelineRun.id)
+        .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
         # The id breaks ties: runs failed in one statement (a sweep) share their closed_at.
-        .order_by(PipelineRun.closed_at.desc(), PipelineRun.id.desc()),
-        page,
-        per_page,
-    ).subquery()
-    query = (
-        select(runs, EmailMessage.needs_review)
-        .join(EmailMessage, EmailMessage.id == runs.c.email_id)
-        .order_by(runs.c.closed_at.desc(), runs.c.id.desc())
+        .order_by(*order)
     )
     rows = [
         {

@@ -203,6 +203,14 @@ class PipelineRun(Base):
             postgresql_where=text("status = 'open'"),
             sqlite_where=text("status = 'open'"),
         ),
+        # The overview's count of duplicate runs: a bounded count reads this many entries at most,
+        # where a scan for a rare status would read the whole table.
+        Index(
+            "ix_pipeline_run_duplicate",
+            "id",
+            postgresql_where=text("status = 'duplicate'"),
+            sqlite_where=text("status = 'duplicate'"),
+        ),
         # The failed list (newest first) and the FailedRuns metric (failed since a time).
         Index(
             "ix_pipeline_run_failed",

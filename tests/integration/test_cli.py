@@ -151,6 +151,7 @@ def test_status_json_contract_and_values(res) -> None:  # type: ignore[no-untype
     assert data["no_run"] == 2  # the queued one and the idle one
     assert data["runs"] == {"open": 0, "succeeded": 1, "duplicate": 0, "failed": 1}
     assert data["needs_review"] == 0
+    assert data["estimated"] == []  # every figure counted, as on any database this small
     assert data["queue"]["depth"] == 1
     # The queued job's age, from the enqueue time it carries, as of a moment during the command.
     assert asked_from - enqueued_at <= data["queue"]["oldest_age_s"] <= answered_by - enqueued_at

@@ -13,6 +13,7 @@ from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations.status import (
+    EXACT_UP_TO,
     FailedFilter,
     email_detail,
     error_classes,
@@ -234,3 +235,39 @@ def test_fleet_status_shows_each_queue_and_the_live_workers(res) -> None:  # typ
         [f"{settings.queue}.model"],
     )
     assert 1.0 <= worker["last_seen_s"] < 30  # seen a second before now, by Redis's clock
+
+
+def test_fleet_status_counts_what_operators_act_on_and_estimates_the_totals(res) -> None:  # type: ignore[no-untyped-def]
+    add_emails(res, 1)  # no run yet
+    add_failed(res, 1, review=True)
+    for status in (RunStatus.OPEN, RunStatus.DUPLICATE, RunStatus.SUCCEEDED):
+        add_run(res, add_emails(res, 1)[0], status)
+    counts = ("emails", "no_run", "runs", "needs_review", "estimated")
+    small = fleet_status(res)
+    assert {key: small[key] for key in counts} == {
+        "emails": 5,
+        "no_run": 1,
+        "runs": {"open": 1, "succeeded": 1, "duplicate": 1, "failed": 1},
+        "needs_review": 1,
+        "estimated": [],
+    }
+    with res.db.transaction() as session:
+        session.connection().exec_driver_sql(
+            "WITH e AS (INSERT INTO email_message (blob_key, size, sha256, created_at, has_run) "
+            "SELECT 'blobs/none', 1, '', now(), true FROM generate_series(1, %(n)s) RETURNING id) "
+            "INSERT INTO pipeline_run (email_id, status, attempts, sweep_count, created_at, "
+            "updated_at) SELECT id, 'succeeded', 1, 0, now(), now() FROM e",
+            {"n": EXACT_UP_TO},
+        )
+        session.connection().exec_driver_sql("ANALYZE email_message, pipeline_run")
+    large = fleet_status(res)
+    # Past the bound, the planner's estimates of the totals; what operators act on still counted.
+    assert large["estimated"] == ["emails", "runs.succeeded"]
+    assert abs(large["emails"] - (EXACT_UP_TO + 5)) <= EXACT_UP_TO // 10
+    assert abs(large["runs"]["succeeded"] - (EXACT_UP_TO + 1)) <= EXACT_UP_TO // 10
+    assert (large["no_run"], large["needs_review"]) == (1, 1)
+    assert {name: n for name, n in large["runs"].items() if name != "succeeded"} == {
+        "open": 1,
+        "duplicate": 1,
+        "failed": 1,
+    }
