@@ -578,7 +578,7 @@ def reopen_failed(
     else:
         query = query.where(PipelineRun.email_id.in_(email_ids))
     # Locked, so that the statuses read are those reopen finds.
-    statuses = dict(session.execute(query.with_for_update()).tuples().all())
+    statuses: dict[int, RunStatus] = dict(session.execute(query.with_for_update()).all())
     reopened = [
         email_id
         for email_id, status in statuses.items()

@@ -450,10 +450,11 @@ def test_the_readme_fleet_starts_every_role_and_stops_at_sigterm(
     """The README's `mailpipe db upgrade && honcho start ...` through `sh -c`, from the repository
     root, on a database not yet migrated and without Flower's credentials (loopback): the schema
     is migrated, each worker answers a ping and consumes its queues, beat holds the beat lock and
-    its sweeps run, Flower answers. SIGTERM to the process group, as a terminal's Ctrl-C, stops
+    its sweeps run, Flower and the console answer. SIGTERM to the process group, as a terminal's Ctrl-C, stops
     every process the fleet started, and none is left."""
     env = {k: v for k, v in procfile_env.items() if k != "MAILPIPE_FLOWER_BASIC_AUTH"}
     env["MAILPIPE_DATABASE_URL"] = database.url
+    env["MAILPIPE_WEB_PORT"] = str(free_port())
     beat_lock = env["MAILPIPE_REDIS_PREFIX"] + redis_keys.beat_lock().removeprefix(
         get_settings().redis_prefix
     )
@@ -479,9 +480,20 @@ def test_the_readme_fleet_starts_every_role_and_stops_at_sigterm(
 
         wait_for(alive_and(fleet, flower_answers), 60, "Flower to answer /healthcheck")
         assert requests.get(f"{flower}/", timeout=5).status_code == 200
+        console = f"http://127.0.0.1:{env['MAILPIPE_WEB_PORT']}"
+
+        def console_answers() -> bool:
+            try:
+                return requests.get(f"{console}/healthz", timeout=2).status_code == 200
+            except requests.ConnectionError:
+                return False
+
+        wait_for(alive_and(fleet, console_answers), 60, "the console to answer /healthz")
+        # No users on loopback: the local operator's console, reading the fleet's database.
+        assert requests.get(f"{console}/api/jobs/1", timeout=5).status_code == 404
         started = fleet_processes(env)
         commands = [" ".join(process.cmdline()) for process in started]
-        for part in ("honcho start", "--pool=prefork", "--pool=threads", "beat", "flower"):
+        for part in ("honcho start", "--pool=prefork", "--pool=threads", "beat", "flower", "web"):
             assert any(part in command for command in commands), commands
         # As a terminal's Ctrl-C: honcho passes SIGTERM to each role's process group.
         os.killpg(fleet.process.pid, signal.SIGTERM)
