@@ -4,7 +4,8 @@ Playwright, over `mailpipe web` and a real worker.
 An operator signs in (basic auth), finds the email whose raw bytes were missing in the failed
 list, opens its page and reads its attempt history; the blob is put back, the operator ticks the
 email and presses "Retry selected", and watches its page until the run has succeeded. Each page
-is saved as docs/img/console-*.png, the pictures docs/operations.md shows.
+is saved as console-*.png in the test's folder, or with MAILPIPE_SCREENSHOTS=docs/img where
+docs/operations.md shows them (how those pictures are made).
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ from mailpipe.storage.blobs import raw_email_key
 from mailpipe.storage.models import EmailMessage, utcnow
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
-from tests.support.paths import REPO
 from tests.support.waits import wait_for, wait_until_closed
 
 CHROMIUM = Path("/usr/bin/chromium")
-SHOTS = REPO / "docs" / "img"
 MAIL = [
     (
         "billing@acme.example",
@@ -83,13 +82,14 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
         assert closed == {**dict.fromkeys(delivered, "succeeded"), missing: "failed"}
         with res.db.transaction() as session:
             runs.mark_for_review(session, [delivered[1]], "the model named a label out of the list")
-        _drive(web, missing, put_back=lambda: res.blobs.put(key, raw))
+        shots = Path(os.environ.get("MAILPIPE_SCREENSHOTS") or tmp_path)
+        _drive(web, missing, shots, put_back=lambda: res.blobs.put(key, raw))
     finally:
         web.stop()
     assert "ops: retry selected in the failed list, 1 emails" in web.output()
 
 
-def _drive(web: ConsoleProcess, missing: int, put_back) -> None:  # type: ignore[no-untyped-def]
+def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back) -> None:  # type: ignore[no-untyped-def]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
         try:
@@ -101,12 +101,12 @@ def _drive(web: ConsoleProcess, missing: int, put_back) -> None:  # type: ignore
             page.goto(f"{web.url}/")
             expect(page.get_by_role("heading", name="Overview")).to_be_visible()
             expect(page.get_by_text("console@localhost")).to_be_visible()  # the live worker
-            page.screenshot(path=SHOTS / "console-overview.png", full_page=True)
+            page.screenshot(path=shots / "console-overview.png", full_page=True)
 
             page.get_by_role("link", name="Failed", exact=True).click()
             row = page.locator("tr", has=page.locator(f'a[href="/emails/{missing}"]'))
             expect(row).to_contain_text("BlobMissing")
-            page.screenshot(path=SHOTS / "console-failed.png", full_page=True)
+            page.screenshot(path=shots / "console-failed.png", full_page=True)
 
             row.get_by_role("link", name=str(missing)).click()
             expect(page.locator("#state")).to_have_text("failed")
@@ -116,7 +116,7 @@ def _drive(web: ConsoleProcess, missing: int, put_back) -> None:  # type: ignore
 
             page.get_by_role("link", name="Review", exact=True).click()
             expect(page.get_by_text("the model named a label out of the list")).to_be_visible()
-            page.screenshot(path=SHOTS / "console-review.png", full_page=True)
+            page.screenshot(path=shots / "console-review.png", full_page=True)
 
             put_back()
             page.get_by_role("link", name="Failed", exact=True).click()
@@ -133,6 +133,6 @@ def _drive(web: ConsoleProcess, missing: int, put_back) -> None:  # type: ignore
             wait_for(succeeded, 60, "the email's page to show its run succeeded", every=0.5)
             assert page.locator("#history tr").count() - 1 > first_attempts
             expect(page.locator("#history")).to_contain_text("succeeded")
-            page.screenshot(path=SHOTS / "console-email.png", full_page=True)
+            page.screenshot(path=shots / "console-email.png", full_page=True)
         finally:
             browser.close()
