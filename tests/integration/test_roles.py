@@ -181,17 +181,22 @@ def wait_beat_fired(role: Role, env: dict[str, str]) -> None:
     wait_for(fired, 60, "beat to put a sweep on the control queue")
 
 
-def wait_flower_ready(role: Role, port: int, auth: tuple[str, str]) -> None:
-    url = f"http://127.0.0.1:{port}"
+def answering(url: str) -> Callable[[], bool]:
+    """A wait's condition: `url` answers 200; a refused connection is not yet."""
 
-    def healthy() -> bool:
-        role.check_alive()
+    def answers() -> bool:
         try:
-            return requests.get(f"{url}/healthcheck", timeout=2).status_code == 200
+            return requests.get(url, timeout=2).status_code == 200
         except requests.ConnectionError:
             return False
 
-    wait_for(healthy, 60, "Flower to answer /healthcheck")
+    return answers
+
+
+def wait_flower_ready(role: Role, port: int, auth: tuple[str, str]) -> None:
+    url = f"http://127.0.0.1:{port}"
+
+    wait_for(alive_and(role, answering(f"{url}/healthcheck")), 60, "Flower to answer /healthcheck")
     assert requests.get(f"{url}/", timeout=5).status_code == 401
     assert requests.get(f"{url}/api/workers", auth=(auth[0], "wrong"), timeout=5).status_code == 401
     assert requests.get(f"{url}/", auth=auth, timeout=5).status_code == 200
@@ -382,16 +387,8 @@ def test_procfile_web_answers_its_health_check_and_stops_at_sigterm(  # type: ig
     procfile_env["MAILPIPE_WEB_PORT"] = str(free_port())
     url = f"http://127.0.0.1:{procfile_env['MAILPIPE_WEB_PORT']}"
     web = start_procfile_line("web", procfile_env, tmp_path)
-
-    def healthy() -> bool:
-        web.check_alive()
-        try:
-            return requests.get(f"{url}/healthz", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            return False
-
     try:
-        wait_for(healthy, 60, "the console to answer /healthz")
+        wait_for(alive_and(web, answering(f"{url}/healthz")), 60, "the console to answer /healthz")
         queues = requests.get(f"{url}/api/queues", timeout=10)
         assert queues.status_code == 200, queues.text
         assert queues.json()["queues"]["email"]["name"] == "mailpipe"
@@ -471,24 +468,14 @@ def test_the_readme_fleet_starts_every_role_and_stops_at_sigterm(
             assert consumed_queues(env, nodename) == queues_of_the_roles(env)[role]
         wait_for(alive_and(fleet, lambda: bool(client.exists(beat_lock))), 60, "beat's lock")
         wait_for(alive_and(fleet, lambda: sweeps_reported(database.url) >= 3), 60, "beat's sweeps")
-
-        def flower_answers() -> bool:
-            try:
-                return requests.get(f"{flower}/healthcheck", timeout=2).status_code == 200
-            except requests.ConnectionError:
-                return False
-
-        wait_for(alive_and(fleet, flower_answers), 60, "Flower to answer /healthcheck")
+        wait_for(
+            alive_and(fleet, answering(f"{flower}/healthcheck")),
+            60,
+            "Flower to answer /healthcheck",
+        )
         assert requests.get(f"{flower}/", timeout=5).status_code == 200
         console = f"http://127.0.0.1:{env['MAILPIPE_WEB_PORT']}"
-
-        def console_answers() -> bool:
-            try:
-                return requests.get(f"{console}/healthz", timeout=2).status_code == 200
-            except requests.ConnectionError:
-                return False
-
-        wait_for(alive_and(fleet, console_answers), 60, "the console to answer /healthz")
+        wait_for(alive_and(fleet, answering(f"{console}/healthz")), 60, "the console to answer")
         # No users on loopback: the local operator's console, reading the fleet's database.
         assert requests.get(f"{console}/api/jobs/1", timeout=5).status_code == 404
         started = fleet_processes(env)
@@ -848,16 +835,8 @@ def test_ecs_web_asks_for_its_users_passes_its_health_check_and_runs_the_cli(  #
     operator = tuple(secrets["MAILPIPE_WEB_OPERATORS"].split(":"))
     url = f"http://127.0.0.1:{image.port}"
     web = image.start("web", env, tmp_path / "web.log")
-
-    def healthy() -> bool:
-        web.check_alive()
-        try:
-            return requests.get(f"{url}/healthz", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            return False
-
     try:
-        wait_for(healthy, 60, "the console to answer /healthz")
+        wait_for(alive_and(web, answering(f"{url}/healthz")), 60, "the console to answer /healthz")
         check = run_health_check(image.health_check("web"), env)
         assert check.returncode == 0, check.stderr
         assert requests.get(f"{url}/", timeout=5).status_code == 401
