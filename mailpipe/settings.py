@@ -131,6 +131,9 @@ class Settings(BaseSettings):
     # Messages reserved per child: the running one and the next (why and at what cost:
     # mailpipe/app/config.py). 1 for jobs of minutes.
     worker_prefetch_multiplier: int = Field(2, ge=1)
+    # The share of a worker's jobs the bulk lane gets while the live lane has work waiting, and of
+    # the fleet's model calls while live ones wait (docs/lanes.md).
+    bulk_share: float = Field(0.1, ge=0.0, le=1.0)
     # Measured (docs/benchmarks.md): a child grows under 1 MB per 1,000 jobs, and a fresh child's
     # first job costs ~0.2 s; the memory cap is the guard against one pathological document.
     worker_max_tasks_per_child: int = Field(10_000, ge=1)

@@ -14,6 +14,15 @@ class Stage(enum.StrEnum):
     MODEL = "model"  # the model call, the classification and the labels
 
 
+class Lane(enum.StrEnum):
+    """Each stage has a queue per lane. Workers take live jobs first; bulk (backfills, mass
+    retries) gets a share of their capacity while live has work, and all of it when live has
+    none (docs/lanes.md)."""
+
+    LIVE = "live"  # fresh mail: the stage's own queue
+    BULK = "bulk"  # the stage's queue with `.bulk` after it
+
+
 class TaskName(enum.StrEnum):
     PROCESS_EMAIL = "mailpipe.process_email"  # the CPU stage: parse, origin, documents
     CLASSIFY_EMAIL = "mailpipe.classify_email"  # the model stage: the model call and labels
@@ -36,14 +45,21 @@ def model_queue(settings: Settings) -> str:
 
 
 def job_queues(settings: Settings) -> list[str]:
-    """The queues that carry email jobs, of either stage: what the sweeper reads to tell a
-    waiting job from a lost one."""
-    return [email_queue(settings), model_queue(settings)]
+    """The queues that carry email jobs, of either stage and lane: what the sweeper reads to
+    tell a waiting job from a lost one."""
+    return [stage_queue(stage, settings, lane) for stage in Stage for lane in Lane]
 
 
-def queue_of(task: TaskName, settings: Settings) -> str:
-    return stage_queue(Stage.MODEL if task is TaskName.CLASSIFY_EMAIL else Stage.CPU, settings)
+def queue_of(task: TaskName, settings: Settings, lane: Lane = Lane.LIVE) -> str:
+    stage = Stage.MODEL if task is TaskName.CLASSIFY_EMAIL else Stage.CPU
+    return stage_queue(stage, settings, lane)
 
 
-def stage_queue(stage: Stage, settings: Settings) -> str:
-    return model_queue(settings) if stage is Stage.MODEL else email_queue(settings)
+def stage_queue(stage: Stage, settings: Settings, lane: Lane = Lane.LIVE) -> str:
+    queue = model_queue(settings) if stage is Stage.MODEL else email_queue(settings)
+    return queue if lane is Lane.LIVE else f"{queue}.{lane}"
+
+
+def lane_of(queue: str) -> Lane:
+    """The lane whose jobs `queue` carries: the control queue is live (never behind bulk)."""
+    return Lane.BULK if queue.endswith(f".{Lane.BULK}") else Lane.LIVE

@@ -119,6 +119,8 @@ class EmailMessage(Base):
     # False until a job or the sweeper creates the email's run; the partial index over the false
     # rows lets the sweeper find emails with no run without reading every email.
     has_run: Mapped[bool] = mapped_column(default=False, server_default=text("false"))
+    # The lane its jobs go in (mailpipe.broker.queues.Lane): "live" or "bulk".
+    lane: Mapped[str] = mapped_column(String(8), default="live", server_default=text("'live'"))
 
     __table_args__ = (
         Index("ix_email_message_duplicate_of", "duplicate_of"),

@@ -2,7 +2,7 @@
 
 Revision ID: 0007
 Revises: 0006
-Create Date: 2026-12-04
+Create Date: 2026-12-03
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Revision ID: 0008
 Revises: 0007
-Create Date: 2026-12-05
+Create Date: 2026-12-03
 """
 
 from __future__ import annotations
