@@ -37,7 +37,7 @@ from redis import RedisError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Stage, stage_queue
+from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
 from mailpipe.coordination import leases, pauses, redis_keys, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
@@ -82,28 +82,36 @@ def process_email(
     res: Resources,
     email_id: int,
     *,
+    lane: Lane = Lane.LIVE,
     cut_off: float | None = None,
     deferred_since: float | None = None,
 ) -> Outcome:
     """Run one delivery of the email's CPU stage.
 
+    `lane`: the lane the delivery came in (its deferral is counted on that lane's queue).
     `cut_off`: this delivery replaces one killed by the hard time limit (its seconds).
     `deferred_since`: when the job was first deferred, carried by each deferred delivery.
     """
-    return _deliver(res, email_id, Stage.CPU, cut_off, deferred_since)
+    return _deliver(res, email_id, Stage.CPU, lane, cut_off, deferred_since)
 
 
 def classify_email(
-    res: Resources, email_id: int, *, deferred_since: float | None = None
+    res: Resources,
+    email_id: int,
+    *,
+    lane: Lane = Lane.LIVE,
+    deferred_since: float | None = None,
 ) -> Outcome:
-    """Run one delivery of the email's model stage."""
-    return _deliver(res, email_id, Stage.MODEL, None, deferred_since)
+    """Run one delivery of the email's model stage; `lane`: also the model call's lane at the
+    fleet's rate limit."""
+    return _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since)
 
 
 def _deliver(
     res: Resources,
     email_id: int,
     stage: Stage,
+    lane: Lane,
     cut_off: float | None,
     deferred_since: float | None,
 ) -> Outcome:
@@ -114,7 +122,7 @@ def _deliver(
         return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
     try:
         with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
-            outcome = run_claimed(res, email_id, cut_off, stage)
+            outcome = run_claimed(res, email_id, cut_off, stage, lane)
             lease.keep_marker = outcome.follows_up
     except LeaseHeld as held:
         outcome = Outcome(Kind.DEFER, held.wait, str(held))
@@ -124,7 +132,7 @@ def _deliver(
         )
     if outcome.kind is Kind.DEFER:
         return _bounded_deferral(
-            res, email_id, stage_queue(stage, settings), outcome, deferred_since
+            res, email_id, stage_queue(stage, settings, lane), outcome, deferred_since
         )
     return outcome
 
@@ -159,6 +167,7 @@ def run_claimed(
     email_id: int,
     cut_off: float | None = None,
     stage: Stage = Stage.CPU,
+    lane: Lane = Lane.LIVE,
 ) -> Outcome:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
     the claim, so two of these at once for one email (what a lapsed lease allows) leave the
@@ -195,7 +204,7 @@ def run_claimed(
     try:
         if stage is Stage.CPU:
             return _run_steps(res, email_id, claim)
-        return _classify_steps(res, email_id, claim)
+        return _classify_steps(res, email_id, claim, lane)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
@@ -314,7 +323,7 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
     }
 
 
-def _classify_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
+def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane) -> Outcome:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
     token = claim.token
@@ -338,7 +347,9 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome
             max_in_flight=settings.model_max_in_flight,
         )
         # A thread waits its turn here, cheaply; past the wait the job is deferred.
-        result = classify_remote(res.classifier, email_text, limiter, wait=settings.model_slot_wait)
+        result = classify_remote(
+            res.classifier, email_text, limiter, wait=settings.model_slot_wait, lane=lane
+        )
     else:
         result = res.classifier.classify(email_text)
     # The answer is kept before anything else: a job that dies after the call never pays for it
