@@ -17,12 +17,10 @@ import pytest
 from sqlalchemy import func, select, update
 
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
-from mailpipe.celery import app
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination import markers
-from mailpipe.enqueue import declare_queue, enqueue_emails, send_job
+from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
 from tests.support.waits import wait_for, wait_until_closed
@@ -47,17 +45,6 @@ def store(res, count: int, lane: Lane) -> list[int]:  # type: ignore[no-untyped-
     with res.db.transaction() as session:
         session.execute(update(EmailMessage).where(EmailMessage.id.in_(ids)).values(lane=lane))
     return ids
-
-
-def send_bulk(res, ids: list[int]) -> None:  # type: ignore[no-untyped-def]
-    """Enqueue in the bulk lane, markers first, as the deduplicated enqueue does: the worker's
-    start-up sweep then leaves the emails alone."""
-    assert all(markers.claim(res.redis, ids, res.settings.dedup_ttl))
-    queue = stage_queue(Stage.CPU, res.settings, Lane.BULK)
-    with app.producer_or_acquire() as producer:
-        declare_queue(app, producer, queue)
-        for email_id in ids:
-            send_job(email_id, queue=queue, producer=producer)
 
 
 def closed(res) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -124,7 +111,7 @@ def test_live_mail_overtakes_a_backfill_and_bulk_goes_on_after_it(res, worker) -
     for the turn boundary and one for the start-up sweep's job. Round robin over the two lanes
     would close about one bulk email per live one ahead of the last (20 here).
     """
-    send_bulk(res, store(res, 2000, Lane.BULK))
+    assert len(enqueue_emails(store(res, 2000, Lane.BULK), res, lane=Lane.BULK).sent) == 2000
     worker()
     wait_for(lambda: closed(res)[Lane.BULK] >= 20, what="the backfill to be under way")
 
@@ -154,7 +141,7 @@ def test_bulk_keeps_its_share_while_live_work_waits(res, worker) -> None:  # typ
     at n >= 250, between 7.6% and 12.4%. kombu's round robin would give bulk half, its strict
     priority none.
     """
-    send_bulk(res, store(res, 300, Lane.BULK))
+    assert len(enqueue_emails(store(res, 300, Lane.BULK), res, lane=Lane.BULK).sent) == 300
     assert len(enqueue_emails(store(res, 600, Lane.LIVE), res).sent) == 600
     worker()
     wait_for(lambda: sum(closed(res).values()) >= 250, timeout=180, what="250 runs to close")
