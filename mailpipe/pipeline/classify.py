@@ -9,6 +9,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from mailpipe.broker.queues import Lane
 from mailpipe.classifiers import (
     ClassificationResult,
     Classifier,
@@ -45,13 +46,17 @@ def email_for_classifier(
 
 
 def classify_remote(
-    classifier: Classifier, email: EmailForClassifier, limiter: FleetRateLimiter, wait: float
+    classifier: Classifier,
+    email: EmailForClassifier,
+    limiter: FleetRateLimiter,
+    wait: float,
+    lane: Lane = Lane.LIVE,
 ) -> ClassificationResult:
-    """Call a remote classifier inside a fleet-wide rate-limit slot.
+    """Call a remote classifier inside a fleet-wide rate-limit slot, taken in the email's lane.
 
     Raises `RateLimited` when no slot comes free within `wait` seconds.
     """
-    with limiter.slot(wait=wait):
+    with limiter.slot(wait=wait, lane=lane):
         return classifier.classify(email)
 
 

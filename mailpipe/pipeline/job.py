@@ -37,7 +37,7 @@ from redis import RedisError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Stage, stage_queue
+from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
 from mailpipe.coordination import leases, pauses, redis_keys, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
@@ -94,10 +94,10 @@ def process_email(
 
 
 def classify_email(
-    res: Resources, email_id: int, *, deferred_since: float | None = None
+    res: Resources, email_id: int, *, deferred_since: float | None = None, lane: Lane = Lane.LIVE
 ) -> Outcome:
-    """Run one delivery of the email's model stage."""
-    return _deliver(res, email_id, Stage.MODEL, None, deferred_since)
+    """Run one delivery of the email's model stage; its model call waits in `lane`."""
+    return _deliver(res, email_id, Stage.MODEL, None, deferred_since, lane)
 
 
 def _deliver(
@@ -106,6 +106,7 @@ def _deliver(
     stage: Stage,
     cut_off: float | None,
     deferred_since: float | None,
+    lane: Lane = Lane.LIVE,
 ) -> Outcome:
     settings = res.settings
     pause = _pause_in_force(res, stage)
@@ -114,7 +115,7 @@ def _deliver(
         return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
     try:
         with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
-            outcome = run_claimed(res, email_id, cut_off, stage)
+            outcome = run_claimed(res, email_id, cut_off, stage, lane)
             lease.keep_marker = outcome.follows_up
     except LeaseHeld as held:
         outcome = Outcome(Kind.DEFER, held.wait, str(held))
@@ -159,6 +160,7 @@ def run_claimed(
     email_id: int,
     cut_off: float | None = None,
     stage: Stage = Stage.CPU,
+    lane: Lane = Lane.LIVE,
 ) -> Outcome:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
     the claim, so two of these at once for one email (what a lapsed lease allows) leave the
@@ -195,7 +197,7 @@ def run_claimed(
     try:
         if stage is Stage.CPU:
             return _run_steps(res, email_id, claim)
-        return _classify_steps(res, email_id, claim)
+        return _classify_steps(res, email_id, claim, lane=lane)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
@@ -314,7 +316,9 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
     }
 
 
-def _classify_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
+def _classify_steps(
+    res: Resources, email_id: int, claim: runs.Claim, *, lane: Lane = Lane.LIVE
+) -> Outcome:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
     token = claim.token
@@ -336,9 +340,12 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome
             rate_per_s=settings.model_rate_per_s,
             burst=settings.model_burst,
             max_in_flight=settings.model_max_in_flight,
+            bulk_share=settings.bulk_share,
         )
         # A thread waits its turn here, cheaply; past the wait the job is deferred.
-        result = classify_remote(res.classifier, email_text, limiter, wait=settings.model_slot_wait)
+        result = classify_remote(
+            res.classifier, email_text, limiter, wait=settings.model_slot_wait, lane=lane
+        )
     else:
         result = res.classifier.classify(email_text)
     # The answer is kept before anything else: a job that dies after the call never pays for it
