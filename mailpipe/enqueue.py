@@ -22,10 +22,11 @@ from celery import Celery
 from kombu import Producer
 
 from mailpipe.broker.layout import job_headers
-from mailpipe.broker.queues import TaskName, queue_of
+from mailpipe.broker.queues import Lane, TaskName, queue_of
 from mailpipe.celery import app
 from mailpipe.coordination import markers
 from mailpipe.resources import Resources, get_resources
+from mailpipe.settings import get_settings
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,11 @@ def enqueue_emails(
     email_ids: Iterable[int],
     res: Resources | None = None,
     task: TaskName = TaskName.PROCESS_EMAIL,
+    lane: Lane = Lane.LIVE,
 ) -> EnqueueResult:
     """Enqueue many emails in two round trips to Redis: one for the markers, one for the jobs.
-    `task`: the stage to send; the sweeper sends the model stage of runs past their CPU stage."""
+    `task`: the stage to send; the sweeper sends the model stage of runs past their CPU stage.
+    `lane`: the lane every job of this call goes in (the emails' own: callers group by it)."""
     res = res or get_resources()
     ids = list(dict.fromkeys(email_ids))
     if not ids:
@@ -55,10 +58,10 @@ def enqueue_emails(
     skipped = [email_id for email_id, ok in zip(ids, claimed, strict=True) if not ok]
     try:
         with app.producer_or_acquire() as producer:
-            declare_queue(app, producer, queue_of(task, res.settings))
+            declare_queue(app, producer, queue_of(task, res.settings, lane))
             with producer.batch():
                 for email_id in sent:
-                    send_job(email_id, task, producer=producer)
+                    send_job(email_id, task, lane, producer=producer)
     except BaseException:
         # Nothing may stay marked as queued that was not sent.
         markers.release(res.redis, sent)
@@ -66,19 +69,35 @@ def enqueue_emails(
     return EnqueueResult(sent, skipped)
 
 
-def sender(res: Resources) -> Callable[[Sequence[int], TaskName], list[int]]:
+def sender(res: Resources) -> Callable[[Sequence[int], TaskName, Lane], list[int]]:
     """`enqueue_emails` as the sweeper and the operator's actions are handed it: they never
     import Celery. Returns the ids it sent."""
-    return lambda email_ids, task: enqueue_emails(email_ids, res, task).sent
+    return lambda email_ids, task, lane: enqueue_emails(email_ids, res, task, lane).sent
 
 
-def send_job(email_id: int, task: TaskName = TaskName.PROCESS_EMAIL, **options: Any) -> None:
-    """Publish one message of the email's job (`task`: its stage), with the headers every job
-    carries, whatever its marker says: the enqueue above, and the job's own follow-ups (a
-    deferral, a delivery cut off by the hard time limit, the hand-off to the model stage), which
-    hold their email's marker already. `options`: Celery's `send_task` options (kwargs,
-    countdown, producer)."""
-    app.send_task(task.value, (email_id,), headers=job_headers(email_id), **options)
+def send_job(
+    email_id: int,
+    task: TaskName = TaskName.PROCESS_EMAIL,
+    lane: Lane = Lane.LIVE,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> None:
+    """Publish one message of the email's job (`task`: its stage) to the stage's queue of its
+    `lane`, with the headers every job carries, whatever its marker says: the enqueue above, and
+    the job's own follow-ups (a deferral, a delivery cut off by the hard time limit, the hand-off
+    to the model stage), which hold their email's marker already. The lane goes in the message's
+    keyword arguments too, so that every follow-up stays in it without reading the email's row.
+    `kwargs`: the task's other keyword arguments; `options`: Celery's `send_task` options
+    (countdown, producer)."""
+    app.send_task(
+        task.value,
+        (email_id,),
+        {**(kwargs or {}), "lane": lane.value},
+        queue=queue_of(task, get_settings(), lane),
+        headers=job_headers(email_id),
+        **options,
+    )
 
 
 def declare_queue(app: Celery, producer: Producer, name: str) -> None:

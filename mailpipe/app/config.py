@@ -15,6 +15,7 @@ from kombu import Queue as _Queue
 from mailpipe.broker.queues import TaskName as _TaskName
 from mailpipe.broker.queues import control_queue as _control_queue
 from mailpipe.broker.queues import email_queue as _email_queue
+from mailpipe.broker.queues import job_queues as _job_queues
 from mailpipe.broker.queues import model_queue as _model_queue
 from mailpipe.settings import get_settings as _get_settings
 
@@ -93,12 +94,13 @@ imports = ["mailpipe.app.signals"]
 
 task_default_queue = _email_queue(_settings)
 # A worker started without -Q consumes every list (local use, the demo); deployed, the worker role
-# takes the email and control queues and the model role the model queue (Procfile, deploy/ecs).
-# Housekeeping never waits behind the email backlog, and the CPU stage never waits on the model.
+# takes the email queues of both lanes and the control queue, and the model role the model
+# queues of both lanes (Procfile, deploy/ecs). Housekeeping never waits behind the email backlog,
+# and the CPU stage never waits on the model. A job's lane picks its queue when it is sent
+# (mailpipe.enqueue.send_job); the routes below name the live one.
 task_queues = (
-    _Queue(_email_queue(_settings)),
+    *(_Queue(name) for name in _job_queues(_settings)),
     _Queue(_control_queue(_settings)),
-    _Queue(_model_queue(_settings)),
 )
 task_routes = {
     _TaskName.SWEEP.value: {"queue": _control_queue(_settings)},

@@ -21,7 +21,7 @@ from typing import Any
 from celery import bootsteps
 from redis import Redis, RedisError
 
-from mailpipe.broker.queues import Stage, stage_queue
+from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.coordination import pauses
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
@@ -49,11 +49,13 @@ class PauseStep(bootsteps.StartStopStep):
             settings.broker_url, socket_timeout=5, socket_connect_timeout=5
         )
         consumed = {queue.name for queue in c.task_consumer.queues} | self._cancelled
-        self._stages = {
-            stage: stage_queue(stage, settings)
+        # Both lanes' queues of a stage stop and start together.
+        self._queues = [
+            (stage, stage_queue(stage, settings, lane))
             for stage in Stage
-            if stage_queue(stage, settings) in consumed
-        }
+            for lane in Lane
+            if stage_queue(stage, settings, lane) in consumed
+        ]
         self._check(c)
         self._timer_entry = c.timer.call_repeatedly(CHECK_EVERY_S, self._check, (c,), priority=10)
 
@@ -70,7 +72,7 @@ class PauseStep(bootsteps.StartStopStep):
         except RedisError:
             return  # nothing is fetched either; the next check tells
         now = time.time()
-        for stage, queue in self._stages.items():
+        for stage, queue in self._queues:
             pause = paused.get(stage)
             in_force = pause is not None and pause.holds(settings.max_pause, now)
             if in_force and queue not in self._cancelled:

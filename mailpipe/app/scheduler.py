@@ -27,7 +27,7 @@ from celery.beat import PersistentScheduler
 from redis import Redis, RedisError
 from redis.exceptions import LockError, LockNotOwnedError
 
-from mailpipe.broker.queues import control_queue, email_queue
+from mailpipe.broker.queues import control_queue, job_queues
 from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import declare_queue
 from mailpipe.operations import metrics
@@ -82,7 +82,7 @@ class LockedScheduler(PersistentScheduler):
         # dropped silently: the recovery would be lost with what it recovers from.
         try:
             with self.app.producer_or_acquire() as producer:
-                for name in (email_queue(self._settings), control_queue(self._settings)):
+                for name in (*job_queues(self._settings), control_queue(self._settings)):
                     declare_queue(self.app, producer, name)
         except Exception:
             log.warning("beat: could not declare the queues", exc_info=True)

@@ -14,7 +14,7 @@ from celery import Task
 from celery.worker.request import Request
 
 from mailpipe.broker.layout import job_headers
-from mailpipe.broker.queues import TaskName
+from mailpipe.broker.queues import Lane, TaskName, queue_of
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
 from mailpipe.enqueue import send_job, sender
@@ -23,6 +23,7 @@ from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources, get_resources
+from mailpipe.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,20 @@ class EmailRequest(Request):
         if not soft:
             email_id = self.args[0]
             try:
-                send_job(email_id, TaskName(self.task.name), kwargs={"cut_off": timeout})
+                send_job(
+                    email_id,
+                    TaskName(self.task.name),
+                    _lane(self.kwargs),
+                    kwargs={"cut_off": timeout},
+                )
             except Exception:
                 log.exception("could not send email %s again after its hard time limit", email_id)
         super().on_timeout(soft, timeout)
+
+
+def _lane(kwargs: dict[str, Any] | None) -> Lane:
+    """The lane a job message carries; a message sent before lanes existed is live."""
+    return Lane((kwargs or {}).get("lane", Lane.LIVE.value))
 
 
 class EmailJobTask(Task):
@@ -76,11 +87,13 @@ class EmailJobTask(Task):
     reject_on_worker_lost = True
     Request = EmailRequest
 
-    def follow(self, email_id: int, outcome: Outcome) -> str:
+    def follow(self, email_id: int, outcome: Outcome, lane: Lane) -> str:
+        """Map the outcome to Celery; every follow-up goes in the delivery's `lane`."""
         if outcome.kind is Kind.RETRY:
             raise self.retry(
                 args=(email_id,),
-                kwargs={},
+                kwargs={"lane": lane.value},
+                queue=queue_of(TaskName(self.name), get_settings(), lane),
                 countdown=outcome.delay,
                 exc=TransientError(outcome.error or "retry"),
                 max_retries=None,
@@ -90,6 +103,7 @@ class EmailJobTask(Task):
             send_job(
                 email_id,
                 TaskName(self.name),
+                lane,
                 kwargs={"deferred_since": outcome.deferred_since},
                 countdown=outcome.delay,
             )
@@ -97,9 +111,9 @@ class EmailJobTask(Task):
             # Back to the queue its workers stop consuming within a second of the pause, where
             # it waits the pause out; the second's countdown keeps a worker that has not stopped
             # yet from taking it straight back.
-            send_job(email_id, TaskName(self.name), countdown=PAUSED_RESEND_S)
+            send_job(email_id, TaskName(self.name), lane, countdown=PAUSED_RESEND_S)
         elif outcome.kind is Kind.HANDED_OFF:
-            send_job(email_id, TaskName.CLASSIFY_EMAIL)
+            send_job(email_id, TaskName.CLASSIFY_EMAIL, lane)
         elif outcome.kind is Kind.FAILED:
             raise RunFailed(f"email {email_id}: {outcome.error}")
         return outcome.kind.value
@@ -118,6 +132,7 @@ def process_email(
     email_id: int,
     deferred_since: float | None = None,
     cut_off: float | None = None,
+    lane: str = Lane.LIVE.value,
 ) -> str:
     """Process one stored email (docs/architecture.md, "The life of one email").
 
@@ -128,9 +143,9 @@ def process_email(
     fleet-wide fault, a deferral or a shutdown's cut-off uses no attempt.
     """
     outcome = job.process_email(
-        get_resources(), email_id, cut_off=cut_off, deferred_since=deferred_since
+        get_resources(), email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
     )
-    return self.follow(email_id, outcome)
+    return self.follow(email_id, outcome, Lane(lane))
 
 
 @app.task(
@@ -140,7 +155,12 @@ def process_email(
     throws=(RunFailed,),
     max_retries=None,
 )
-def classify_email(self: EmailJobTask, email_id: int, deferred_since: float | None = None) -> str:
+def classify_email(
+    self: EmailJobTask,
+    email_id: int,
+    deferred_since: float | None = None,
+    lane: str = Lane.LIVE.value,
+) -> str:
     """The model stage of an email's job: the model call, the stored answer and the labels; sent
     by the CPU stage once the documents are stored, and by the sweeper. Consumed by the model
     role, on threads: it only waits on the model and writes a few rows.
@@ -149,8 +169,10 @@ def classify_email(self: EmailJobTask, email_id: int, deferred_since: float | No
     fenced by the claim. Retries as `process_email`; a model-call slot is waited for in the
     thread, then the job is deferred (not an attempt).
     """
-    outcome = job.classify_email(get_resources(), email_id, deferred_since=deferred_since)
-    return self.follow(email_id, outcome)
+    outcome = job.classify_email(
+        get_resources(), email_id, lane=Lane(lane), deferred_since=deferred_since
+    )
+    return self.follow(email_id, outcome, Lane(lane))
 
 
 @app.task(name=TaskName.SWEEP.value, acks_late=False, ignore_result=True)

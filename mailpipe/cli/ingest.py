@@ -36,6 +36,7 @@ from typing import BinaryIO
 
 from sqlalchemy import insert
 
+from mailpipe.broker.queues import Lane
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import InputRejected
 from mailpipe.mail.parse import looks_like_email
@@ -93,7 +94,10 @@ def ingest(
     enqueue: bool = True,
     on_progress: Callable[[int], None] | None = None,
     follow_symlinks: bool = False,
+    lane: Lane = Lane.LIVE,
 ) -> IngestReport:
+    """Store every email in `paths`, each in `lane`, and enqueue its job in it (unless not
+    `enqueue`)."""
     settings = res.settings
     report = IngestReport()
     batch: list[RawEmail] = []
@@ -107,19 +111,20 @@ def ingest(
             report.rejected.append(Rejected(item.source, reason))
         else:
             if batch and (len(batch) >= BATCH_SIZE or batch_bytes + len(item.data) > BATCH_BYTES):
-                _store_batch(res, batch, report, enqueue)
+                _store_batch(res, batch, report, enqueue, lane)
                 batch, batch_bytes = [], 0
             batch.append(item)
             batch_bytes += len(item.data)
         if on_progress is not None:
             on_progress(1)
     if batch:
-        _store_batch(res, batch, report, enqueue)
+        _store_batch(res, batch, report, enqueue, lane)
     return report
 
 
-def store_emails(res: Resources, raws: list[bytes]) -> list[int]:
-    """Store raw emails and insert their rows in one transaction; returns their ids in order.
+def store_emails(res: Resources, raws: list[bytes], lane: Lane = Lane.LIVE) -> list[int]:
+    """Store raw emails and insert their rows, in `lane`, in one transaction; returns their ids
+    in order.
 
     What upstream storage does before it calls `enqueue_email`; also used by tests and the demo.
     """
@@ -132,6 +137,7 @@ def store_emails(res: Resources, raws: list[bytes]) -> list[int]:
                 "size": len(data),
                 "sha256": digest,
                 "received_at": utcnow(),
+                "lane": lane.value,
             }
         )
     # Blob writes are round trips to S3 in production: overlap them (boto3 clients are
@@ -146,13 +152,13 @@ def store_emails(res: Resources, raws: list[bytes]) -> list[int]:
 
 
 def _store_batch(
-    res: Resources, batch: list[RawEmail], report: IngestReport, enqueue: bool
+    res: Resources, batch: list[RawEmail], report: IngestReport, enqueue: bool, lane: Lane
 ) -> None:
-    ids = store_emails(res, [item.data for item in batch])
+    ids = store_emails(res, [item.data for item in batch], lane)
     report.stored += len(ids)
     report.email_ids.extend(ids)
     if enqueue:
-        result = enqueue_emails(ids, res)
+        result = enqueue_emails(ids, res, lane=lane)
         report.enqueued += len(result.sent)
         report.already_queued += len(result.already_queued)
 

@@ -175,6 +175,9 @@ def db_upgrade(revision: str) -> None:
     click.echo(f"database at {revision}: {shown_url(database_url)}")
 
 
+_LANES = click.Choice(["live", "bulk"])
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--no-enqueue", is_flag=True, help="Store only; the sweeper enqueues later.")
@@ -188,14 +191,26 @@ def db_upgrade(revision: str) -> None:
     is_flag=True,
     help="Exit 0 even if some files or messages were rejected (exit 2 by default).",
 )
+@click.option(
+    "--lane",
+    type=_LANES,
+    default="live",
+    show_default=True,
+    help="The emails' lane: bulk (a backfill) never holds up live mail.",
+)
 def ingest(
-    paths: tuple[Path, ...], no_enqueue: bool, follow_symlinks: bool, allow_rejects: bool
+    paths: tuple[Path, ...],
+    no_enqueue: bool,
+    follow_symlinks: bool,
+    allow_rejects: bool,
+    lane: str,
 ) -> None:
     """Store .eml files, folders, mbox files and Maildir folders, then enqueue one job each.
 
     Whatever is rejected (not an email, over a limit, unreadable, a symlink out of a folder) is
     listed after the summary; then the exit code is 2 (bad input) unless --allow-rejects.
     """
+    from mailpipe.broker.queues import Lane
     from mailpipe.cli.ingest import ingest as run_ingest
 
     res = _migrated()
@@ -214,6 +229,7 @@ def ingest(
             enqueue=not no_enqueue,
             on_progress=lambda n: progress.advance(task, n),
             follow_symlinks=follow_symlinks,
+            lane=Lane(lane),
         )
     # Plain lines, never wrapped: scripts read this summary.
     click.echo(
@@ -564,6 +580,19 @@ def sweep() -> None:
         console.print("another sweep is running; nothing done")
         return
     click.echo(json.dumps(result.summary()))
+
+
+@main.command()
+@click.argument("lane", type=_LANES)
+@click.argument("email_ids", nargs=-1, type=int, required=True)
+def lane(lane: str, email_ids: tuple[int, ...]) -> None:
+    """Move emails to a lane: their next job goes in it (a job already queued stays put)."""
+    from mailpipe.broker.queues import Lane
+    from mailpipe.operations import actions
+
+    done = actions.move(_migrated(), email_ids, Lane(lane), user=_user())
+    click.echo(f"moved {len(done.done)} to {lane}")
+    _name_refused(done.refused, "moved")
 
 
 @main.command()

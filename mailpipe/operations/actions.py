@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import TaskName
+from mailpipe.broker.queues import Lane, TaskName
 from mailpipe.operations.status import FailedFilter
-from mailpipe.operations.sweeper import Enqueue
+from mailpipe.operations.sweeper import Enqueue, in_lanes
 from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
@@ -46,22 +46,49 @@ def retry(
     batch: int = BATCH,
 ) -> Done:
     """Reopen failed runs with a fresh attempt budget and enqueue their jobs, which run the whole
-    job again. `email_ids`: those (a dismissed one included); else every listed failed run that
-    `filt` matches (no dismissed one). The review mark of each reopened email is cleared."""
+    job again, each in its email's lane. `email_ids`: those (a dismissed one included); else
+    every listed failed run that `filt` matches (no dismissed one). The review mark of each
+    reopened email is cleared."""
     # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
     res.redis.ping()
     done: list[int] = []
     refused: dict[int, str] = {}
     enqueued = 0
-    for reopened, not_reopened in _in_batches(
-        res, email_ids, filt, batch, lambda session, ids: runs.reopen_failed(session, ids)[0]
-    ):
+    lanes: dict[int, str] = {}
+
+    def reopen(session: Session, ids: list[int]) -> list[int]:
+        reopened = runs.reopen_failed(session, ids)[0]
+        lanes.update(runs.lanes(session, reopened))
+        return reopened
+
+    for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen):
         _logged("retry", user, reopened)
         done.extend(reopened)
         refused.update(not_reopened)
-        if reopened:
-            enqueued += len(enqueue(reopened, TaskName.PROCESS_EMAIL))
+        enqueued += len(in_lanes(enqueue, reopened, lanes, TaskName.PROCESS_EMAIL))
     return Done(done, enqueued, refused)
+
+
+def move(
+    res: Resources, email_ids: Sequence[int], lane: Lane, *, user: str, batch: int = BATCH
+) -> Done:
+    """Put emails in `lane`. Their next job is sent in it (the sweeper's re-add, a retry); a job
+    already queued stays in the lane it was sent in, and so do its deferrals, retries and the
+    hand-off to the model stage, which carry the lane of their message."""
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    for moved, not_moved in _in_batches(
+        res,
+        email_ids,
+        None,
+        batch,
+        lambda session, ids: runs.move(session, ids, lane),
+        lambda session, ids: dict.fromkeys(ids, "no such email"),
+    ):
+        _logged(f"move_to_{lane}", user, moved)
+        done.extend(moved)
+        refused.update(not_moved)
+    return Done(done, refused=refused)
 
 
 def dismiss(

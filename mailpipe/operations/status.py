@@ -190,6 +190,7 @@ def failed_page(
             PipelineRun.error_class,
             PipelineRun.error,
             EmailMessage.needs_review,
+            EmailMessage.lane,
         )
         .join(paged, paged.c.id == PipelineRun.id)
         .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
@@ -205,6 +206,7 @@ def failed_page(
             "error_class": row.error_class,
             "error": row.error,
             "needs_review": row.needs_review,
+            "lane": row.lane,
         }
         for row in session.execute(query)
     ]
@@ -286,6 +288,7 @@ def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
         "blob_key": email.blob_key,
         "received_at": _iso(email.received_at),
         "duplicate_of": email.duplicate_of,
+        "lane": email.lane,
         "origin": None
         if origin is None
         else {
@@ -377,7 +380,7 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
     - no run and no marker: not_enqueued.
     """
     email = session.execute(
-        select(EmailMessage.needs_review, EmailMessage.created_at).where(
+        select(EmailMessage.needs_review, EmailMessage.created_at, EmailMessage.lane).where(
             EmailMessage.id == email_id
         )
     ).one_or_none()
@@ -409,6 +412,7 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
     return {
         "email_id": email_id,
         "state": state,
+        "lane": email.lane,
         "attempts": 0 if run is None else run.attempts,
         "error_class": None if run is None else run.error_class,
         "error": None if run is None else run.error,

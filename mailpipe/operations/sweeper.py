@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 
@@ -38,7 +38,7 @@ from sqlalchemy import Select, and_, not_, select
 from sqlalchemy.orm import Session
 
 from mailpipe.broker import layout
-from mailpipe.broker.queues import TaskName, job_queues
+from mailpipe.broker.queues import Lane, TaskName, job_queues
 from mailpipe.coordination import markers, redis_keys
 from mailpipe.operations.metrics import read_backlog
 from mailpipe.pipeline import runs
@@ -48,8 +48,9 @@ from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepR
 
 log = logging.getLogger(__name__)
 
-# Sends the jobs of the emails given, of the stage given (deduplicated); returns the ids it sent.
-Enqueue = Callable[[Sequence[int], TaskName], Sequence[int]]
+# Sends the jobs of the emails given, of the stage given, in the lane given (deduplicated);
+# returns the ids it sent.
+Enqueue = Callable[[Sequence[int], TaskName, Lane], Sequence[int]]
 
 # The sweep lock lapses this long after its last renewal (one per batch): a sweep whose process
 # was killed blocks the next ones for a minute at most.
@@ -180,9 +181,10 @@ def _sweep(res: Resources, enqueue: Enqueue, lock: Lock, view: BrokerView) -> Sw
 
 
 def emails_without_run(after_id: int, limit: int) -> Select:
-    """A keyset batch of emails that have no run, from the partial index over them."""
+    """A keyset batch of emails that have no run, from the partial index over them, with their
+    lane."""
     return (
-        select(EmailMessage.id)
+        select(EmailMessage.id, EmailMessage.lane)
         .where(not_(EmailMessage.has_run), EmailMessage.id > after_id)
         .order_by(EmailMessage.id)
         .limit(limit)
@@ -205,7 +207,9 @@ def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: dateti
             PipelineRun.email_id,
             PipelineRun.sweep_count,
             PipelineRun.converted_at.is_not(None).label("converted"),
+            EmailMessage.lane,
         )
+        .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
         .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > after_id, stalled))
         .order_by(PipelineRun.id)
         .limit(limit)
@@ -236,12 +240,15 @@ def _sweep_emails_without_run(
 ) -> None:
     batch_size = res.settings.sweep_batch_size
 
-    def read(session: Session, after_id: int) -> list[tuple[int, ...]]:
-        return [(int(i),) for i in session.scalars(emails_without_run(after_id, batch_size))]
+    def read(session: Session, after_id: int) -> list[tuple[int, str]]:
+        return [
+            (int(i), lane) for i, lane in session.execute(emails_without_run(after_id, batch_size))
+        ]
 
     for rows in _batches(res, view, lock, read):
-        lost = view.lost([row[0] for row in rows], result)
-        sent = list(enqueue(lost, TaskName.PROCESS_EMAIL)) if lost else []
+        lanes = dict(rows)
+        lost = view.lost(list(lanes), result)
+        sent = in_lanes(enqueue, lost, lanes, TaskName.PROCESS_EMAIL)
         if sent:
             with res.db.transaction() as session:
                 runs.ensure_runs(session, sent)
@@ -261,16 +268,17 @@ def _sweep_open_runs(
     settings = res.settings
     cutoff = utcnow() - timedelta(seconds=settings.stall_after)
 
-    def read(session: Session, after_id: int) -> list[tuple[int, ...]]:
+    def read(session: Session, after_id: int) -> list[tuple[int, int, int, bool, str]]:
         statement = open_runs(after_id, settings.sweep_batch_size, model_calls, cutoff)
         return [
-            (row.id, row.email_id, row.sweep_count, int(row.converted))
+            (row.id, row.email_id, row.sweep_count, bool(row.converted), row.lane)
             for row in session.execute(statement)
         ]
 
     for rows in _batches(res, view, lock, read):
-        sweeps = {email_id: count for _, email_id, count, _ in rows}
-        converted = {email_id for _, email_id, _, done in rows if done}
+        sweeps = {email_id: count for _, email_id, count, _, _ in rows}
+        converted = {email_id for _, email_id, _, done, _ in rows if done}
+        lanes = {email_id: lane for _, email_id, _, _, lane in rows}
         lost = view.lost(list(sweeps), result)
         exhausted = [i for i in lost if sweeps[i] >= settings.max_sweeps]
         retry = [i for i in lost if sweeps[i] < settings.max_sweeps]
@@ -283,16 +291,29 @@ def _sweep_open_runs(
                 failed = runs.fail_stalled(session, exhausted, reason)
             result.marked_for_review += len(failed)
         # A run past its CPU stage needs only its model stage: no parse, no conversion again.
-        sent = (
-            [
-                *enqueue([i for i in retry if i not in converted], TaskName.PROCESS_EMAIL),
-                *enqueue([i for i in retry if i in converted], TaskName.CLASSIFY_EMAIL),
-            ]
-            if retry
-            else []
-        )
+        sent = [
+            *in_lanes(
+                enqueue, [i for i in retry if i not in converted], lanes, TaskName.PROCESS_EMAIL
+            ),
+            *in_lanes(
+                enqueue, [i for i in retry if i in converted], lanes, TaskName.CLASSIFY_EMAIL
+            ),
+        ]
         if sent:
             with res.db.transaction() as session:
                 runs.count_sweep(session, sent)
         result.readded_stalled += len(sent)
         result.readded_ids.extend(sent)
+
+
+def in_lanes(
+    enqueue: Enqueue, email_ids: Sequence[int], lanes: Mapping[int, str], task: TaskName
+) -> list[int]:
+    """Send the jobs of `email_ids`, each in its email's lane (`lanes`), one call per lane;
+    returns the ids sent."""
+    sent: list[int] = []
+    for lane in Lane:
+        ids = [i for i in email_ids if lanes[i] == lane]
+        if ids:
+            sent.extend(enqueue(ids, task, lane))
+    return sent

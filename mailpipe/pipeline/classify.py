@@ -52,7 +52,7 @@ def classify_remote(
     wait: float,
     lane: Lane = Lane.LIVE,
 ) -> ClassificationResult:
-    """Call a remote classifier inside a fleet-wide rate-limit slot, taken in the email's lane.
+    """Call a remote classifier inside a fleet-wide rate-limit slot, taken in the call's `lane`.
 
     Raises `RateLimited` when no slot comes free within `wait` seconds.
     """

@@ -82,31 +82,38 @@ def process_email(
     res: Resources,
     email_id: int,
     *,
+    lane: Lane = Lane.LIVE,
     cut_off: float | None = None,
     deferred_since: float | None = None,
 ) -> Outcome:
     """Run one delivery of the email's CPU stage.
 
+    `lane`: the lane the delivery came in (its deferral is counted on that lane's queue).
     `cut_off`: this delivery replaces one killed by the hard time limit (its seconds).
     `deferred_since`: when the job was first deferred, carried by each deferred delivery.
     """
-    return _deliver(res, email_id, Stage.CPU, cut_off, deferred_since)
+    return _deliver(res, email_id, Stage.CPU, lane, cut_off, deferred_since)
 
 
 def classify_email(
-    res: Resources, email_id: int, *, deferred_since: float | None = None, lane: Lane = Lane.LIVE
+    res: Resources,
+    email_id: int,
+    *,
+    lane: Lane = Lane.LIVE,
+    deferred_since: float | None = None,
 ) -> Outcome:
-    """Run one delivery of the email's model stage; its model call waits in `lane`."""
-    return _deliver(res, email_id, Stage.MODEL, None, deferred_since, lane)
+    """Run one delivery of the email's model stage; `lane`: also the model call's lane at the
+    fleet's rate limit."""
+    return _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since)
 
 
 def _deliver(
     res: Resources,
     email_id: int,
     stage: Stage,
+    lane: Lane,
     cut_off: float | None,
     deferred_since: float | None,
-    lane: Lane = Lane.LIVE,
 ) -> Outcome:
     settings = res.settings
     pause = _pause_in_force(res, stage)
@@ -125,7 +132,7 @@ def _deliver(
         )
     if outcome.kind is Kind.DEFER:
         return _bounded_deferral(
-            res, email_id, stage_queue(stage, settings), outcome, deferred_since
+            res, email_id, stage_queue(stage, settings, lane), outcome, deferred_since
         )
     return outcome
 
@@ -197,7 +204,7 @@ def run_claimed(
     try:
         if stage is Stage.CPU:
             return _run_steps(res, email_id, claim)
-        return _classify_steps(res, email_id, claim, lane=lane)
+        return _classify_steps(res, email_id, claim, lane)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
@@ -316,9 +323,7 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
     }
 
 
-def _classify_steps(
-    res: Resources, email_id: int, claim: runs.Claim, *, lane: Lane = Lane.LIVE
-) -> Outcome:
+def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane) -> Outcome:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
     token = claim.token

@@ -39,7 +39,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, bindparam, case, insert, literal, select, update
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Stage
+from mailpipe.broker.queues import Lane, Stage
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import (
@@ -705,4 +705,26 @@ def clear_review(session: Session, email_ids: list[int]) -> list[int]:
             .values(needs_review=False, review_reason=None)
             .returning(EmailMessage.id)
         )
+    )
+
+
+def move(session: Session, email_ids: list[int], lane: Lane) -> list[int]:
+    """Put the emails among `email_ids` in `lane`, the lane their next jobs are sent in. Returns
+    the emails found (those in it already included)."""
+    return sorted(
+        session.scalars(
+            update(EmailMessage)
+            .where(EmailMessage.id.in_(email_ids))
+            .values(lane=lane.value)
+            .returning(EmailMessage.id)
+        )
+    )
+
+
+def lanes(session: Session, email_ids: list[int]) -> dict[int, str]:
+    """The lane of each email among `email_ids`."""
+    return dict(
+        session.execute(
+            select(EmailMessage.id, EmailMessage.lane).where(EmailMessage.id.in_(email_ids))
+        ).all()
     )

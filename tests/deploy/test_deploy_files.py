@@ -22,11 +22,12 @@ from botocore.validate import ParamValidator
 from cfnlint.decode import decode
 
 from mailpipe.broker.queues import (
+    Lane,
     Stage,
     control_queue,
-    email_queue,
     job_queues,
     model_queue,
+    stage_queue,
 )
 from mailpipe.operations.metrics import JOB_COUNT_NAMES, BacklogMetrics, metric_data, stage_jobs
 from mailpipe.settings import Settings
@@ -190,7 +191,7 @@ def test_command_is_the_role_and_keeps_the_image_entrypoint(role):
             "mailpipe",
             "--quiet",
             "worker",
-            "--queues=mailpipe,mailpipe.control",
+            "--queues=mailpipe,mailpipe.bulk,mailpipe.control",
             "--loglevel=INFO",
         ],
         "model": [
@@ -201,7 +202,7 @@ def test_command_is_the_role_and_keeps_the_image_entrypoint(role):
             "worker",
             "--pool=threads",
             "--concurrency=32",
-            "--queues=mailpipe.model",
+            "--queues=mailpipe.model,mailpipe.model.bulk",
             "--hostname=model@%h",
             "--loglevel=INFO",
         ],
@@ -290,8 +291,9 @@ def consumed(where: str, queue: str | None = None) -> list[str]:
 def queues_of_the_roles(queue: str) -> dict[str, set[str]]:
     settings = Settings.model_construct(queue=queue)
     return {
-        "worker": {email_queue(settings), control_queue(settings)},
-        "model": {model_queue(settings)},
+        "worker": {stage_queue(Stage.CPU, settings, lane) for lane in Lane}
+        | {control_queue(settings)},
+        "model": {stage_queue(Stage.MODEL, settings, lane) for lane in Lane},
     }
 
 

@@ -257,7 +257,7 @@ def lose_the_job_until_marked_for_review(res: Resources) -> int:
     for _ in range(res.settings.max_sweeps + 1):
         sweeper.sweep(
             res,
-            enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent,
+            enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent,
             in_flight_grace=0.0,  # the job just sent is lost already: the purge below
         )
         for name in layout.priority_lists(res.settings.queue):

@@ -535,7 +535,8 @@ def test_the_sweeper_reads_the_backlog_and_sends_nothing(res) -> None:  # type: 
     reporting = Resources(settings)
     try:
         result = sweeper.sweep(
-            reporting, enqueue=lambda ids, task: enqueue_emails(ids, reporting, task).sent
+            reporting,
+            enqueue=lambda ids, task, lane: enqueue_emails(ids, reporting, task, lane).sent,
         )
     finally:
         reporting.close()

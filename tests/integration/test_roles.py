@@ -48,7 +48,7 @@ import redis
 import requests
 from sqlalchemy import func, select
 
-from mailpipe.broker.queues import control_queue, email_queue, model_queue
+from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.cli.demo.fleet import control_app
 from mailpipe.cli.demo.servers import free_port
 from mailpipe.coordination import redis_keys
@@ -165,8 +165,10 @@ def queues_of_the_roles(env: dict[str, str]) -> dict[str, list[str]]:
         queue=env.get("MAILPIPE_QUEUE", Settings.model_fields["queue"].default)
     )
     return {
-        "worker": sorted([email_queue(settings), control_queue(settings)]),
-        "model": [model_queue(settings)],
+        "worker": sorted(
+            [*(stage_queue(Stage.CPU, settings, lane) for lane in Lane), control_queue(settings)]
+        ),
+        "model": sorted(stage_queue(Stage.MODEL, settings, lane) for lane in Lane),
     }
 
 

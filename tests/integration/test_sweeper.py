@@ -42,7 +42,9 @@ def emails(n: int, tag: str = "") -> list[bytes]:
 
 def run_sweep(res: Resources, grace: float = 0.0) -> sweeper.SweepResult:
     return sweeper.sweep(
-        res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent, in_flight_grace=grace
+        res,
+        enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent,
+        in_flight_grace=grace,
     )
 
 

@@ -78,7 +78,7 @@ class Fleet:
             "import json; from mailpipe.enqueue import enqueue_emails; "
             "from mailpipe.operations import sweeper; from mailpipe.resources import get_resources; "
             "res = get_resources(); result = sweeper.sweep(res, in_flight_grace=0, "
-            "enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent); "
+            "enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent); "
             "print(json.dumps({**result.summary(), 'readded_ids': result.readded_ids}))"
         )
         done = subprocess.run(

@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from mailpipe.app.tasks import run_sweep
 from mailpipe.broker import layout
-from mailpipe.broker.queues import Stage, TaskName
+from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import sender
@@ -45,9 +45,9 @@ class Counting:
         self.calls: list[list[int]] = []
         self._send = sender(res)
 
-    def __call__(self, email_ids, task: TaskName):  # type: ignore[no-untyped-def]
+    def __call__(self, email_ids, task: TaskName, lane: Lane):  # type: ignore[no-untyped-def]
         self.calls.append(list(email_ids))
-        return self._send(email_ids, task)
+        return self._send(email_ids, task, lane)
 
 
 def test_retry_all_reopens_in_batches_and_enqueues_each_once(res) -> None:  # type: ignore[no-untyped-def]

@@ -120,7 +120,9 @@ def test_a_run_left_waiting_keeps_its_sweeps_for_the_next_stage(res) -> None:  #
     MAILPIPE_MAX_SWEEPS re-adds over both stages."""
     [email_id] = store_emails(res, [INVOICE])
     result = sweeper.sweep(
-        res, enqueue=lambda ids, task: enqueue_emails(ids, res, task).sent, in_flight_grace=0.0
+        res,
+        enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent,
+        in_flight_grace=0.0,
     )
     assert result.readded_ids == [email_id]
     assert run_of(res, email_id).sweep_count == 1
