@@ -65,6 +65,7 @@ os.environ.update(TEST_ENV)
 NO_SERVICES = (
     "tests/unit/mail/",
     "tests/unit/app/test_config.py",
+    "tests/unit/broker/test_lane_order.py",
     "tests/unit/classifiers/",
     "tests/unit/operations/test_metrics.py",
     "tests/unit/test_settings.py",

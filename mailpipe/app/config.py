@@ -39,6 +39,11 @@ broker_transport_options = {
     "unacked_restore_interval": 10,
     "unacked_restore_throttle": 1,
     "global_keyprefix": _settings.redis_prefix,
+    # The order a worker BRPOPs its queues in: live first, bulk MAILPIPE_BULK_SHARE of the jobs
+    # while live has work and all of them while it has none (docs/lanes.md). kombu's own
+    # strategies are round robin (bulk gets half while both lanes have work) or strict priority
+    # (bulk starves behind a steady live stream).
+    "queue_order_strategy": "mailpipe.broker.lanes:LiveFirst",
 }
 # A restarted Redis or a deploy that starts workers before Redis must not crash them.
 broker_connection_retry_on_startup = True
@@ -63,6 +68,10 @@ worker_lost_wait = 2.0
 # process and goes to it at once, instead of after a BRPOP round trip. A reserved job waits for a
 # child of its worker (the first that frees up) even if another worker is idle, at most as long
 # as the shorter running job. For jobs of minutes, set MAILPIPE_WORKER_PREFETCH_MULTIPLIER=1.
+# Reserved jobs are also what a live job can wait behind when a backfill is running: the queue
+# order picks the lane of each job taken from Redis, not of those the worker already holds
+# (concurrency x this). The model role, 32 threads waiting on the model, sets 1: its BRPOP round
+# trip is nothing beside a model call, and it would otherwise hold 32 bulk calls ahead of a live one.
 worker_prefetch_multiplier = _settings.worker_prefetch_multiplier
 
 # The soft limit raises inside the job so it can record the error; the hard limit kills the child.
