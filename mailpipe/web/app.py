@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mailpipe.broker.queues import Stage
+from mailpipe.broker.queues import Lane, Stage
 from mailpipe.coordination import pauses
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
@@ -94,6 +94,7 @@ def create_app(settings: Settings) -> Starlette:
             Route("/review", console.review),
             Route("/review", console.act_on_review, methods=["POST"]),
             Route("/emails/{email_id}", console.email),
+            Route("/emails/{email_id}/lane", console.move_to_lane, methods=["POST"]),
             Route("/api/jobs/{email_id}", api_job),
             Route("/api/queues", api_queues),
         ],
@@ -232,6 +233,19 @@ class Console:
         done = await run_in_threadpool(_act, verb, request.user.username, email_ids)
         _log_action(request, f"{verb} {scope} in the review list", done.done)
         return _back("/review", {}, verb, done)
+
+    async def move_to_lane(self, request: Request) -> Response:
+        """As `mailpipe lane`: the email's next job goes in the lane chosen."""
+        email_id = _email_id(request)
+        form = await self.action_form(request)
+        lane = Lane(_choice(form, "lane", tuple(Lane)))
+        done = await run_in_threadpool(
+            actions.move, get_resources(), [email_id], lane, user=f"web:{request.user.username}"
+        )
+        if not done.done:
+            raise HTTPException(404, f"no email with id {email_id}")
+        _log_action(request, f"move to {lane.value}", done.done)
+        return RedirectResponse(f"/emails/{email_id}", status_code=303)
 
     async def action_form(self, request: Request) -> FormData:
         """The action's form, once its user is known to be an operator and its token right."""

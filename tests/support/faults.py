@@ -44,6 +44,7 @@ from redis import Redis
 from sqlalchemy import event
 
 from mailpipe.app.tasks import EmailJobTask
+from mailpipe.broker.queues import Lane
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
 from mailpipe.pipeline import job, runs
@@ -231,12 +232,12 @@ runs.claim_attempt = _claim_attempt_with_faults
 _real_follow = EmailJobTask.follow
 
 
-def _follow_recorded(self, email_id: int, outcome: job.Outcome) -> str:  # type: ignore[no-untyped-def]
+def _follow_recorded(self, email_id: int, outcome: job.Outcome, lane: Lane) -> str:  # type: ignore[no-untyped-def]
     if outcome.kind is job.Kind.RETRY:
         from mailpipe.resources import get_resources
 
         get_resources().redis.rpush(countdowns_key(email_id), repr(outcome.delay))
-    return _real_follow(self, email_id, outcome)
+    return _real_follow(self, email_id, outcome, lane)
 
 
 EmailJobTask.follow = _follow_recorded  # type: ignore[method-assign]

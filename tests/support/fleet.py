@@ -6,6 +6,7 @@ session's shared worker with it, and talks to them from the test process.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from mailpipe.broker.layout import EMAIL_ID_HEADER
 from mailpipe.broker.queues import job_queues
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.settings import Settings
@@ -56,6 +58,23 @@ class Fleet:
     def queue_depth(self, queue: str | None = None) -> int:
         """Jobs waiting in one of the fleet's queues, its email queue unless named."""
         return sum(self.res.redis.llen(name) for name in self._lists(queue or self._settings.queue))
+
+    def jobs_in(self, queue: str) -> dict[int, str]:
+        """The jobs waiting in one of the fleet's queues: each one's email, and the lane its
+        message carries (None: no lane)."""
+        jobs = {}
+        for name in self._lists(queue):
+            for raw in self.res.redis.lrange(name, 0, -1):
+                message = json.loads(raw)
+                _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+                jobs[message["headers"][EMAIL_ID_HEADER]] = kwargs.get("lane")
+        return jobs
+
+    def flush(self) -> None:
+        """What a flushed Redis leaves the fleet: none of its keys, queue bindings included."""
+        names = list(self.res.redis.scan_iter(match=f"{self.prefix}*", count=1000))
+        if names:
+            self.res.redis.delete(*names)
 
     def unacked(self) -> int:
         """Messages delivered to the fleet's workers and not yet acknowledged."""
