@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from mailpipe.broker import layout
+from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.cli import ingest as ingest_module
 from mailpipe.cli.ingest import RawEmail, Rejected, ingest, read_sources
 from mailpipe.storage.models import EmailMessage as EmailRow
@@ -308,3 +310,17 @@ def test_ingest_exits_2_when_anything_was_rejected_unless_allowed(res, tmp_path:
     allowed = mailpipe("ingest", "--no-enqueue", "--allow-rejects", str(mixed / "photo.png"))
     assert allowed.returncode == 0, allowed.stderr
     assert "rejected 1" in allowed.stdout
+
+
+def test_ingest_lane_bulk_stores_the_rows_and_sends_the_jobs_in_bulk(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    for n in range(2):
+        (tmp_path / f"{n}.eml").write_bytes(message(n))
+    run = mailpipe("ingest", "--lane", "bulk", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("stored 2, enqueued 2")
+    with res.db.session() as session:
+        stored = dict(session.execute(select(EmailRow.id, EmailRow.lane)).all())
+    assert set(stored.values()) == {"bulk"}
+    bulk = stage_queue(Stage.CPU, res.settings, Lane.BULK)
+    assert layout.emails_in_broker(res.redis, [bulk]) == set(stored)
+    assert layout.emails_in_broker(res.redis, [res.settings.queue]) == set()

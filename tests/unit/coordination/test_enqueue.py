@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 import pytest
 
 from mailpipe import enqueue
 from mailpipe.broker import layout
+from mailpipe.broker.queues import Lane, Stage, TaskName, job_queues, stage_queue
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 
@@ -40,3 +44,25 @@ def test_a_batch_the_broker_drops_midway_leaves_no_marker_and_can_be_sent_again(
     again = enqueue.enqueue_emails(ids, res)
     assert (sorted(again.sent), again.already_queued) == (sorted(ids), [])
     assert layout.emails_in_broker(res.redis, [res.settings.queue]) >= set(ids)
+
+
+def test_a_lane_s_jobs_go_to_its_queue_and_carry_the_lane(res) -> None:  # type: ignore[no-untyped-def]
+    live, bulk = store_emails(res, emails(2))
+    enqueue.enqueue_emails([live], res)
+    enqueue.enqueue_emails([bulk], res, TaskName.CLASSIFY_EMAIL, Lane.BULK)
+    bulk_model = stage_queue(Stage.MODEL, res.settings, Lane.BULK)
+    assert lanes_in(res, res.settings.queue) == {live: "live"}
+    assert lanes_in(res, bulk_model) == {bulk: "bulk"}
+    others = set(job_queues(res.settings)) - {res.settings.queue, bulk_model}
+    assert layout.emails_in_broker(res.redis, others) == set()
+
+
+def lanes_in(res, queue: str) -> dict[int, str]:  # type: ignore[no-untyped-def]
+    """The lane keyword of each job waiting in `queue`, by email."""
+    found = {}
+    for name in layout.priority_lists(queue):
+        for raw in res.redis.lrange(name, 0, -1):
+            message = json.loads(raw)
+            _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+            found[message["headers"][layout.EMAIL_ID_HEADER]] = kwargs["lane"]
+    return found

@@ -50,6 +50,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error_class": "InputRejected",
             "error": "InputRejected: failed",
             "needs_review": False,
+            "lane": "live",
         },
         {
             "email_id": old,
@@ -59,6 +60,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error_class": "BlobMissing",
             "error": "BlobMissing: failed",
             "needs_review": True,
+            "lane": "live",
         },
     ]
 
