@@ -14,6 +14,16 @@ Bounds (r = rate per second, B = burst, C = max in flight, T = slot TTL):
   host) keeps its slot until T after it took it; a call that runs longer than T loses its slot,
   so T must exceed the longest call (the Bedrock classifier's worst case is about 110 s).
 
+Live first (docs/model-calls.md, "Lanes and the limit"): a live call that is refused registers
+itself as waiting until a little after its next try (`_WAITER_MARGIN_S`), or until it is granted.
+While any live call is registered, a bulk call is granted only on credit: the bucket keeps
+`bulk_credit`, which every grant raises by `bulk_share` and every bulk grant lowers by 1, kept
+in [0, 1]. So over any stretch of time in which a live call is registered throughout, bulk calls
+get at most `bulk_share` of the grants, plus one; bulk calls that keep asking get about that
+share (a bulk call with credit still races the live calls for the next token). With no live call
+waiting, bulk takes tokens freely. The lane decides who gets a token, never how many there are:
+the bounds above hold over both lanes together.
+
 Waiting is polling, not a queue: a waiter sleeps until a token is due (or briefly, when only a
 slot is missing) and tries again. That is not fair among waiters, which is acceptable for jobs
 that retry anyway; it costs one Redis round trip per try.
@@ -31,14 +41,17 @@ from dataclasses import dataclass
 
 from redis import Redis, RedisError
 
+from mailpipe.broker.queues import Lane
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import Throttled
 
 log = logging.getLogger(__name__)
 
-# KEYS: bucket hash, in-flight sorted set.
-# ARGV: rate (tokens/s), burst, max in flight, slot id, slot TTL (µs).
-# Returns {granted 0|1, Redis time (µs), µs until a token is due, 1 if all slots are taken}.
+# KEYS: bucket hash, in-flight sorted set, live waiters sorted set.
+# ARGV: rate (tokens/s), burst, max in flight, slot id, slot TTL (µs), lane, bulk share,
+# waiter margin (µs).
+# Returns {granted 0|1, Redis time (µs), µs until a token is due, 1 if all slots are taken,
+# 1 if a bulk call gave way to live ones}.
 # Times are integer microseconds: exact in Lua's doubles (2**53 µs is 285 years), and Redis turns
 # returned Lua numbers into integers, which would cut fractional seconds.
 _ACQUIRE = """
@@ -46,15 +59,21 @@ local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local max_in_flight = tonumber(ARGV[3])
 local ttl_us = tonumber(ARGV[5])
+local live = ARGV[6] == 'live'
+local bulk_share = tonumber(ARGV[7])
+local margin_us = tonumber(ARGV[8])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local slots_full = redis.call('ZCARD', KEYS[2]) >= max_in_flight
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local live_waiting = redis.call('ZCARD', KEYS[3]) > 0
 
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts', 'bulk_credit')
 local tokens = tonumber(state[1]) or burst
 local ts = tonumber(state[2]) or now
+local credit = tonumber(state[3]) or 0
 -- A clock that went back (failover to a replica) refills nothing until it passes `ts` again.
 if now > ts then
   tokens = math.min(burst, tokens + (now - ts) * rate / 1000000)
@@ -64,17 +83,39 @@ local token_wait = 0
 if tokens < 1 then
   token_wait = math.ceil((1 - tokens) * 1000000 / rate)
 end
--- A refusal writes nothing: refilling is a pure function of the stored state and the time.
-if token_wait > 0 or slots_full then
-  return {0, now, token_wait, slots_full and 1 or 0}
+-- A bulk call uses credit only while live calls wait; the credit gains this grant's share first,
+-- so that bulk gets one grant in 1/bulk_share (the margin absorbs the sum's rounding).
+local bulk_on_credit = (not live) and live_waiting
+local held_for_live = bulk_on_credit and credit + bulk_share < 1 - 1e-9
+-- A refusal writes nothing to the bucket: refilling is a pure function of the stored state and
+-- the time. A live call registers as waiting until a little after it tries again.
+if token_wait > 0 or slots_full or held_for_live then
+  if live then
+    -- Twice the wait: past the caller's jitter (at most 20 %) however long the wait.
+    local registered_us = 2 * token_wait + margin_us
+    redis.call('ZADD', KEYS[3], now + registered_us, ARGV[4])
+    redis.call('PEXPIRE', KEYS[3], math.ceil(registered_us / 1000) + 1000)
+  elseif held_for_live then
+    -- Credit comes with grants: try again when the next token is due.
+    token_wait = math.max(token_wait, math.ceil(1000000 / rate))
+  end
+  return {0, now, token_wait, slots_full and 1 or 0, held_for_live and 1 or 0}
 end
 
-redis.call('HSET', KEYS[1], 'tokens', tokens - 1, 'ts', ts)
--- A bucket left alone refills within burst/rate seconds; after that a missing key means the same.
+credit = math.min(1, credit + bulk_share)
+if bulk_on_credit then
+  credit = math.max(0, credit - 1)
+end
+redis.call('HSET', KEYS[1], 'tokens', tokens - 1, 'ts', ts, 'bulk_credit', credit)
+-- A bucket left alone refills within burst/rate seconds; after that a missing key means the same
+-- (and no credit: bulk earns it again once live calls wait).
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 redis.call('ZADD', KEYS[2], now + ttl_us, ARGV[4])
 redis.call('PEXPIRE', KEYS[2], math.ceil(ttl_us / 1000) + 1000)
-return {1, now, 0, 0}
+if live then
+  redis.call('ZREM', KEYS[3], ARGV[4])
+end
+return {1, now, 0, 0, 0}
 """
 
 # When only a slot is missing, the limiter cannot know when a running call ends: poll briefly
@@ -82,6 +123,10 @@ return {1, now, 0, 0}
 # slot TTL would be a guaranteed bound, but one that only a crashed holder ever needs).
 _SLOT_POLL_S = 0.05
 _SLOT_RETRY_AFTER_S = 1.0
+# How long past its next try a refused live call stays registered as waiting: a round trip and a
+# busy host's scheduling, with room to spare. A live caller that stops asking (its job deferred,
+# its process dead) holds bulk back this long at most after its last try.
+_WAITER_MARGIN_S = 0.5
 
 
 class RateLimited(Throttled):
@@ -99,13 +144,15 @@ class _Attempt:
     at: float  # Redis time, seconds since the epoch
     token_wait: float  # seconds until the bucket has a token; 0 if it has one
     slots_full: bool
+    held_for_live: bool  # a bulk call without credit while live calls wait
 
 
 class FleetRateLimiter:
     """Rate and concurrency limit shared by every process that uses the same Redis and `name`.
 
-    Keys are `[MAILPIPE_REDIS_PREFIX]mailpipe:ratelimit:{name}:bucket` and `...:inflight`. The braces are a Redis
-    Cluster hash tag: both keys of one limiter live on one shard, which a script needs.
+    Keys are `[MAILPIPE_REDIS_PREFIX]mailpipe:ratelimit:{name}:bucket`, `...:inflight` and
+    `...:live` (the live calls waiting). The braces are a Redis Cluster hash tag: the keys of one
+    limiter live on one shard, which a script needs. `bulk_share` is MAILPIPE_BULK_SHARE.
     """
 
     def __init__(
@@ -115,23 +162,29 @@ class FleetRateLimiter:
         rate_per_s: float,
         burst: int,
         max_in_flight: int,
+        bulk_share: float,
         name: str = "model",
         slot_ttl: float = 120.0,
     ) -> None:
         if rate_per_s <= 0 or burst < 1 or max_in_flight < 1 or slot_ttl <= 0:
             raise ValueError("rate_per_s and slot_ttl must be > 0, burst and max_in_flight >= 1")
+        if not 0 <= bulk_share <= 1:
+            raise ValueError("bulk_share must be from 0 to 1")
         self._redis = redis
         self._rate = rate_per_s
         self._burst = burst
         self._max_in_flight = max_in_flight
+        self._bulk_share = bulk_share
         self._slot_ttl_us = round(slot_ttl * 1_000_000)
         self._bucket_key = redis_keys.key(f"ratelimit:{{{name}}}:bucket")
         self._inflight_key = redis_keys.key(f"ratelimit:{{{name}}}:inflight")
+        self._live_key = redis_keys.key(f"ratelimit:{{{name}}}:live")
         self._acquire = redis.register_script(_ACQUIRE)
 
     @contextmanager
-    def slot(self, wait: float = 0.0) -> Iterator[float]:
+    def slot(self, wait: float = 0.0, lane: Lane = Lane.LIVE) -> Iterator[float]:
         """Take a token and an in-flight slot, waiting up to `wait` seconds; release on exit.
+        A bulk call gives way to live ones (the module's docstring).
 
         Raises `RateLimited` (with `retry_after`) if neither came in time. Yields the Redis time
         at which the call was admitted, the time the rate bound is stated in.
@@ -139,14 +192,15 @@ class FleetRateLimiter:
         slot_id = uuid.uuid4().hex
         deadline = time.monotonic() + wait
         while True:
-            attempt = self._try(slot_id)
+            attempt = self._try(slot_id, lane)
             if attempt.granted:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RateLimited(
                     "model calls are at the fleet limit"
-                    + (" of calls in flight" if attempt.slots_full else " of calls per second"),
+                    + (" of calls in flight" if attempt.slots_full else " of calls per second")
+                    + (", and bulk calls give way to live ones" if attempt.held_for_live else ""),
                     retry_after=max(
                         attempt.token_wait, _SLOT_RETRY_AFTER_S if attempt.slots_full else 0.0
                     ),
@@ -159,16 +213,26 @@ class FleetRateLimiter:
         finally:
             self._release(slot_id)
 
-    def _try(self, slot_id: str) -> _Attempt:
-        granted, now_us, token_wait_us, slots_full = self._acquire(
-            keys=[self._bucket_key, self._inflight_key],
-            args=[self._rate, self._burst, self._max_in_flight, slot_id, self._slot_ttl_us],
+    def _try(self, slot_id: str, lane: Lane) -> _Attempt:
+        granted, now_us, token_wait_us, slots_full, held_for_live = self._acquire(
+            keys=[self._bucket_key, self._inflight_key, self._live_key],
+            args=[
+                self._rate,
+                self._burst,
+                self._max_in_flight,
+                slot_id,
+                self._slot_ttl_us,
+                lane.value,
+                self._bulk_share,
+                round(_WAITER_MARGIN_S * 1_000_000),
+            ],
         )
         return _Attempt(
             granted=bool(granted),
             at=now_us / 1_000_000,
             token_wait=token_wait_us / 1_000_000,
             slots_full=bool(slots_full),
+            held_for_live=bool(held_for_live),
         )
 
     def _release(self, slot_id: str) -> None:

@@ -56,7 +56,7 @@ def classify_remote(
 
     Raises `RateLimited` when no slot comes free within `wait` seconds.
     """
-    with limiter.slot(wait=wait):
+    with limiter.slot(wait=wait, lane=lane):
         return classifier.classify(email)
 
 

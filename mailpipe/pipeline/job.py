@@ -345,6 +345,7 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
             rate_per_s=settings.model_rate_per_s,
             burst=settings.model_burst,
             max_in_flight=settings.model_max_in_flight,
+            bulk_share=settings.bulk_share,
         )
         # A thread waits its turn here, cheaply; past the wait the job is deferred.
         result = classify_remote(

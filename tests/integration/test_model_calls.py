@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from mailpipe.broker.queues import Lane
 from mailpipe.celery import app
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.demo.fleet import CeleryProcess
@@ -50,17 +51,25 @@ MAX_IN_FLIGHT = 2
 # With 0.5 s calls the in-flight cap alone would allow 4 calls/s: both limits bind in turn.
 MODEL_DELAY_S = 0.5
 ARRIVAL_JITTER_S = 0.25
+# How many bulk emails a live one may see classified while it waits for the model (the test).
+LIVE_PASSES_BULK = 12
 
 
-def model_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
+def model_env(
+    server: BedrockServer,
+    aws_dir: Path,
+    rate_per_s: float = RATE_PER_S,
+    burst: int = BURST,
+    max_in_flight: int = MAX_IN_FLIGHT,
+) -> dict[str, str]:
     """The test environment with the `bedrock` backend pointed at `server`."""
     env = dict(os.environ)
     env.update(
         {
             **bedrock_env(server, aws_dir),
-            "MAILPIPE_MODEL_RATE_PER_S": str(RATE_PER_S),
-            "MAILPIPE_MODEL_BURST": str(BURST),
-            "MAILPIPE_MODEL_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),
+            "MAILPIPE_MODEL_RATE_PER_S": str(rate_per_s),
+            "MAILPIPE_MODEL_BURST": str(burst),
+            "MAILPIPE_MODEL_MAX_IN_FLIGHT": str(max_in_flight),
         }
     )
     env.pop("AWS_PROFILE", None)
@@ -72,9 +81,9 @@ def model_fleet(
     res,
     tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> Iterator[Callable[..., TimedBedrockServer]]:
-    """`start(workers=, concurrency=, delay=)`: a model server answering after `delay` seconds
-    and real workers using it, all stopped after the test. Model calls are switched on once the
-    workers are up (so that no worker's start-up sweep runs first)."""
+    """`start(workers=, concurrency=, delay=, [rate_per_s=, max_in_flight=])`: a model server answering after `delay`
+    seconds and real workers of both lanes using it, all stopped after the test. Model calls are
+    switched on once the workers are up (so that no worker's start-up sweep runs first)."""
     # Any other worker on this run's queue (the `rules` backend of the shared one) would take
     # jobs meant for the model: only the ones started here may be running.
     others = [name for reply in app.control.ping(timeout=1.0) or [] for name in reply]
@@ -82,12 +91,21 @@ def model_fleet(
     servers: list[TimedBedrockServer] = []
     processes: list[CeleryProcess] = []
 
-    def start(*, workers: int, concurrency: int, delay: float) -> TimedBedrockServer:
+    def start(
+        *,
+        workers: int,
+        concurrency: int,
+        delay: float,
+        rate_per_s: float = RATE_PER_S,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> TimedBedrockServer:
         """One worker of the CPU stage, and `workers` of the model role with `concurrency`
         threads each, as the Procfile starts them."""
         server = TimedBedrockServer(delay=delay).start()
         servers.append(server)
-        env = model_env(server, tmp_path)
+        env = model_env(server, tmp_path, rate_per_s, BURST, max_in_flight)
+        # The model role reserves one message per thread (Procfile).
+        model_role_env = {**env, "MAILPIPE_WORKER_PREFETCH_MULTIPLIER": "1"}
         queue = res.settings.queue
         started = [
             localfleet.worker(
@@ -95,16 +113,21 @@ def model_fleet(
                 tmp_path,
                 concurrency=2,
                 name="cpu",
-                extra_args=("-Q", f"{queue},{queue}.control", "-I", "tests.support.faults"),
+                extra_args=(
+                    "-Q",
+                    f"{queue},{queue}.bulk,{queue}.control",
+                    "-I",
+                    "tests.support.faults",
+                ),
             ).start(),
             *(
                 localfleet.worker(
-                    env,
+                    model_role_env,
                     tmp_path,
                     concurrency=concurrency,
                     name=f"models-{i}",
                     pool="threads",
-                    extra_args=("-Q", f"{queue}.model"),
+                    extra_args=("-Q", f"{queue}.model,{queue}.model.bulk"),
                 ).start()
                 for i in range(workers)
             ),
@@ -337,3 +360,54 @@ def parses(res, email_ids: list[int]) -> list[int]:  # type: ignore[no-untyped-d
     """How often each email's CPU stage reached its steps (the parse), as counted in the CPU
     worker by tests.support.faults."""
     return [int(res.redis.get(runs_key(i)) or 0) for i in email_ids]
+
+
+def test_live_emails_are_classified_first_through_a_model_bound_backfill(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A backfill waits at the model stage; live emails that arrive meanwhile pass it.
+
+    Between a live email's hand-off to the model stage and its classification, few bulk emails
+    are classified: those whose calls were in flight when it arrived (rate x call = 10 x 0.5 s =
+    5), those granted while it reached a thread (one thread frees per grant, and it takes live
+    first: about a grant, two on a busy machine) and before its first refusal registered it (its
+    lease and claim: another grant or two), and bulk's share while it waits behind the other
+    live calls (at most 0.1 x 4 + 1 = 1). That is 5 + 2 + 2 + 1 = 10; `LIVE_PASSES_BULK` allows two
+    more for the writes after a call. Without the lanes, 32 threads holding bulk jobs stand
+    before it in the queue and at the limiter: a live email would wait out about 32 of them.
+    """
+    rate, threads = 10.0, 16
+    server = model_fleet(
+        workers=2, concurrency=threads, delay=MODEL_DELAY_S, rate_per_s=rate, max_in_flight=8
+    )
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, False)
+    bulk = store_emails(res, invoices(80), Lane.BULK)
+    assert len(enqueue_emails(bulk, res, lane=Lane.BULK).sent) == len(bulk)
+    wait_for(lambda: converted(res) == len(bulk), 90, "the CPU stage of the backfill")
+    # Switched on: the sweep it sends re-adds each bulk email's model stage in the bulk lane.
+    subprocess.run(
+        [sys.executable, "-m", "mailpipe.cli.main", "model-calls", "on"],
+        env=model_env(server, tmp_path, rate, BURST, 8),
+        check=True,
+        capture_output=True,
+    )
+    # Every model thread holds a bulk job before live mail arrives.
+    wait_for(lambda: classifications(res) >= 2 * threads, 60, "the backfill under way")
+    live = store_emails(res, invoices(4))
+    enqueue_emails(live, res)
+
+    assert set(wait_until_closed(res, live + bulk, timeout=120).values()) == {"succeeded"}
+    by_email = {run.email_id: run for run in runs(res)}
+    bulk_done = sorted(by_email[email_id].classified_at for email_id in bulk)
+    for email_id in live:
+        run = by_email[email_id]
+        passed = [t for t in bulk_done if run.converted_at < t <= run.classified_at]
+        assert len(passed) <= LIVE_PASSES_BULK, (
+            f"{len(passed)} bulk emails were classified while live email {email_id} waited"
+        )
+    # The backfill was not done when live mail came: live emails passed it.
+    assert max(by_email[i].classified_at for i in live) < bulk_done[-1]
+    assert len(server.arrivals()) == len(live) + len(bulk)  # one call each

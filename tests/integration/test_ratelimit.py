@@ -4,9 +4,9 @@ Each process stands in for a worker on its own host: it builds its own Redis cli
 and hammers `slot()`. Grant times are the Redis server times the limiter yields, the clock its
 bucket runs on, so the bound below is checked exactly, not up to clock skew between processes.
 
-The bound: with rate r and burst B, every window of length t holds at most B + r*t grants (the
-bucket holds at most B tokens when the window opens, gains at most r*t during it, never goes
-below zero, and each grant takes one token). For 1 s windows that is B + r.
+The bound (tests/support/grants.py): with rate r and burst B, every window of length t holds at
+most B + r*t grants. For 1 s windows that is B + r. The lanes' rule is checked in
+tests/unit/coordination/test_ratelimit_lanes.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 from redis import Redis
 
 from mailpipe.coordination.ratelimit import FleetRateLimiter, RateLimited
+from tests.support.grants import assert_within_rate, most_in_window
 
 # The run's Redis and key prefix (tests/conftest.py): the limiter's keys and these are all under
 # it, so nothing here touches another run's keys, and the `res` fixture clears them per test.
@@ -54,6 +55,7 @@ def hammer(limits: dict[str, float], seconds: float, hold: float, start: Barrier
         rate_per_s=limits["rate_per_s"],
         burst=int(limits["burst"]),
         max_in_flight=int(limits["max_in_flight"]),
+        bulk_share=0.1,
         name="hammer",
     )
     grants: list[float] = []
@@ -90,18 +92,6 @@ def run_fleet(limits: dict[str, float], seconds: float, hold: float) -> tuple[li
     return grants, max(report["peak"] for report in reports)
 
 
-def most_in_window(grants: list[float], window: float) -> int:
-    """The largest number of grants in any closed window [t, t + window], in whole microseconds."""
-    micros = [round(t * 1_000_000) for t in grants]
-    span = round(window * 1_000_000)
-    most, first = 0, 0
-    for last, t in enumerate(micros):
-        while t - micros[first] > span:
-            first += 1
-        most = max(most, last - first + 1)
-    return most
-
-
 def test_grants_never_exceed_rate_plus_burst_in_any_window(redis_db: Redis) -> None:
     rate, burst = 10.0, 5
     limits = {"rate_per_s": rate, "burst": burst, "max_in_flight": 100}
@@ -111,13 +101,8 @@ def test_grants_never_exceed_rate_plus_burst_in_any_window(redis_db: Redis) -> N
     # Eight processes want far more than the limit, so the bucket is the only thing holding them.
     assert len(grants) > burst + rate, "the fleet should have had more than one window's worth"
     assert most_in_window(grants, 1.0) <= burst + rate
-    # The same bound for every window length at once: grants i..j span g_j - g_i.
-    micros = [round(t * 1_000_000) for t in grants]
-    for i, first in enumerate(micros):
-        for j in range(i, len(micros)):
-            assert j - i + 1 <= burst + rate * (micros[j] - first) / 1_000_000 + 1e-9, (
-                f"{j - i + 1} grants within {(micros[j] - first) / 1e6:.6f} s"
-            )
+    # The same bound for every window length at once.
+    assert_within_rate(grants, rate, burst)
 
 
 def test_calls_in_flight_never_exceed_the_cap(redis_db: Redis) -> None:
@@ -136,7 +121,13 @@ def hold_forever(slot_ttl: float, granted: str) -> None:
     """Take the only slot, say so with its grant time, and never let go (until killed)."""
     client = Redis.from_url(REDIS_URL)
     limiter = FleetRateLimiter(
-        client, rate_per_s=100.0, burst=10, max_in_flight=1, name="victim", slot_ttl=slot_ttl
+        client,
+        rate_per_s=100.0,
+        burst=10,
+        max_in_flight=1,
+        bulk_share=0.1,
+        name="victim",
+        slot_ttl=slot_ttl,
     )
     with limiter.slot() as granted_at:
         client.rpush(granted, granted_at)
@@ -156,7 +147,13 @@ def test_slot_of_a_killed_holder_frees_itself_after_the_ttl(redis_db: Redis) -> 
     assert victim.exitcode == -signal.SIGKILL
 
     limiter = FleetRateLimiter(
-        redis_db, rate_per_s=100.0, burst=10, max_in_flight=1, name="victim", slot_ttl=slot_ttl
+        redis_db,
+        rate_per_s=100.0,
+        burst=10,
+        max_in_flight=1,
+        bulk_share=0.1,
+        name="victim",
+        slot_ttl=slot_ttl,
     )
     with pytest.raises(RateLimited):  # the dead process still holds the only slot
         with limiter.slot():
@@ -166,7 +163,9 @@ def test_slot_of_a_killed_holder_frees_itself_after_the_ttl(redis_db: Redis) -> 
 
 
 def test_rate_limited_says_when_a_token_is_due(redis_db: Redis) -> None:
-    limiter = FleetRateLimiter(redis_db, rate_per_s=0.5, burst=1, max_in_flight=10, name="hint")
+    limiter = FleetRateLimiter(
+        redis_db, rate_per_s=0.5, burst=1, max_in_flight=10, bulk_share=0.1, name="hint"
+    )
     with limiter.slot():
         pass
 
@@ -179,7 +178,9 @@ def test_rate_limited_says_when_a_token_is_due(redis_db: Redis) -> None:
 
 
 def test_rate_limited_when_all_slots_are_held(redis_db: Redis) -> None:
-    limiter = FleetRateLimiter(redis_db, rate_per_s=100.0, burst=10, max_in_flight=1, name="full")
+    limiter = FleetRateLimiter(
+        redis_db, rate_per_s=100.0, burst=10, max_in_flight=1, bulk_share=0.1, name="full"
+    )
 
     with limiter.slot(), pytest.raises(RateLimited) as refused, limiter.slot(wait=0.1):
         pass
