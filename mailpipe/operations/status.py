@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, not_, select, text
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Stage, control_queue, email_queue, model_queue
+from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.coordination import markers, pauses
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.operations.metrics import read_backlog
@@ -89,11 +89,12 @@ def fleet_status(res: Resources) -> dict[str, Any]:
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
     settings = res.settings
+    # Each stage's lanes: the live lane under the stage's name, the bulk lane after it.
     names = {
-        "email": email_queue(settings),
-        "model": model_queue(settings),
-        "control": control_queue(settings),
-    }
+        f"{role}{'' if lane is Lane.LIVE else f'.{lane}'}": stage_queue(stage, settings, lane)
+        for role, stage in (("email", Stage.CPU), ("model", Stage.MODEL))
+        for lane in Lane
+    } | {"control": control_queue(settings)}
     queues = {role: _queue_dict(res, name) for role, name in names.items()}
     paused = {
         stage.value: {

@@ -504,5 +504,5 @@ def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]
         assert f"{role} queue depth" in table.stdout
     assert "live workers" in table.stdout
     data = json.loads(mailpipe("status", "--json").stdout)
-    assert set(data["queues"]) == {"email", "model", "control"}
+    assert set(data["queues"]) == {"email", "email.bulk", "model", "model.bulk", "control"}
     assert data["workers"] == []
