@@ -517,8 +517,11 @@ def test_a_report_gives_each_stage_s_jobs_and_durations(res) -> None:  # type: i
     report(env)
     wait_for(lambda: reports_sent(namespace) == 1, 30, "the report")
     window_until = time.time() + 1
-    # The next report's datapoints are stamped after the first's whole seconds.
-    wait_for(lambda: time.time() > window_until, 10, "the first report's last second to pass")
+    # The next report's datapoints are stamped after the first's whole seconds: from the first
+    # whole second after window_until on, where the next window's query starts.
+    wait_for(
+        lambda: time.time() > math.ceil(window_until), 10, "the first report's last second to pass"
+    )
     report(env)
     wait_for(lambda: reports_sent(namespace) == 2, 30, "the next report")
     ended = time.time() + 1
