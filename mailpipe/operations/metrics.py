@@ -152,7 +152,7 @@ class BacklogMetrics:
         return lane_of(self.queue)
 
     @property
-    def stage_queue(self) -> str:
+    def queue_dimension(self) -> str:
         """The `Queue` dimension: the stage's queue, the name of its live lane (a bulk lane is
         that name with `.bulk` after it, mailpipe.broker.queues.stage_queue)."""
         return self.queue.removesuffix(f".{Lane.BULK}")
@@ -197,7 +197,7 @@ class LogMetricsSink:
         log.info(
             "metrics queue=%s lane=%s QueueDepth=%d OldestJobAgeSeconds=%.1f DeferredJobs=%d "
             "BacklogPerTask=%.2f RunningTasks=%d%s",
-            metrics.stage_queue,
+            metrics.queue_dimension,
             metrics.lane,
             metrics.queue_depth,
             metrics.oldest_job_age_s,
@@ -256,7 +256,7 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
     """The PutMetricData entries of one reading: its lane's figures (dimensions `Queue` and
     `Lane`), its stage's RunningTasks (dimension `Queue`) on the live lane's reading, and each
     stage's pause and jobs (dimension `Stage`) when the reading carries them."""
-    queue = [{"Name": "Queue", "Value": metrics.stage_queue}]
+    queue = [{"Name": "Queue", "Value": metrics.queue_dimension}]
     lane = [*queue, {"Name": "Lane", "Value": metrics.lane.value}]
     figures: list[tuple[str, float, str, list[dict[str, str]]]] = [
         ("QueueDepth", metrics.queue_depth, "Count", lane),

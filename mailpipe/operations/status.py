@@ -89,12 +89,14 @@ def fleet_status(res: Resources) -> dict[str, Any]:
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
     settings = res.settings
-    # Each stage's lanes: the live lane under the stage's name, the bulk lane after it.
+    # Each stage's live lane under the stage's role, its bulk lane after it.
     names = {
-        f"{role}{'' if lane is Lane.LIVE else f'.{lane}'}": stage_queue(stage, settings, lane)
-        for role, stage in (("email", Stage.CPU), ("model", Stage.MODEL))
-        for lane in Lane
-    } | {"control": control_queue(settings)}
+        "email": stage_queue(Stage.CPU, settings),
+        "email.bulk": stage_queue(Stage.CPU, settings, Lane.BULK),
+        "model": stage_queue(Stage.MODEL, settings),
+        "model.bulk": stage_queue(Stage.MODEL, settings, Lane.BULK),
+        "control": control_queue(settings),
+    }
     queues = {role: _queue_dict(res, name) for role, name in names.items()}
     paused = {
         stage.value: {
