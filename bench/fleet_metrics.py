@@ -144,7 +144,7 @@ class Fleet:
 
 def reports(namespace: str) -> int:
     """PutMetricData calls the server received for `namespace`: each carries one QueueDepth for
-    the email queue."""
+    the email queue's live lane."""
     cloudwatch = boto3.client(
         "cloudwatch",
         endpoint_url=os.environ["MAILPIPE_CLOUDWATCH_ENDPOINT_URL"],
@@ -154,7 +154,7 @@ def reports(namespace: str) -> int:
     points = cloudwatch.get_metric_statistics(
         Namespace=namespace,
         MetricName="QueueDepth",
-        Dimensions=[{"Name": "Queue", "Value": "mailpipe"}],
+        Dimensions=[{"Name": "Queue", "Value": "mailpipe"}, {"Name": "Lane", "Value": "live"}],
         StartTime=now - timedelta(hours=1),
         EndTime=now + timedelta(minutes=5),
         Period=3600,

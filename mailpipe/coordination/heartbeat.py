@@ -277,17 +277,17 @@ def recover_orphans(
     return Recovery(restored, len(due) - len(restored))
 
 
-def live_workers(redis: Redis, dead_after: float, queue: str | None = None) -> int:
-    """Worker processes (ECS tasks) whose heartbeat is fresh; with `queue`, those consuming it
-    (the entries of workers gone for good are dropped on the way)."""
+def live_workers(redis: Redis, dead_after: float, *queues: str) -> int:
+    """Worker processes (ECS tasks) whose heartbeat is fresh; with `queues`, those consuming any
+    of them, each counted once (the entries of workers gone for good are dropped on the way)."""
     cutoff = redis_time(redis) - dead_after
-    if queue is None:
+    if not queues:
         return int(redis.zcount(redis_keys.workers(), cutoff, "+inf"))
-    registry = redis_keys.workers_on(queue)
     pipe = redis.pipeline(transaction=False)
-    pipe.zremrangebyscore(registry, "-inf", cutoff - dead_after)
-    pipe.zcount(registry, cutoff, "+inf")
-    return int(pipe.execute()[1])
+    for registry in map(redis_keys.workers_on, queues):
+        pipe.zremrangebyscore(registry, "-inf", cutoff - dead_after)
+        pipe.zrangebyscore(registry, cutoff, "+inf")
+    return len(set().union(*pipe.execute()[1::2]))
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,20 @@
 """Backlog metrics for autoscaling and alarms (docs/metrics.md).
 
-Per job queue (dimension `Queue`: the email queue `MAILPIPE_QUEUE`, and its model queue
-`<queue>.model`, which the worker and model roles scale on):
+Per lane of each stage's queue (dimensions `Queue`: the email queue `MAILPIPE_QUEUE` or its
+model queue `<queue>.model`, which the worker and model roles scale on; and `Lane`: `live`, that
+queue itself, or `bulk`, its `.bulk` twin):
 
-- `QueueDepth`: jobs waiting in the queue, every priority list of it;
+- `QueueDepth`: jobs waiting in the lane's queue, every priority list of it;
 - `OldestJobAgeSeconds`: how long the oldest of them has waited (0 when none waits);
 - `DeferredJobs`: jobs deferred (a held lease, the rate limit, throttling) and waiting for their
   delivery, which workers hold for its countdown outside the queue;
-- `RunningTasks`: worker processes (ECS tasks) consuming the queue, with a fresh heartbeat;
-- `BacklogPerTask`: (QueueDepth + DeferredJobs) / RunningTasks, what Auto Scaling tracks; 0
-  while the queue's stage is paused, as a task added then would sit idle.
+- `BacklogPerTask`: (QueueDepth + DeferredJobs) / RunningTasks of the stage: summed over the two
+  lanes, the stage's backlog per task, what Auto Scaling tracks; 0 while the stage is paused, as
+  a task added then would sit idle.
+
+Per stage's queue (dimension `Queue` alone):
+
+- `RunningTasks`: worker processes (ECS tasks) consuming either lane, with a fresh heartbeat.
 
 With the email queue's dimension only:
 
@@ -51,7 +56,7 @@ from typing import Any, Protocol
 from sqlalchemy import func, select
 
 from mailpipe.broker.layout import queue_stats
-from mailpipe.broker.queues import Stage, job_queues, stage_queue
+from mailpipe.broker.queues import Lane, Stage, lane_of, stage_queue
 from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_workers
 from mailpipe.resources import Resources
@@ -126,10 +131,10 @@ class Window:
 
 @dataclass(frozen=True)
 class BacklogMetrics:
-    queue: str
+    queue: str  # the queue read: a stage's queue (its live lane) or its `.bulk` twin
     queue_depth: int
     oldest_job_age_s: float
-    running_tasks: int  # worker processes (ECS tasks) alive now
+    running_tasks: int  # worker processes (ECS tasks) alive now, consuming the stage
     deferred_jobs: int = 0
     # Runs failed since the last report; None when another reporter counted this window.
     failed_runs: int | None = None
@@ -141,6 +146,16 @@ class BacklogMetrics:
     # The queue's stage is paused: no task may take its jobs, however many run.
     held: bool = False
     measured_at: float = field(default_factory=time.time)
+
+    @property
+    def lane(self) -> Lane:
+        return lane_of(self.queue)
+
+    @property
+    def queue_dimension(self) -> str:
+        """The `Queue` dimension: the stage's queue, the name of its live lane (a bulk lane is
+        that name with `.bulk` after it, mailpipe.broker.queues.stage_queue)."""
+        return self.queue.removesuffix(f".{Lane.BULK}")
 
     @property
     def backlog_per_task(self) -> float:
@@ -180,9 +195,10 @@ class LogMetricsSink:
             if value is not None
         )
         log.info(
-            "metrics queue=%s QueueDepth=%d OldestJobAgeSeconds=%.1f DeferredJobs=%d "
+            "metrics queue=%s lane=%s QueueDepth=%d OldestJobAgeSeconds=%.1f DeferredJobs=%d "
             "BacklogPerTask=%.2f RunningTasks=%d%s",
-            metrics.queue,
+            metrics.queue_dimension,
+            metrics.lane,
             metrics.queue_depth,
             metrics.oldest_job_age_s,
             metrics.deferred_jobs,
@@ -193,8 +209,8 @@ class LogMetricsSink:
 
 
 class CloudWatchSink:
-    """One batched PutMetricData per report (every queue's figures, the stages' pauses and
-    jobs: at most 24 entries, well within the API's 1,000).
+    """One batched PutMetricData per report (every lane's figures, the stages' pauses and
+    jobs: at most 32 entries, well within the API's 1,000).
 
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
@@ -237,16 +253,20 @@ class CloudWatchSink:
 
 
 def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
-    """The PutMetricData entries of one reading: its queue's figures (dimension `Queue`), and
-    each stage's pause and jobs (dimension `Stage`) when the reading carries them."""
-    queue = [{"Name": "Queue", "Value": metrics.queue}]
+    """The PutMetricData entries of one reading: its lane's figures (dimensions `Queue` and
+    `Lane`), its stage's RunningTasks (dimension `Queue`) on the live lane's reading, and each
+    stage's pause and jobs (dimension `Stage`) when the reading carries them."""
+    queue = [{"Name": "Queue", "Value": metrics.queue_dimension}]
+    lane = [*queue, {"Name": "Lane", "Value": metrics.lane.value}]
     figures: list[tuple[str, float, str, list[dict[str, str]]]] = [
-        ("QueueDepth", metrics.queue_depth, "Count", queue),
-        ("OldestJobAgeSeconds", metrics.oldest_job_age_s, "Seconds", queue),
-        ("DeferredJobs", metrics.deferred_jobs, "Count", queue),
-        ("BacklogPerTask", metrics.backlog_per_task, "Count", queue),
-        ("RunningTasks", metrics.running_tasks, "Count", queue),
+        ("QueueDepth", metrics.queue_depth, "Count", lane),
+        ("OldestJobAgeSeconds", metrics.oldest_job_age_s, "Seconds", lane),
+        ("DeferredJobs", metrics.deferred_jobs, "Count", lane),
+        ("BacklogPerTask", metrics.backlog_per_task, "Count", lane),
     ]
+    if metrics.lane is Lane.LIVE:
+        # The same workers consume both lanes: one count per stage.
+        figures.append(("RunningTasks", metrics.running_tasks, "Count", queue))
     if metrics.failed_runs is not None:
         figures.append(("FailedRuns", metrics.failed_runs, "Count", queue))
     if metrics.deferrals is not None:
@@ -300,20 +320,24 @@ def make_sink(settings: Settings) -> MetricsSink:
 
 
 def collect(res: Resources) -> list[BacklogMetrics]:
-    """One reading of every metric, a reading per job queue; the email queue's carries the
-    fleet's counts. A database error costs FailedRuns and the stages' jobs only: the backlog
-    figures, which scaling depends on, are still worth sending."""
+    """One reading of every metric, a reading per lane of each stage (the email queue's live
+    lane first, carrying the fleet's counts). A database error costs FailedRuns and the stages'
+    jobs only: the backlog figures, which scaling depends on, are still worth sending."""
     measured_at = time.time()
     settings = res.settings
     holding = {
-        stage_queue(stage, settings)
+        stage
         for stage, pause in pauses.paused(res.redis).items()
         if pause.holds(settings.max_pause)
     }
-    email, *others = [
-        replace(read_backlog(res, queue, measured_at), held=queue in holding)
-        for queue in job_queues(settings)
-    ]
+    readings: list[BacklogMetrics] = []
+    for stage in Stage:
+        lanes = [stage_queue(stage, settings, lane) for lane in Lane]
+        readings.extend(
+            replace(read_backlog(res, queue, measured_at, lanes), held=stage in holding)
+            for queue in lanes
+        )
+    email, *others = readings
     counted = res.redis.getdel(redis_keys.deferrals_counter())
     try:
         window = claim_window(res, lookback=settings.metrics_interval)
@@ -371,8 +395,12 @@ class Reporter:
             log.warning("the metrics report failed, these figures are dropped", exc_info=True)
 
 
-def read_backlog(res: Resources, queue: str, now: float | None = None) -> BacklogMetrics:
+def read_backlog(
+    res: Resources, queue: str, now: float | None = None, consumed: Sequence[str] = ()
+) -> BacklogMetrics:
     """The backlog of one queue now, from Redis alone; counts nothing, so any caller may read it.
+    Its running tasks are the workers consuming any of `consumed` (the queue alone by default):
+    both lanes of its stage, for a lane's share of the stage's backlog per task.
     A deferred entry whose delivery never came (lost with a worker past the visibility timeout,
     a purged queue) leaves the count once it is a visibility timeout late."""
     now = time.time() if now is None else now
@@ -385,7 +413,9 @@ def read_backlog(res: Resources, queue: str, now: float | None = None) -> Backlo
         queue=queue,
         queue_depth=stats.depth,
         oldest_job_age_s=stats.oldest_age_s or 0.0,
-        running_tasks=live_workers(res.redis, res.settings.worker_dead_after, queue),
+        running_tasks=live_workers(
+            res.redis, res.settings.worker_dead_after, *(consumed or [queue])
+        ),
         deferred_jobs=int(deferred),
         measured_at=now,
     )

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, not_, select, text
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Stage, control_queue, email_queue, model_queue
+from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.coordination import markers, pauses
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.operations.metrics import read_backlog
@@ -89,9 +89,12 @@ def fleet_status(res: Resources) -> dict[str, Any]:
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
     settings = res.settings
+    # Each stage's live lane under the stage's role, its bulk lane after it.
     names = {
-        "email": email_queue(settings),
-        "model": model_queue(settings),
+        "email": stage_queue(Stage.CPU, settings),
+        "email.bulk": stage_queue(Stage.CPU, settings, Lane.BULK),
+        "model": stage_queue(Stage.MODEL, settings),
+        "model.bulk": stage_queue(Stage.MODEL, settings, Lane.BULK),
         "control": control_queue(settings),
     }
     queues = {role: _queue_dict(res, name) for role, name in names.items()}

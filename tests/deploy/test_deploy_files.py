@@ -689,6 +689,30 @@ def test_cfn_lint_catches_a_broken_template(cfn_lint):
     assert [f for f in cfn_lint["broken"] if f["Level"] == "Error"]
 
 
+def lanes_summed(metric: dict) -> str:
+    """The queue whose lanes' BacklogPerTask a target tracking metric sums: one expression
+    returned, over one Average of each lane's, each a metric the report sends."""
+    assert set(metric) == {"Metrics"}
+    [returned] = [query for query in metric["Metrics"] if query.get("ReturnData", True)]
+    summed = {
+        query["Id"]: query["MetricStat"] for query in metric["Metrics"] if query is not returned
+    }
+    assert sorted(returned["Expression"].replace(" ", "").split("+")) == sorted(summed)
+    queues = set()
+    lanes = []
+    for stat in summed.values():
+        assert stat["Stat"] == "Average"
+        assert stat["Metric"]["MetricName"] == "BacklogPerTask"
+        assert stat["Metric"]["Namespace"] == {"Ref": "MetricsNamespace"}
+        dimensions = {d["Name"]: resolved(d["Value"]) for d in stat["Metric"]["Dimensions"]}
+        assert ("BacklogPerTask", frozenset(dimensions.items())) in emitted_metrics()
+        queues.add(dimensions["Queue"])
+        lanes.append(dimensions["Lane"])
+    assert sorted(lanes) == sorted(Lane)
+    [queue] = queues
+    return queue
+
+
 def test_worker_scales_on_backlog_per_task(template):
     res = template["Resources"]
     target = res["WorkerScalableTarget"]["Properties"]
@@ -700,11 +724,8 @@ def test_worker_scales_on_backlog_per_task(template):
         "TargetTrackingScalingPolicyConfiguration"
     ]
     assert res["WorkerBacklogScalingPolicy"]["Properties"]["PolicyType"] == "TargetTrackingScaling"
-    metric = config["CustomizedMetricSpecification"]
-    assert metric["MetricName"] == "BacklogPerTask"
-    assert metric["Namespace"] == {"Ref": "MetricsNamespace"}
+    assert lanes_summed(config["CustomizedMetricSpecification"]) == QUEUE
     assert params["MetricsNamespace"]["Default"] == "Mailpipe"
-    assert metric["Dimensions"] == [{"Name": "Queue", "Value": {"Ref": "QueueName"}}]
     assert params["QueueName"]["Default"] == "mailpipe"
     assert config["TargetValue"] == {"Ref": "BacklogPerTaskTarget"}
     # The default target is acceptable wait (60 s) x concurrency / mean job time (0.026 s).
@@ -730,20 +751,14 @@ def test_model_service_scales_on_the_backlog_per_task_of_the_model_queue(templat
         if r["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
         and r["Properties"]["ScalingTargetId"] == {"Ref": "ModelScalableTarget"}
     }
-    assert list(policies) == ["ModelBacklogScalingPolicy"]
-    (policy,) = policies.values()
+    assert list(policies) == ["ModelBacklogScalingPolicy", "ModelLiveJobAgeScalingPolicy"]
+    policy = policies["ModelBacklogScalingPolicy"]
     assert policy["PolicyType"] == "TargetTrackingScaling"
     config = policy["TargetTrackingScalingPolicyConfiguration"]
-    metric = config["CustomizedMetricSpecification"]
-    assert metric["MetricName"] == "BacklogPerTask"
-    assert metric["Namespace"] == {"Ref": "MetricsNamespace"}
-    (dimension,) = metric["Dimensions"]
-    assert dimension == {"Name": "Queue", "Value": {"Fn::Sub": "${QueueName}.model"}}
     queue = params["QueueName"]["Default"]
-    assert dimension["Value"]["Fn::Sub"].replace("${QueueName}", queue) == model_queue(
+    assert lanes_summed(config["CustomizedMetricSpecification"]) == model_queue(
         Settings.model_construct(queue=queue)
     )
-    assert metric["Statistic"] == "Average"
     assert config["TargetValue"] == {"Ref": "ModelBacklogPerTaskTarget"}
     assert config["DisableScaleIn"] is False
     # The default target is threads per task x acceptable wait (60 s) / mean call time (2 s).
@@ -884,20 +899,27 @@ def test_the_emitted_metrics_are_read_from_the_module():
     """Guards the checks below: the set holds each stage's jobs and each queue's backlog."""
     emitted = emitted_metrics()
     assert ("JobDuration", frozenset({("Stage", "model")})) in emitted
-    assert ("QueueDepth", frozenset({("Queue", f"{QUEUE}.model")})) in emitted
+    assert ("QueueDepth", frozenset({("Queue", f"{QUEUE}.model"), ("Lane", "bulk")})) in emitted
+    assert ("RunningTasks", frozenset({("Queue", f"{QUEUE}.model")})) in emitted
     assert ("FailedRuns", frozenset({("Queue", f"{QUEUE}.model")})) not in emitted
 
 
+LIVE = ("Lane", Lane.LIVE.value)
 ALARMED = {
-    # alarm: the metric, its queue or stage
-    "OldestJobAgeAlarm": ("OldestJobAgeSeconds", ("Queue", QUEUE)),
-    "ModelOldestJobAgeAlarm": ("OldestJobAgeSeconds", ("Queue", f"{QUEUE}.model")),
-    "QueueDepthAlarm": ("QueueDepth", ("Queue", QUEUE)),
-    "ModelQueueDepthAlarm": ("QueueDepth", ("Queue", f"{QUEUE}.model")),
-    "FailedRunsAlarm": ("FailedRuns", ("Queue", QUEUE)),
-    "MetricsMissingAlarm": ("BacklogPerTask", ("Queue", QUEUE)),
-    "CpuStagePausedAlarm": ("StagePaused", ("Stage", "cpu")),
-    "ModelStagePausedAlarm": ("StagePaused", ("Stage", "model")),
+    # alarm: the metric, its queue (and lane) or stage
+    "OldestJobAgeAlarm": ("OldestJobAgeSeconds", {("Queue", QUEUE), LIVE}),
+    "ModelOldestJobAgeAlarm": ("OldestJobAgeSeconds", {("Queue", f"{QUEUE}.model"), LIVE}),
+    "QueueDepthAlarm": ("QueueDepth", {("Queue", QUEUE), LIVE}),
+    "ModelQueueDepthAlarm": ("QueueDepth", {("Queue", f"{QUEUE}.model"), LIVE}),
+    "FailedRunsAlarm": ("FailedRuns", {("Queue", QUEUE)}),
+    "MetricsMissingAlarm": ("BacklogPerTask", {("Queue", QUEUE), LIVE}),
+    "CpuStagePausedAlarm": ("StagePaused", {("Stage", "cpu")}),
+    "ModelStagePausedAlarm": ("StagePaused", {("Stage", "model")}),
+}
+# Alarms whose action is a scaling policy, not the topic.
+SCALING_ALARMS = {
+    "WorkerLiveJobAgeAlarm": ("OldestJobAgeSeconds", {("Queue", QUEUE), LIVE}),
+    "ModelLiveJobAgeAlarm": ("OldestJobAgeSeconds", {("Queue", f"{QUEUE}.model"), LIVE}),
 }
 
 
@@ -906,16 +928,65 @@ def test_every_alarm_watches_a_metric_the_report_sends_and_notifies_the_topic(te
     props = template["Resources"][alarm]["Properties"]
     dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in props["Dimensions"])
     assert (props["MetricName"], dimensions) in emitted_metrics()
-    assert (props["MetricName"], dimensions) == (ALARMED[alarm][0], frozenset({ALARMED[alarm][1]}))
+    assert (props["MetricName"], dimensions) == (ALARMED[alarm][0], frozenset(ALARMED[alarm][1]))
     assert props["Namespace"] == {"Ref": "MetricsNamespace"}
     assert props["AlarmActions"] == props["OKActions"] == [{"Ref": "AlarmTopicArn"}]
     assert template["Parameters"]["AlarmTopicArn"]["Type"] == "String"
 
 
+@pytest.mark.parametrize(
+    ("target", "queue"),
+    [("WorkerScalableTarget", QUEUE), ("ModelScalableTarget", f"{QUEUE}.model")],
+)
+def test_each_service_scales_out_on_its_live_lane_s_oldest_job(template, target, queue):
+    """A step policy on an alarm of the live lane's OldestJobAgeSeconds: scale out only, in
+    proportion to the running tasks; scale-in is the target tracking policies'."""
+    res = template["Resources"]
+    [(name, policy)] = [
+        (name, r["Properties"])
+        for name, r in res.items()
+        if r["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
+        and r["Properties"]["ScalingTargetId"] == {"Ref": target}
+        and r["Properties"]["PolicyType"] == "StepScaling"
+    ]
+    config = policy["StepScalingPolicyConfiguration"]
+    assert config["AdjustmentType"] == "PercentChangeInCapacity"
+    assert config["MinAdjustmentMagnitude"] >= 1
+    assert config["StepAdjustments"] == [{"MetricIntervalLowerBound": 0, "ScalingAdjustment": 50}]
+    [alarm] = [
+        r["Properties"]
+        for r in res.values()
+        if r["Type"] == "AWS::CloudWatch::Alarm"
+        and r["Properties"]["AlarmActions"] == [{"Ref": name}]
+    ]
+    dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in alarm["Dimensions"])
+    assert (alarm["MetricName"], dimensions) == (
+        "OldestJobAgeSeconds",
+        frozenset({("Queue", queue), ("Lane", Lane.LIVE.value)}),
+    )
+    assert (alarm["MetricName"], dimensions) in emitted_metrics()
+    assert alarm["ComparisonOperator"] == "GreaterThanThreshold"
+    assert alarm["Statistic"] == "Maximum"
+    assert "OKActions" not in alarm  # nothing to undo: scale-in is the target tracking's
+
+
+@pytest.mark.parametrize("alarm", sorted(SCALING_ALARMS))
+def test_every_scaling_alarm_watches_a_metric_the_report_sends(template, alarm):
+    props = template["Resources"][alarm]["Properties"]
+    dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in props["Dimensions"])
+    assert (props["MetricName"], dimensions) in emitted_metrics()
+    name, expected = SCALING_ALARMS[alarm]
+    assert (props["MetricName"], dimensions) == (name, frozenset(expected))
+    [action] = props["AlarmActions"]
+    assert (
+        template["Resources"][action["Ref"]]["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
+    )
+
+
 def test_every_alarm_is_tested(template):
     resources = template["Resources"]
     alarms = {name for name, r in resources.items() if r["Type"] == "AWS::CloudWatch::Alarm"}
-    assert alarms == set(ALARMED)
+    assert alarms == set(ALARMED) | set(SCALING_ALARMS)
 
 
 def test_the_failed_runs_alarm_points_at_the_console_and_the_cli(template):
@@ -962,8 +1033,11 @@ def test_the_dashboard_draws_only_metrics_the_report_sends(template):
 def test_the_dashboard_shows_both_queues_and_each_stage_s_jobs(template):
     drawn = {(name, dims): options for _, name, dims, options in dashboard_metrics(template)}
     for queue in (QUEUE, f"{QUEUE}.model"):
-        for name in ("QueueDepth", "OldestJobAgeSeconds", "BacklogPerTask"):
-            assert (name, frozenset({("Queue", queue)})) in drawn, (name, queue)
+        for lane in Lane:
+            for name in ("QueueDepth", "OldestJobAgeSeconds", "BacklogPerTask", "DeferredJobs"):
+                dims = frozenset({("Queue", queue), ("Lane", lane.value)})
+                assert (name, dims) in drawn, (name, queue, lane)
+        assert ("RunningTasks", frozenset({("Queue", queue)})) in drawn, queue
     for stage in Stage:
         dims = frozenset({("Stage", stage.value)})
         for name in JOB_COUNT_NAMES:
@@ -989,6 +1063,7 @@ def test_a_silent_report_alarms_on_its_own(template):
         r["Properties"]["TargetTrackingScalingPolicyConfiguration"]
         for r in template["Resources"].values()
         if r["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
+        and r["Properties"]["PolicyType"] == "TargetTrackingScaling"
     ]
     assert not [config for config in policies if "TreatMissingData" in json.dumps(config)]
 

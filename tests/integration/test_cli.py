@@ -500,9 +500,9 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
 def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]
     table = mailpipe("status")
     assert table.returncode == 0, table.stderr
-    for role in ("email", "model", "control"):
+    for role in ("email", "email.bulk", "model", "model.bulk", "control"):
         assert f"{role} queue depth" in table.stdout
     assert "live workers" in table.stdout
     data = json.loads(mailpipe("status", "--json").stdout)
-    assert set(data["queues"]) == {"email", "model", "control"}
+    assert set(data["queues"]) == {"email", "email.bulk", "model", "model.bulk", "control"}
     assert data["workers"] == []

@@ -23,11 +23,12 @@ import pytest
 from sqlalchemy import func, select
 
 from mailpipe.broker.layout import ENQUEUED_AT_HEADER
-from mailpipe.broker.queues import Stage
+from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
-from mailpipe.enqueue import enqueue_emails
+from mailpipe.coordination.heartbeat import redis_time
+from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.operations import metrics, sweeper
 from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
@@ -37,15 +38,10 @@ from mailpipe.storage.models import ErrorClass, PipelineRun, RunAttempt, RunStat
 from tests.support.fleet import enqueue_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
-NAMES = {
-    "QueueDepth",
-    "OldestJobAgeSeconds",
-    "DeferredJobs",
-    "BacklogPerTask",
-    "RunningTasks",
-    "FailedRuns",
-}
-BACKLOG = NAMES - {"FailedRuns"}
+# Per lane of each stage's queue (dimensions Queue and Lane).
+LANE_NAMES = {"QueueDepth", "OldestJobAgeSeconds", "DeferredJobs", "BacklogPerTask"}
+# Per stage's queue (dimension Queue): RunningTasks of both, FailedRuns of the email queue's.
+NAMES = LANE_NAMES | {"RunningTasks", "FailedRuns"}
 JOB_COUNTS = {"JobsSucceeded", "JobsFailed", "JobsRetried", "JobsDeferred"}
 # Per stage in every report; JobDuration only when some attempt of the stage was timed.
 STAGE_NAMES = {"StagePaused", *JOB_COUNTS}
@@ -53,6 +49,13 @@ STAGE_NAMES = {"StagePaused", *JOB_COUNTS}
 
 def dimension(queue: str) -> list[dict[str, str]]:
     return [{"Name": "Queue", "Value": queue}]
+
+
+def dimensions_of(name: str, queue: str, lane: Lane = Lane.LIVE) -> list[dict[str, str]]:
+    """The dimensions `name` is sent with, for `queue` (a stage's) and, if per lane, `lane`."""
+    if name not in LANE_NAMES:
+        return dimension(queue)
+    return [*dimension(queue), {"Name": "Lane", "Value": lane.value}]
 
 
 def stage_dimension(stage: Stage) -> list[dict[str, str]]:
@@ -124,8 +127,9 @@ def stats(
     queue: str = "mailpipe",
     dimensions: list[dict[str, str]] | None = None,
 ) -> dict[str, float]:
-    """Minimum, Maximum, Sum and SampleCount of the datapoints inside [start, end)."""
-    points = datapoints(namespace, name, start, end, dimensions or dimension(queue))
+    """Minimum, Maximum, Sum and SampleCount of the datapoints inside [start, end); of the
+    queue's live lane for the figures per lane."""
+    points = datapoints(namespace, name, start, end, dimensions or dimensions_of(name, queue))
     if not points:
         return {"SampleCount": 0.0}
     return {
@@ -160,7 +164,7 @@ def pause(env: dict[str, str], stage: Stage) -> None:
 
 
 def reports_sent(namespace: str, since: float | None = None) -> float:
-    """Reports sent to `namespace` (each sends one QueueDepth for the email queue), in the last
+    """Reports sent to `namespace` (each sends one QueueDepth for the email queue's live lane), in the last
     hour or from `since` on."""
     start = time.time() - 3600 if since is None else since
     return stats(namespace, "QueueDepth", start, time.time() + 60)["SampleCount"]
@@ -235,26 +239,46 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     finally:
         assert worker.stop() == 0, worker.log_tail()
 
-    listed = cloudwatch().list_metrics(Namespace=namespace)["Metrics"]
+    # The server lists a metric of two dimensions once per report: each metric once here.
+    listed = list(
+        {
+            (m["MetricName"], repr(m["Dimensions"])): m
+            for m in cloudwatch().list_metrics(Namespace=namespace)["Metrics"]
+        }.values()
+    )
     by_queue = {
         queue: {m["MetricName"] for m in listed if m["Dimensions"] == dimension(queue)}
         for queue in ("mailpipe", "mailpipe.model")
     }
-    assert by_queue == {"mailpipe": NAMES, "mailpipe.model": BACKLOG}
+    assert by_queue == {
+        "mailpipe": {"RunningTasks", "FailedRuns"},
+        "mailpipe.model": {"RunningTasks"},
+    }
+    by_lane = {
+        (queue, lane): {
+            m["MetricName"]
+            for m in listed
+            if m["Dimensions"] == dimensions_of("QueueDepth", queue, lane)
+        }
+        for queue in ("mailpipe", "mailpipe.model")
+        for lane in Lane
+    }
+    assert by_lane == dict.fromkeys(by_lane, LANE_NAMES)
     by_stage = {
         stage: {m["MetricName"] for m in listed if m["Dimensions"] == stage_dimension(stage)}
         for stage in Stage
     }
     # Only the CPU stage ran jobs (the rules backend classifies at once).
     assert by_stage == {Stage.CPU: STAGE_NAMES | {"JobDuration"}, Stage.MODEL: STAGE_NAMES}
-    assert len(listed) == len(NAMES) + len(BACKLOG) + 2 * len(STAGE_NAMES) + 1
-    # One report's datapoints: five per queue, FailedRuns, per stage its pause and four job
-    # counts (and no Deferrals: nothing was deferred; no JobDuration: no job had run).
+    assert len(listed) == 4 * len(LANE_NAMES) + 3 + 2 * len(STAGE_NAMES) + 1
+    # One report's datapoints: four per lane, RunningTasks per stage, FailedRuns, per stage its
+    # pause and four job counts (and no Deferrals: nothing was deferred; no JobDuration: no job
+    # had run).
     first_report = [
         stats(namespace, m["MetricName"], waiting_from, waiting_until, dimensions=m["Dimensions"])
         for m in listed
     ]
-    assert sum(figures["SampleCount"] for figures in first_report) == 21
+    assert sum(figures["SampleCount"] for figures in first_report) == 29
 
     # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}
@@ -272,9 +296,19 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
         assert (paused["SampleCount"], paused["Maximum"]) == (1, 0), stage
     model = {
         name: stats(namespace, name, waiting_from, waiting_until, "mailpipe.model")
-        for name in BACKLOG
+        for name in NAMES - {"FailedRuns"}
     }
     assert model["QueueDepth"]["Maximum"] == model["RunningTasks"]["Maximum"] == 0
+    # Nothing waited in either bulk lane.
+    for queue in ("mailpipe", "mailpipe.model"):
+        bulk = stats(
+            namespace,
+            "QueueDepth",
+            waiting_from,
+            waiting_until,
+            dimensions=dimensions_of("QueueDepth", queue, Lane.BULK),
+        )
+        assert (bulk["SampleCount"], bulk["Maximum"]) == (1, 0), queue
 
     drained = {name: stats(namespace, name, drained_from, ended) for name in NAMES}
     assert drained["QueueDepth"]["SampleCount"] == 2
@@ -483,8 +517,11 @@ def test_a_report_gives_each_stage_s_jobs_and_durations(res) -> None:  # type: i
     report(env)
     wait_for(lambda: reports_sent(namespace) == 1, 30, "the report")
     window_until = time.time() + 1
-    # The next report's datapoints are stamped after the first's whole seconds.
-    wait_for(lambda: time.time() > window_until, 10, "the first report's last second to pass")
+    # The next report's datapoints are stamped after the first's whole seconds: from the first
+    # whole second after window_until on, where the next window's query starts.
+    wait_for(
+        lambda: time.time() > math.ceil(window_until), 10, "the first report's last second to pass"
+    )
     report(env)
     wait_for(lambda: reports_sent(namespace) == 2, 30, "the next report")
     ended = time.time() + 1
@@ -632,22 +669,62 @@ def test_a_job_enqueued_by_upstream_code_carries_its_enqueue_time(res) -> None: 
     assert ENQUEUED_AT_HEADER in message["headers"]
 
 
+def send_bulk(res: Resources, email_ids: list[int]) -> None:
+    """Jobs of the CPU stage on its bulk lane's queue."""
+    for email_id in email_ids:
+        send_job(email_id, queue=stage_queue(Stage.CPU, res.settings, Lane.BULK))
+
+
 def test_a_paused_stage_reports_no_backlog_per_task_to_scale_on(res) -> None:  # type: ignore[no-untyped-def]
-    """A task added while its stage is paused would sit idle: the paused queue's BacklogPerTask
-    is 0 while its depth is still reported; the other stage's figures are untouched."""
+    """A task added while its stage is paused would sit idle: the paused stage's lanes'
+    BacklogPerTask is 0 while their depth is still reported; the other stage's figures are
+    untouched."""
     from mailpipe.coordination import pauses
 
-    ids = store_emails(res, [good_email(i) for i in range(3)])
-    enqueue_emails(ids, res)
+    ids = store_emails(res, [good_email(i) for i in range(5)])
+    enqueue_emails(ids[:3], res)
+    send_bulk(res, ids[3:])
+    email_queues = [stage_queue(Stage.CPU, res.settings, lane) for lane in Lane]
 
-    def email_queue_reading() -> metrics.BacklogMetrics:
+    def email_queue_readings() -> list[metrics.BacklogMetrics]:
         readings = {r.queue: r for r in metrics.collect(res)}
-        return readings[res.settings.queue]
+        return [readings[queue] for queue in email_queues]
 
-    assert email_queue_reading().backlog_per_task == 3
+    assert [r.backlog_per_task for r in email_queue_readings()] == [3, 2]
     pauses.pause(res.redis, Stage.CPU, "maintenance")
-    paused = email_queue_reading()
-    assert (paused.queue_depth, paused.backlog_per_task) == (3, 0.0)
-    assert paused.paused_stages == frozenset({Stage.CPU})
+    live, bulk = email_queue_readings()
+    assert [(r.queue_depth, r.backlog_per_task) for r in (live, bulk)] == [(3, 0.0), (2, 0.0)]
+    assert live.paused_stages == frozenset({Stage.CPU})
     pauses.resume(res.redis, Stage.CPU)
-    assert email_queue_reading().backlog_per_task == 3
+    assert [r.backlog_per_task for r in email_queue_readings()] == [3, 2]
+
+
+def test_a_bulk_lane_reports_its_own_figures(res) -> None:  # type: ignore[no-untyped-def]
+    """Jobs waiting in the bulk lane are its figures (Lane=bulk), not the live lane's; both
+    lanes' BacklogPerTask divide by the workers consuming either lane, counted once."""
+    namespace = f"MailpipeTest{uuid.uuid4().hex[:8]}"
+    endpoint = os.environ["MAILPIPE_S3_ENDPOINT_URL"]
+    ids = store_emails(res, [good_email(i) for i in range(5)])
+    enqueue_emails(ids[:2], res)
+    send_bulk(res, ids[2:])
+    live_queue, bulk_queue = (stage_queue(Stage.CPU, res.settings, lane) for lane in Lane)
+    now = redis_time(res.redis)
+    res.redis.zadd(redis_keys.workers_on(live_queue), {"celery@a:1:x": now})
+    res.redis.zadd(redis_keys.workers_on(bulk_queue), {"celery@a:1:x": now, "celery@b:1:y": now})
+    sent_from = time.time() - 1
+    metrics.CloudWatchSink(namespace, endpoint).send(metrics.collect(res))
+    sent_until = time.time() + 1
+
+    def sent(name: str, lane: Lane, queue: str = live_queue) -> float:
+        figures = stats(
+            namespace, name, sent_from, sent_until, dimensions=dimensions_of(name, queue, lane)
+        )
+        assert figures["SampleCount"] == 1, (name, lane, queue)
+        return figures["Maximum"]
+
+    assert [sent("QueueDepth", lane) for lane in Lane] == [2, 3]
+    assert [sent("BacklogPerTask", lane) for lane in Lane] == [1.0, 1.5]
+    assert sent("RunningTasks", Lane.LIVE) == 2  # either lane: a, b
+    assert sent("OldestJobAgeSeconds", Lane.BULK) > 0
+    model = stage_queue(Stage.MODEL, res.settings)
+    assert [sent("QueueDepth", lane, model) for lane in Lane] == [0, 0]

@@ -789,13 +789,14 @@ def test_ecs_beat_fires_and_reports_the_fleet_s_metrics(image, migrated_database
 
 
 def reported_backlog(since: datetime) -> float:
-    """BacklogPerTask datapoints of the email queue in the task definition's namespace."""
+    """BacklogPerTask datapoints of the email queue's live lane in the task definition's
+    namespace."""
     reply = boto3.client(
         "cloudwatch", endpoint_url=f"http://127.0.0.1:{S3_PORT}"
     ).get_metric_statistics(
         Namespace=task_env_value("beat", "MAILPIPE_METRICS_NAMESPACE"),
         MetricName="BacklogPerTask",
-        Dimensions=[{"Name": "Queue", "Value": "mailpipe"}],
+        Dimensions=[{"Name": "Queue", "Value": "mailpipe"}, {"Name": "Lane", "Value": "live"}],
         StartTime=since,
         EndTime=datetime.now(UTC) + timedelta(minutes=1),
         Period=60,

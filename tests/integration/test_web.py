@@ -319,7 +319,7 @@ def test_the_api_answers_each_state_as_the_fleet_holds_it(res, fleet, console) -
             assert answer["history"], answer  # every attempt is recorded
     assert job(missing)["history"][-1]["error_class"] == "BlobMissing"
     queues = requests.get(f"{web.url}/api/queues", auth=VIEWER, timeout=10).json()
-    assert set(queues["queues"]) == {"email", "model", "control"}
+    assert set(queues["queues"]) == {"email", "email.bulk", "model", "model.bulk", "control"}
     assert queues["runs"]["failed"] == 1 and queues["runs"]["duplicate"] == 1
     assert queues["estimated"] == []
     assert [w["hostname"] for w in queues["workers"]] == ["web-api@localhost"]

@@ -120,6 +120,9 @@ def test_workers_are_counted_per_queue_they_consume_now(res) -> None:  # type: i
     io.beat()
     assert live() == {"mailpipe": 1, "mailpipe.model": 1, "mailpipe.control": 1}
     assert res.redis.zscore(redis_keys.workers_on("mailpipe"), "cpu") is None
+    # Over several queues, a worker consuming more than one of them counts once.
+    assert heartbeat.live_workers(res.redis, 3, "mailpipe", "mailpipe.model") == 1
+    assert heartbeat.live_workers(res.redis, 3, "mailpipe", "mailpipe.control") == 2
     io.stop(timeout=1)
     assert live() == {"mailpipe": 0, "mailpipe.model": 0, "mailpipe.control": 1}
     cpu.stop(timeout=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 import pytest
@@ -48,6 +49,43 @@ def test_a_reading_without_the_fleet_s_figures_has_no_pause_figure() -> None:
         "BacklogPerTask",
         "RunningTasks",
     ]
+
+
+def test_each_lane_s_figures_name_the_stage_s_queue_and_the_lane() -> None:
+    """The bulk lane's reading has its own depth, age, deferrals and backlog per task, under
+    the stage's queue and `Lane=bulk`; RunningTasks, the same workers for both lanes, is sent
+    once per stage, with the live lane's."""
+    live = reading(deferred_jobs=2)
+    bulk = BacklogMetrics(
+        queue="mailpipe.model.bulk", queue_depth=7, oldest_job_age_s=9.0, running_tasks=2
+    )
+    sent = {
+        (entry["MetricName"], tuple(d["Value"] for d in entry["Dimensions"])): entry["Value"]
+        for entry in metric_data(live) + metric_data(bulk)
+    }
+    assert sent == {
+        ("QueueDepth", ("mailpipe", "live")): 4.0,
+        ("OldestJobAgeSeconds", ("mailpipe", "live")): 2.0,
+        ("DeferredJobs", ("mailpipe", "live")): 2.0,
+        ("BacklogPerTask", ("mailpipe", "live")): 3.0,
+        ("RunningTasks", ("mailpipe",)): 2.0,
+        ("QueueDepth", ("mailpipe.model", "bulk")): 7.0,
+        ("OldestJobAgeSeconds", ("mailpipe.model", "bulk")): 9.0,
+        ("DeferredJobs", ("mailpipe.model", "bulk")): 0.0,
+        ("BacklogPerTask", ("mailpipe.model", "bulk")): 3.5,
+    }
+    assert [d["Name"] for d in metric_data(bulk)[0]["Dimensions"]] == ["Queue", "Lane"]
+
+
+def test_the_lanes_backlog_per_task_sum_to_the_stage_s() -> None:
+    """Both lanes divide by the stage's running tasks: the sum the template scales on is the
+    stage's whole backlog over its tasks; a paused stage's lanes are both 0."""
+    lanes = [
+        BacklogMetrics(queue=q, queue_depth=d, oldest_job_age_s=0.0, running_tasks=4)
+        for q, d in (("mailpipe", 6), ("mailpipe.bulk", 10))
+    ]
+    assert sum(r.backlog_per_task for r in lanes) == (6 + 10) / 4
+    assert {replace(r, held=True).backlog_per_task for r in lanes} == {0.0}
 
 
 def test_the_log_names_the_paused_stages(caplog: pytest.LogCaptureFixture) -> None:

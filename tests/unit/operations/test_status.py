@@ -8,10 +8,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import insert, update
 
-from mailpipe.broker.queues import Stage
+from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
-from mailpipe.enqueue import enqueue_emails
+from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.operations.status import (
     EXACT_UP_TO,
     FailedFilter,
@@ -230,6 +230,7 @@ def test_fleet_status_shows_each_queue_and_the_live_workers(res) -> None:  # typ
         "workers": 1,
     }
     assert status["queues"]["control"]["name"] == f"{settings.queue}.control"
+    assert list(status["queues"]) == ["email", "email.bulk", "model", "model.bulk", "control"]
     [worker] = status["workers"]
     assert (worker["id"], worker["hostname"], worker["queues"]) == (
         "celery@a:1:x",
@@ -237,6 +238,26 @@ def test_fleet_status_shows_each_queue_and_the_live_workers(res) -> None:  # typ
         [f"{settings.queue}.model"],
     )
     assert 1.0 <= worker["last_seen_s"] < 30  # seen a second before now, by Redis's clock
+
+
+def test_fleet_status_shows_each_stage_s_bulk_lane(res) -> None:  # type: ignore[no-untyped-def]
+    settings = res.settings
+    ids = add_emails(res, 3)
+    for email_id in ids:
+        send_job(email_id, queue=stage_queue(Stage.CPU, settings, Lane.BULK))
+    now = redis_time(res.redis)
+    res.redis.zadd(redis_keys.workers_on(f"{settings.queue}.bulk"), {"celery@a:1:x": now - 1})
+    queues = fleet_status(res)["queues"]
+    bulk = queues["email.bulk"]
+    assert (bulk["name"], bulk["depth"], bulk["deferred"], bulk["workers"]) == (
+        f"{settings.queue}.bulk",
+        3,
+        0,
+        1,
+    )
+    assert bulk["oldest_age_s"] >= 0
+    assert (queues["email"]["depth"], queues["model.bulk"]["depth"]) == (0, 0)
+    assert queues["model.bulk"]["name"] == f"{settings.queue}.model.bulk"
 
 
 def test_fleet_status_counts_what_operators_act_on_and_estimates_the_totals(res) -> None:  # type: ignore[no-untyped-def]
