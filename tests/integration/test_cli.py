@@ -199,6 +199,7 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
             "error_class",
             "error",
             "needs_review",
+            "lane",
         }
         assert row["attempts"] == 1 and "not an email" in row["error"]
         assert (row["stage"], row["needs_review"]) == ("cpu", False)

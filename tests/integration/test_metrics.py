@@ -672,7 +672,7 @@ def test_a_job_enqueued_by_upstream_code_carries_its_enqueue_time(res) -> None: 
 def send_bulk(res: Resources, email_ids: list[int]) -> None:
     """Jobs of the CPU stage on its bulk lane's queue."""
     for email_id in email_ids:
-        send_job(email_id, queue=stage_queue(Stage.CPU, res.settings, Lane.BULK))
+        send_job(email_id, lane=Lane.BULK)
 
 
 def test_a_paused_stage_reports_no_backlog_per_task_to_scale_on(res) -> None:  # type: ignore[no-untyped-def]

@@ -230,7 +230,7 @@ def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet
     f = fleet()
     worker = f.worker("cpu")
     queue = res.settings.queue
-    others = {f"{queue}.control", f"{queue}.model"}
+    others = {f"{queue}.control", f"{queue}.model", f"{queue}.model.bulk"}
     mailpipe(f.env, "pause", "cpu")
     wait_for(lambda: consumed_queues(f, worker.nodename) == others, 30, "the pause applied")
 
@@ -247,7 +247,7 @@ def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet
     assert lose_broker_connection(res, worker) > 0
     statuses = wait_until_closed(res, ids, timeout=120)
     assert set(statuses.values()) == {"succeeded"}
-    assert consumed_queues(f, worker.nodename) == {queue, *others}
+    assert consumed_queues(f, worker.nodename) == {queue, f"{queue}.bulk", *others}
 
 
 def test_a_pause_past_its_bound_fails_the_runs_and_ends_once_access_is_back(res, fleet) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import insert, update
 
-from mailpipe.broker.queues import Lane, Stage, stage_queue
+from mailpipe.broker.queues import Lane, Stage
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_emails, send_job
@@ -244,7 +244,7 @@ def test_fleet_status_shows_each_stage_s_bulk_lane(res) -> None:  # type: ignore
     settings = res.settings
     ids = add_emails(res, 3)
     for email_id in ids:
-        send_job(email_id, queue=stage_queue(Stage.CPU, settings, Lane.BULK))
+        send_job(email_id, lane=Lane.BULK)
     now = redis_time(res.redis)
     res.redis.zadd(redis_keys.workers_on(f"{settings.queue}.bulk"), {"celery@a:1:x": now - 1})
     queues = fleet_status(res)["queues"]
