@@ -298,6 +298,9 @@ class Chaos:
         # The emails whose delivery a fault cut, and the faults that cut them: any work of the
         # delivery may have to be done again, and only that work.
         self.cut: defaultdict[int, set[str]] = defaultdict(set)
+        # How many cuts each email took: one that every attempt of its run lost to a cut fails
+        # by design (MAILPIPE_MAX_RETRIES), and is no healthy email failing.
+        self.cuts: Counter[int] = Counter()
         self.t0 = time.monotonic()
         self.fleet_started: float | None = None
         self.flushed_at: float | None = None  # monotonic
@@ -591,6 +594,7 @@ class Chaos:
     def _record_cut(self, fault: str, emails: set[int]) -> list[int]:
         for email_id in emails:
             self.cut[email_id].add(fault)
+            self.cuts[email_id] += 1
         return sorted(emails)
 
     def _open_count(self, res: Any) -> int:
@@ -675,7 +679,7 @@ class Chaos:
                     select(PipelineRun).where(PipelineRun.email_id.in_(self.poison_ids))
                 )
             ]
-            failed_other = [
+            failed = [
                 {"email": row.email_id, "attempts": row.attempts, "error": row.error}
                 for row in session.scalars(
                     select(PipelineRun).where(
@@ -683,6 +687,10 @@ class Chaos:
                     )
                 )
             ]
+            every_attempt_cut = [
+                run for run in failed if self.cuts[run["email"]] >= res.settings.max_attempts
+            ]
+            failed_other = [run for run in failed if run not in every_attempt_cut]
             classifications = session.scalar(select(func.count()).select_from(Classification))
             sweeps = session.execute(
                 select(
@@ -756,6 +764,7 @@ class Chaos:
             "poison_expected": self.poison,
             "poison": poison_runs,
             "failed_other": failed_other,
+            "failed_every_attempt_cut": every_attempt_cut,
             "sweeps": {
                 "count": len(sweeps),
                 "readded": readded_before + readded_after,
@@ -946,6 +955,7 @@ def print_table(report: dict[str, Any]) -> None:
         ("marked for review", report["needs_review"]),
         ("poison jobs", len(report["poison"])),
         ("  their attempts", sorted({p["attempts"] for p in report["poison"]})),
+        ("failed, every attempt cut by a fault", len(report["failed_every_attempt_cut"])),
         ("other failed runs", len(report["failed_other"])),
         (
             "sweeps (re-adds before / after the flush)",
