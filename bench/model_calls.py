@@ -66,6 +66,7 @@ from mailpipe.storage.models import PipelineRun, RunStatus
 
 # The server that records when each call arrived: the same one the worker-level test reads.
 from tests.support.bedrock_server import TimedBedrockServer, invoices
+from tests.support.grants import most_in_window
 from tests.support.services import delete_prefix
 
 RUN = uuid.uuid4().hex[:8]
@@ -192,16 +193,6 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += times.user + times.system
     return total
-
-
-def most_in_window(times: list[float], window: float) -> int:
-    """The largest number of `times` (sorted) in any closed window of length `window`."""
-    most, first = 0, 0
-    for last, t in enumerate(times):
-        while t - times[first] > window:
-            first += 1
-        most = max(most, last - first + 1)
-    return most
 
 
 def reset_state(res: Resources) -> None:
