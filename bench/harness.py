@@ -143,6 +143,12 @@ def machine() -> dict[str, object]:
     }
 
 
+def percentile(values: Iterable[float], share: float) -> float:
+    """The value at `share` of the sorted values (0.5 the median's rank, 0.99 the p99's)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 

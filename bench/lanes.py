@@ -39,11 +39,6 @@ from bench.model_stage import Fleet, Setup, mailpipe
 from tests.support.bedrock_server import invoices
 
 
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
-
-
 def one_way(
     lanes: bool,
     bulk: int,
@@ -115,7 +110,7 @@ def one_way(
             "live_not_closed_within_drain": len(ingested) - len(done),
             "live_latency_s": {
                 "p50": round(statistics.median(latencies), 2),
-                "p99": round(percentile(latencies, 0.99), 2),
+                "p99": round(harness.percentile(latencies, 0.99), 2),
                 "max": round(max(latencies), 2),
             },
             "bulk_closed_in_window": int(bulk_closed or 0),
