@@ -13,13 +13,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fractions import Fraction
 
-from mailpipe.broker.queues import Lane, lane_of
+from mailpipe.broker.queues import Lane, control_queue, lane_of
 from mailpipe.settings import get_settings
 
 
 class LiveFirst:
-    """Live queues (the stages' own and the control queue) before bulk ones, except that bulk
-    goes first once it has earned a job.
+    """The control queue first, then live queues before bulk ones, except that bulk goes first
+    once it has earned a job.
+
+    The control queue carries sweeps and nothing else: one sweep's work is small, and it
+    re-adds lost jobs and marks runs for review, so it never waits behind a backlog of jobs.
 
     Bulk earns a credit of MAILPIPE_BULK_SHARE for every job the worker receives and spends 1 on
     each bulk job; bulk goes first while the credit is at least 1. A credit rather than a count
@@ -36,7 +39,9 @@ class LiveFirst:
 
     def __init__(self) -> None:
         # Exact arithmetic: ten float 0.1s add up to just under 1, and bulk would miss its turn.
-        self.share = Fraction(get_settings().bulk_share).limit_denominator(1000)
+        settings = get_settings()
+        self.share = Fraction(settings.bulk_share).limit_denominator(1000)
+        self.control = control_queue(settings)
         # Starting with one job's share gives bulk its first turn at the 1/share-th job.
         self.credit = self.share
         self.queues: list[str] = []
@@ -47,12 +52,15 @@ class LiveFirst:
     def consume(self, n: int) -> list[str]:
         """The first `n` queues, in the order to BRPOP them."""
         queues = self.queues[:n]
-        live = [queue for queue in queues if lane_of(queue) is Lane.LIVE]
+        control = [queue for queue in queues if queue == self.control]
+        live = [q for q in queues if lane_of(q) is Lane.LIVE and q != self.control]
         bulk = [queue for queue in queues if lane_of(queue) is Lane.BULK]
-        return bulk + live if self.credit >= 1 else live + bulk
+        return control + (bulk + live if self.credit >= 1 else live + bulk)
 
     def rotate(self, last_used: str) -> str:
-        """A job came from `last_used`."""
+        """A job came from `last_used`; a sweep counts toward neither lane."""
+        if last_used == self.control:
+            return last_used
         if lane_of(last_used) is Lane.BULK:
             self.credit = max(self.credit + self.share - 1, Fraction(0))
         elif self.credit < 1:

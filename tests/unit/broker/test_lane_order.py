@@ -31,15 +31,23 @@ def taken(cycle: LiveFirst, waiting: dict[str, int]) -> Iterator[str]:
         queue = next(q for q in cycle.consume(len(QUEUES)) if waiting.get(q))
         waiting[queue] -= 1
         cycle.rotate(queue)
-        yield "B" if queue.endswith(".bulk") else "L"
+        yield "C" if queue.endswith(".control") else "B" if queue.endswith(".bulk") else "L"
 
 
-def test_live_and_control_go_first_until_bulk_has_earned_a_job(monkeypatch) -> None:
+def test_control_goes_first_then_live_until_bulk_has_earned_a_job(monkeypatch) -> None:
     cycle = cycle_with(0.25, monkeypatch)
-    assert cycle.consume(3) == ["mailpipe", "mailpipe.control", "mailpipe.bulk"]
+    assert cycle.consume(3) == ["mailpipe.control", "mailpipe", "mailpipe.bulk"]
     for _ in range(3):
         cycle.rotate("mailpipe")
-    assert cycle.consume(3) == ["mailpipe.bulk", "mailpipe", "mailpipe.control"]
+    assert cycle.consume(3) == ["mailpipe.control", "mailpipe.bulk", "mailpipe"]
+
+
+def test_a_sweep_never_waits_behind_a_backlog_and_earns_bulk_nothing(monkeypatch) -> None:
+    cycle = cycle_with(0.25, monkeypatch)
+    waiting = {"mailpipe": 40, "mailpipe.bulk": 5, "mailpipe.control": 1}
+    order = "".join(taken(cycle, waiting))
+    assert order[0] == "C"
+    assert order[1:13] == "LLLBLLLBLLLB"
 
 
 @pytest.mark.parametrize("share", [0.1, 0.25, 0.3, 0.5])
@@ -69,5 +77,5 @@ def test_live_alone_leaves_bulk_one_turn_not_a_backlog_of_them(monkeypatch) -> N
 
 def test_share_zero_is_strict_live_first_and_one_is_bulk_first(monkeypatch) -> None:
     waiting = {"mailpipe": 5, "mailpipe.control": 1, "mailpipe.bulk": 5}
-    assert "".join(taken(cycle_with(0, monkeypatch), dict(waiting))) == "L" * 6 + "B" * 5
-    assert "".join(taken(cycle_with(1, monkeypatch), dict(waiting))) == "B" * 5 + "L" * 6
+    assert "".join(taken(cycle_with(0, monkeypatch), dict(waiting))) == "C" + "L" * 5 + "B" * 5
+    assert "".join(taken(cycle_with(1, monkeypatch), dict(waiting))) == "C" + "B" * 5 + "L" * 5
