@@ -1,14 +1,21 @@
-"""What can go wrong in a job, sorted by what it says is wrong: the email, the fleet, or neither.
+"""What can go wrong in a job, sorted by what it says is wrong: the email, a dependency, or
+neither.
 
 - `PermanentError` (input rejected): the email itself is at fault. Its run fails at once.
-- `FleetFault`: the fleet is misconfigured. No run fails and no attempt is used; the job defers
-  and enough of them pause the stage (mailpipe.coordination.pauses).
+- An error of a dependency (`dependency_of`: S3, the model, the database, Redis): whose fault it
+  is, the fleet's or the email's, is not read from the error. The dependency's own check decides
+  (mailpipe.pipeline.health): when the check fails too, it is an outage or a refusal of the whole
+  fleet, which fails no run and uses no attempt (the job waits, and enough of them pause the
+  stage, mailpipe.coordination.pauses); when the check passes, it is the email's failed attempt.
 - `Throttled`: a shared limit said "not now". The job defers without using an attempt.
-- Anything else (a service down, the soft time limit, a bug): a failed attempt, retried with
-  backoff until the attempts are used up.
+- Anything else (the soft time limit, a bug): a failed attempt, retried with backoff until the
+  attempts are used up.
 """
 
 from __future__ import annotations
+
+import enum
+import re
 
 
 class MailpipeError(Exception):
@@ -47,10 +54,44 @@ class BlobMissing(PermanentError):
     """The row points at a blob key that the store does not have."""
 
 
-class FleetFault(MailpipeError):
-    """The fleet, not the email, is wrong: credentials, permissions or a KMS key refused, a
-    missing bucket, model access denied or an unknown model id, a database role without rights.
-    Every email would fail the same way until an operator fixes it, so none is failed for it."""
+class Dependency(enum.StrEnum):
+    """A service a job depends on, each with a check the fleet owns (mailpipe.pipeline.health)."""
+
+    BLOBS = "blobs"
+    MODEL = "model"
+    DATABASE = "database"
+    REDIS = "redis"
+
+
+class DependencyError(TransientError):
+    """A call to a dependency failed: unavailable (5xx, a timeout, a refused connection) or
+    refused (credentials, permissions, a KMS key, a missing bucket, model access). Whether the
+    fleet or this one email is refused, only the dependency's check can say."""
+
+    dependency: Dependency
+
+
+class BlobUnavailable(DependencyError):
+    dependency = Dependency.BLOBS
+
+
+class BlobAccessDenied(DependencyError):
+    """S3 refused the call: for every object (credentials, the bucket's policy, a missing
+    bucket) or for this one (a KMS key the role lacks, an object another account owns, a deny
+    on objects tagged by a malware scan)."""
+
+    dependency = Dependency.BLOBS
+
+
+class ModelUnavailable(DependencyError):
+    dependency = Dependency.MODEL
+
+
+class ModelAccessDenied(DependencyError):
+    """The model service refused the call: access not granted, an unknown model id, an account
+    quota, credentials."""
+
+    dependency = Dependency.MODEL
 
 
 class RunFailed(MailpipeError):
@@ -84,22 +125,34 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
-# SQLSTATE classes and codes of a database that refuses the fleet's role, not one statement:
-# 28 invalid authorization (a wrong password, a role that may not log in), 42501 insufficient
-# privilege (a grant missing after a migration or a role change).
-_FLEET_SQLSTATES = ("28", "42501")
+# SQLSTATE classes and codes of a database that refuses a role: 28 invalid authorization (a
+# wrong password, a role that may not log in), 42501 insufficient privilege (a grant missing
+# after a migration or a role change). The database's check says whether it refuses the fleet.
+_REFUSED_SQLSTATES = ("28", "42501")
 
 
-def is_fleet_fault(exc: BaseException) -> bool:
-    """True for errors that say the fleet, not the email, is wrong (`FleetFault`)."""
-    if isinstance(exc, FleetFault):
-        return True
-    from sqlalchemy.exc import DBAPIError
+def dependency_of(exc: BaseException) -> Dependency | None:
+    """The dependency whose call raised `exc`, when its check is to judge whose fault it is;
+    None for the email's own errors, throttling, and errors of no dependency."""
+    if isinstance(exc, Throttled):
+        return None
+    if isinstance(exc, DependencyError):
+        return exc.dependency
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from sqlalchemy.exc import DBAPIError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+    if isinstance(exc, OperationalError | PoolTimeoutError):
+        return Dependency.DATABASE
     if isinstance(exc, DBAPIError):
         code = getattr(exc.orig, "sqlstate", None) or ""
-        return any(code.startswith(prefix) for prefix in _FLEET_SQLSTATES)
-    return False
+        if exc.connection_invalidated or code.startswith(_REFUSED_SQLSTATES):
+            return Dependency.DATABASE
+        return None
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):
+        return Dependency.REDIS
+    return None
 
 
 def is_soft_time_limit(exc: BaseException) -> bool:
@@ -122,7 +175,18 @@ def describe(exc: BaseException) -> str:
         sqlstate = getattr(exc.orig, "sqlstate", None)
         where = f" (SQLSTATE {sqlstate})" if sqlstate else ""
         return f"{type(exc).__name__}: {type(exc.orig).__name__}{where}"
-    return f"{type(exc).__name__}: {exc}"
+    return mask_aws(f"{type(exc).__name__}: {exc}")
+
+
+# An ARN names an account and a role or key; a bare 12-digit number is an account id. Neither
+# is for viewers of the console, the API or `status`.
+_ARN = re.compile(r"arn:aws[a-z-]*:[^\s\"',;)]*")
+_ACCOUNT_ID = re.compile(r"(?<![0-9])[0-9]{12}(?![0-9])")
+
+
+def mask_aws(text: str) -> str:
+    """`text` with AWS ARNs and account ids masked."""
+    return _ACCOUNT_ID.sub("************", _ARN.sub("arn:aws:(masked)", text))
 
 
 def error_class(exc: BaseException) -> str:

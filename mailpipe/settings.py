@@ -76,33 +76,42 @@ class Settings(BaseSettings):
     model_calls_cache_seconds: float = Field(5.0, ge=0)
 
     # Jobs: time limits, retries and the broker's redelivery window (seconds).
-    visibility_timeout: int = Field(900, ge=5)
+    visibility_timeout: int = Field(1800, ge=5)
     task_soft_time_limit: int = Field(240, ge=1)
     task_time_limit: int = Field(300, ge=2)
     max_retries: int = Field(3, ge=0)
-    retry_backoff_base: float = Field(10.0, gt=0)
-    retry_backoff_max: int = Field(300, ge=1)
+    # A failed attempt waits between half and all of min(max, base * 2**(attempt - 1)): with the
+    # defaults the 3 retries wait 100-200, 200-400 and 400-800 s, at least 700 s together, so
+    # that an email whose own attempts fail keeps them over minutes, not seconds.
+    retry_backoff_base: float = Field(200.0, gt=0)
+    retry_backoff_max: int = Field(900, ge=1)
     lease_ttl: int = Field(30, ge=3)  # renewed before half of it has passed while the job runs
     # The enqueue dedup marker lapses this long after it was last set; sweeps refresh the markers
     # of jobs they find in the broker, so a waiting job keeps its marker however long it waits.
     dedup_ttl: int = Field(3600, ge=2)
-    # Deferrals (a held lease, the fleet rate limit, the provider's throttling, a database that
-    # cannot count the attempt) wait without using an attempt, this long in all before the run is
-    # failed with the reason.
+    # Deferrals (a held lease, the fleet rate limit, the provider's throttling) wait without
+    # using an attempt, this long in all before the run is failed with the reason. A job waiting
+    # out a dependency's outage is deferred too, from `defer_base` seconds growing with the time
+    # waited up to `defer_max` at a time, and never failed for it.
     max_deferral: int = Field(3600, ge=1)
+    defer_base: float = Field(5.0, gt=0)
+    defer_max: float = Field(60.0, gt=0)
     # A job cut off by the soft-shutdown window (a deploy, a scale-in) goes back to the queue with
     # its attempt given back; past this many cut-offs it can never fit a window, and its run fails.
     max_shutdown_cutoffs: int = Field(10, ge=1)
 
-    # Fleet-wide faults (credentials, permissions or a KMS key refused, a missing bucket, model
-    # access denied): a job that hits one defers without using an attempt. Once this many
-    # distinct emails hit one within `pause_window` seconds the stage pauses: its workers stop
-    # taking its work, and one probe every `pause_probe_interval` seconds ends the pause when it
-    # succeeds. Runs fail for the fault only after the stage was paused `max_pause` seconds.
+    # Outages and refusals of the whole fleet (a dependency's error while its own check fails
+    # too, mailpipe.pipeline.health): a job that hits one defers without using an attempt. Once
+    # this many distinct emails hit one within `pause_window` seconds the stage pauses: its
+    # workers stop taking its work, and the dependency's check, once every
+    # `pause_probe_interval` seconds, ends the pause when it passes. No run fails for it, however
+    # long it lasts; past `outage_alarm_after` seconds the stage's alarm fires. A process keeps a
+    # check's verdict `health_cache_seconds`.
     pause_after_emails: int = Field(3, ge=1)
     pause_window: float = Field(60.0, gt=0)
     pause_probe_interval: float = Field(30.0, gt=0)
-    max_pause: float = Field(24 * 3600.0, gt=0)
+    outage_alarm_after: float = Field(900.0, gt=0)
+    health_cache_seconds: float = Field(5.0, ge=0)
 
     # Worker liveness: each worker's main process writes a heartbeat with the messages it holds;
     # a worker silent for `worker_dead_after` seconds is dead, and its messages go back to the
@@ -255,6 +264,12 @@ class Settings(BaseSettings):
             raise ValueError(
                 "MAILPIPE_DEDUP_TTL must be at least twice MAILPIPE_SWEEP_INTERVAL, so that sweeps "
                 "refresh the markers of waiting jobs before they lapse"
+            )
+        if self.defer_max >= self.visibility_timeout - self.task_time_limit:
+            raise ValueError(
+                f"MAILPIPE_DEFER_MAX ({self.defer_max:g} s) must stay below "
+                "MAILPIPE_VISIBILITY_TIMEOUT - MAILPIPE_TASK_TIME_LIMIT, or a deferred job's "
+                "message is delivered twice while it waits"
             )
         if self.retry_backoff_base > self.retry_backoff_max:
             raise ValueError(

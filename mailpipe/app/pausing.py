@@ -4,8 +4,9 @@ Every second, on the consumer's own timer (the event loop, where Celery's `cance
 `add_consumer` control commands also run), the step reads the paused stages and stops consuming
 the queues of a paused stage, or starts again once its pause has ended. A paused stage's jobs
 then wait in the broker instead of being fetched and deferred in a loop. While a stage is paused
-by a fault, one worker of the fleet per `MAILPIPE_PAUSE_PROBE_INTERVAL` probes it, on a thread
-of its own so that a slow call never stalls the event loop (mailpipe.operations.probes).
+by an outage, one worker of the fleet per `MAILPIPE_PAUSE_PROBE_INTERVAL` runs the dependency's
+check, on a thread of its own so that a slow call never stalls the event loop
+(mailpipe.operations.probes).
 
 A bootstep rather than a `worker_ready` handler: Celery starts the consumer's steps again after
 a lost broker connection, with the queues it consumed at start, so the pause is applied again.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from celery import bootsteps
@@ -71,21 +71,16 @@ class PauseStep(bootsteps.StartStopStep):
             paused = pauses.paused(self._redis)
         except RedisError:
             return  # nothing is fetched either; the next check tells
-        now = time.time()
         for stage, queue in self._queues:
             pause = paused.get(stage)
-            in_force = pause is not None and pause.holds(settings.max_pause, now)
-            if in_force and queue not in self._cancelled:
-                assert pause is not None
+            if pause is not None and queue not in self._cancelled:
                 log.warning("%s stage paused (%s): stop consuming %s", stage, pause.by, queue)
                 c.cancel_task_queue(queue)
                 self._cancelled.add(queue)
-            elif not in_force and queue in self._cancelled:
+            elif pause is None and queue in self._cancelled:
                 log.warning("%s stage no longer paused: consuming %s again", stage, queue)
                 c.add_task_queue(queue)
                 self._cancelled.discard(queue)
-            # Past MAILPIPE_MAX_PAUSE too: the jobs then fail with the fault, but only a probe
-            # ends the pause, which would otherwise fail every later fault's runs at once.
             if pause is not None and pause.by == pauses.AUTO:
                 self._maybe_probe(stage, settings.pause_probe_interval)
 

@@ -111,7 +111,14 @@ class EmailJobTask(Task):
             # Back to the queue its workers stop consuming within a second of the pause, where
             # it waits the pause out; the second's countdown keeps a worker that has not stopped
             # yet from taking it straight back.
-            send_job(email_id, TaskName(self.name), lane, countdown=PAUSED_RESEND_S)
+            # It keeps when it first waited, so that its wait counts from the outage's start.
+            send_job(
+                email_id,
+                TaskName(self.name),
+                lane,
+                kwargs={"deferred_since": outcome.deferred_since},
+                countdown=PAUSED_RESEND_S,
+            )
         elif outcome.kind is Kind.HANDED_OFF:
             send_job(email_id, TaskName.CLASSIFY_EMAIL, lane)
         elif outcome.kind is Kind.FAILED:
@@ -139,8 +146,9 @@ def process_email(
     Idempotent: every step upserts, and every write is fenced by the claim, so a second run, or
     two at once after a lost lease, leaves the same rows. Retries: every failed attempt (a
     service down, a time limit, a killed child, a bug) up to MAILPIPE_MAX_RETRIES times with
-    backoff and jitter, counted in the database; rejected input fails the run at once; a
-    fleet-wide fault, a deferral or a shutdown's cut-off uses no attempt.
+    backoff and jitter, counted in the database; rejected input fails the run at once; an
+    outage (a dependency whose own check fails), a deferral or a shutdown's cut-off uses no
+    attempt.
     """
     outcome = job.process_email(
         get_resources(), email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since

@@ -2,9 +2,9 @@
 
 Two interchangeable backends behind one small interface, chosen by ``MAILPIPE_MODEL_BACKEND``:
 ``rules`` (local keyword, regex and sender rules) and ``bedrock`` (Amazon Bedrock ``converse``).
-A classifier raises `mailpipe.errors.TransientError` for throttling and outages,
-`mailpipe.errors.FleetFault` for credentials, permissions or a model it cannot use, and
-`mailpipe.errors.PermanentError` for input or output it cannot use.
+A classifier raises `mailpipe.errors.Throttled` when throttled, `mailpipe.errors.ModelUnavailable`
+for outages, `mailpipe.errors.ModelAccessDenied` for credentials, permissions or a model it cannot
+use, and `mailpipe.errors.PermanentError` for input or output it cannot use.
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ class Classifier(Protocol):
     remote: bool  # True: calls a paid provider, so every call takes a fleet-wide rate-limit slot
 
     def classify(self, email: EmailForClassifier) -> ClassificationResult: ...
+
+    def check(self) -> None:
+        """The cheapest call that proves the fleet may use the model; raises as `classify`."""
+        ...
 
 
 def make_classifier(settings: Settings) -> Classifier:

@@ -2,10 +2,11 @@
 
 The model must answer by calling one tool whose input schema lists the configured labels, so the
 answer is structured data checked against that list, not prose to be scraped; entries outside it
-are dropped and counted. Errors are sorted for the task layer: throttling, outages and timeouts
-are `TransientError` (retried with backoff); credentials, permissions, an unknown model id and the
-like are `FleetFault` (no email is failed for them); a request Bedrock rejects and an answer we
-cannot use at all are `PermanentError` (the run fails at once).
+are dropped and counted. Errors are sorted for the task layer: throttling is `Throttled` (the job
+defers); outages and timeouts are `ModelUnavailable`, and credentials, permissions, an unknown
+model id and the like `ModelAccessDenied`, both judged by the model's check (an outage or a
+refusal of the fleet fails no email); a request Bedrock rejects and an answer we cannot use at all
+are `PermanentError` (the run fails at once).
 
 Nothing here logs the email: not the body, not the prompt, not the model's text. Keep the
 `botocore` logger above DEBUG in production, because botocore logs request bodies at DEBUG.
@@ -34,7 +35,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME, build_prompt, tool_config
-from mailpipe.errors import FleetFault, PermanentError, Throttled, TransientError
+from mailpipe.errors import ModelAccessDenied, ModelUnavailable, PermanentError, Throttled
 
 if TYPE_CHECKING:
     from mailpipe.settings import Settings
@@ -103,6 +104,10 @@ _READ_TIMEOUT_S = 30.0
 # up to three requests for one slot. A throttled or failed call goes back to the task layer, which
 # defers (throttling) or retries with backoff (5xx) under the limiter again.
 _MAX_ATTEMPTS = 1
+# The model's check (`check`): a prompt of a few tokens that holds nothing of any email.
+_CHECK_SYSTEM = "Health check of the labelling service."
+_CHECK_USER = "Reply with no labels."
+_CHECK_MAX_TOKENS = 16
 
 
 class BedrockClassifier:
@@ -157,25 +162,35 @@ class BedrockClassifier:
             text_budget=settings.classifier_text_budget,
         )
 
-    def classify(self, email: EmailForClassifier) -> ClassificationResult:
-        """Labels for `email`. Not idempotent by itself (each call is billed); callers store it."""
-        prompt = build_prompt(email, self._labels, self._text_budget)
-        started = time.monotonic()
+    def check(self) -> None:
+        """One call of a few tokens with the labels tool, the model and the role of every
+        classification: what refuses this refuses them all. Its answer is not read."""
+        self._converse(_CHECK_SYSTEM, _CHECK_USER, _CHECK_MAX_TOKENS)
+
+    def _converse(self, system: str, user: str, max_tokens: int) -> Mapping[str, Any]:
         try:
-            response = self._client.converse(
+            return self._client.converse(
                 modelId=self.model_id,
-                system=[{"text": prompt.system}],
-                messages=[{"role": "user", "content": [{"text": prompt.user}]}],
-                inferenceConfig={"maxTokens": self._max_tokens, "temperature": 0},
+                system=[{"text": system}],
+                messages=[{"role": "user", "content": [{"text": user}]}],
+                inferenceConfig={"maxTokens": max_tokens, "temperature": 0},
                 toolConfig=self._tool_config,
             )
         except ClientError as error:
             raise _classify_client_error(error) from error
         except _CREDENTIAL_ERRORS as error:
-            raise FleetFault(f"bedrock credentials: {type(error).__name__}: {error}") from error
+            raise ModelAccessDenied(
+                f"bedrock credentials: {type(error).__name__}: {error}"
+            ) from error
         except (BotoConnectionError, HTTPClientError) as error:
             # Connection refused or reset, connect or read timeout: the service, not the email.
-            raise TransientError(f"bedrock unreachable: {error}") from error
+            raise ModelUnavailable(f"bedrock unreachable: {error}") from error
+
+    def classify(self, email: EmailForClassifier) -> ClassificationResult:
+        """Labels for `email`. Not idempotent by itself (each call is billed); callers store it."""
+        prompt = build_prompt(email, self._labels, self._text_budget)
+        started = time.monotonic()
+        response = self._converse(prompt.system, prompt.user, self._max_tokens)
         measured_ms = round((time.monotonic() - started) * 1000)
 
         tool_input = _tool_input(response)
@@ -206,7 +221,9 @@ class BedrockClassifier:
         return result
 
 
-def _classify_client_error(error: ClientError) -> TransientError | PermanentError | FleetFault:
+def _classify_client_error(
+    error: ClientError,
+) -> Throttled | ModelUnavailable | ModelAccessDenied | PermanentError:
     """The mailpipe error for an error response from Bedrock. The messages name the code and
     Bedrock's message, which names the model or the role, never the email."""
     details = error.response.get("Error", {})
@@ -218,11 +235,11 @@ def _classify_client_error(error: ClientError) -> TransientError | PermanentErro
         retry_after = _retry_after(metadata.get("HTTPHeaders", {}))
         return Throttled(f"bedrock throttled the call: {message}", retry_after=retry_after)
     if code in _TRANSIENT_CODES or status >= 500:
-        return TransientError(f"bedrock unavailable ({code or status}): {message}")
+        return ModelUnavailable(f"bedrock unavailable ({code or status}): {message}")
     if code in _FLEET_CODES or (
         code == "ValidationException" and _FLEET_VALIDATION.search(message)
     ):
-        return FleetFault(f"bedrock refused the fleet ({code}): {message}")
+        return ModelAccessDenied(f"bedrock refused the call ({code}): {message}")
     # Any other ValidationException (input too long) or 4xx: the same request fails the same way
     # next time, and other requests need not.
     return PermanentError(f"bedrock rejected the request ({code or status}): {message}")

@@ -73,6 +73,9 @@ class RulesClassifier:
             )
         return cls(rules, str(data.get("version", "unversioned")))
 
+    def check(self) -> None:
+        """Rules are read at start: there is nothing to call."""
+
     def classify(self, email: EmailForClassifier) -> ClassificationResult:
         started = time.perf_counter()
         text = "\n".join([email.subject, email.body_text, *(d.text for d in email.documents)])

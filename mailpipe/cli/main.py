@@ -562,7 +562,7 @@ def pause(stage: str, reason: str) -> None:
 @main.command()
 @click.argument("stage", type=_STAGES)
 def resume(stage: str) -> None:
-    """End a stage's pause, an operator's or one a fleet-wide fault caused."""
+    """End a stage's pause, an operator's or one an outage caused."""
     from mailpipe.broker.queues import Stage
     from mailpipe.coordination import pauses
 

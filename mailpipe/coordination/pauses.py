@@ -1,16 +1,21 @@
-"""Stage pauses: a fleet-wide fault stops a stage's work instead of failing its backlog.
+"""Stage pauses: an outage stops a stage's work instead of failing its backlog.
 
-A fleet-wide fault (`mailpipe.errors.FleetFault`) says the fleet, not the email, is wrong. A job
-that hits one records it here and defers without using an attempt. Once
-`MAILPIPE_PAUSE_AFTER_EMAILS` distinct emails hit faults at a stage within
-`MAILPIPE_PAUSE_WINDOW` seconds, the stage is paused: a hash with the error, since when, and who
-paused it (`auto`, or `operator` for `mailpipe pause`). Workers stop consuming a paused stage's
-queues (mailpipe.app.pausing); one probe per interval ends an automatic pause when it succeeds.
-An operator's pause ends only with `mailpipe resume`.
+A job whose dependency fails its own check too (mailpipe.pipeline.health) records the fault here
+and defers without using an attempt. Once `MAILPIPE_PAUSE_AFTER_EMAILS` distinct emails hit
+faults at a stage within `MAILPIPE_PAUSE_WINDOW` seconds, the stage is paused: a hash with the
+error, the dependency, since when, who paused it (`auto`, or `operator` for `mailpipe pause`) and
+a token. Workers stop consuming a paused stage's queues (mailpipe.app.pausing); the dependency's
+check, once per probe interval, ends an automatic pause when it passes. An operator's pause ends
+only with `mailpipe resume`.
 
-Times are Redis's own clock (`TIME`), so that hosts with skewed clocks agree on them. The keys
-have no TTL: a pause must outlive any quiet period, which is also why the broker's Redis must
-not evict (mailpipe.app.signals).
+Ending a pause compares its token, so a pause set or taken over while a probe's check ran
+survives the probe. `since` is when the outage began: a pause that starts within a pause window
+of the last one's end counts from the first, so that an outage that flaps keeps one start for its
+alarm.
+
+Times are Redis's own clock (`TIME`), so that hosts with skewed clocks agree on them. The pause
+keys have no TTL: a pause must outlive any quiet period, which is also why the broker's Redis
+must not evict (mailpipe.app.signals).
 """
 
 from __future__ import annotations
@@ -32,74 +37,113 @@ OPERATOR = "operator"
 class Pause:
     stage: Stage
     error: str
-    since: float  # unix time (Redis's clock)
+    since: float  # unix time (Redis's clock): when the outage or the operator's pause began
     by: str  # AUTO or OPERATOR
+    token: str = ""  # changes whenever the pause is set or taken over
+    dependency: str = ""  # the dependency whose check ends an automatic pause
 
-    def holds(self, max_pause: float, now: float | None = None) -> bool:
-        """Whether the stage's jobs are held: an operator's pause until it is resumed, a fault's
-        for `max_pause` seconds (from then on the jobs run, and fail with the fault)."""
+    def alarming(self, alarm_after: float, now: float | None = None) -> bool:
+        """An automatic pause that has lasted past `alarm_after` seconds."""
         now = time.time() if now is None else now
-        return self.by == OPERATOR or now - self.since <= max_pause
+        return self.by == AUTO and now - self.since > alarm_after
 
 
 def _script(source: bytes) -> Script:
     return Script(None, source)  # type: ignore[arg-type]
 
 
-# KEYS: faults, pause. ARGV: email id, window s, threshold, error.
-# Returns the pause's fields when the stage is paused (now or before), else an empty list.
-_RECORD_FAULT = _script(b"""
+# Sets the pause hash (KEYS[1]) with a new token, since the outage's start (KEYS[2]) when one is
+# remembered, else now. ARGV: error, by, dependency, now.
+_SET_PAUSE = b"""
+local function set_pause(error, by, dependency, now)
+  local since = redis.call('get', KEYS[2]) or tostring(now)
+  redis.call('set', KEYS[2], since)
+  redis.call('hset', KEYS[1], 'error', error, 'since', since, 'by', by,
+    'token', string.format('%.6f', now) .. ':' .. by, 'dependency', dependency)
+end
 local t = redis.call('time')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-redis.call('zadd', KEYS[1], now, ARGV[1])
-redis.call('zremrangebyscore', KEYS[1], '-inf', now - tonumber(ARGV[2]))
-if redis.call('exists', KEYS[2]) == 0 and redis.call('zcard', KEYS[1]) >= tonumber(ARGV[3]) then
-  redis.call('hset', KEYS[2], 'error', ARGV[4], 'since', tostring(now), 'by', 'auto')
-end
-return redis.call('hgetall', KEYS[2])
-""")
-# KEYS: pause. ARGV: error, by. Pauses unless paused already (an operator takes over a fault's
-# pause, keeping its error and start); returns the pause's fields.
-_PAUSE = _script(b"""
-if redis.call('exists', KEYS[1]) == 0 then
-  local t = redis.call('time')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-  redis.call('hset', KEYS[1], 'error', ARGV[1], 'since', tostring(now), 'by', ARGV[2])
-elseif ARGV[2] == 'operator' then
-  redis.call('hset', KEYS[1], 'by', 'operator')
+"""
+# KEYS: pause, outage, faults. ARGV: email id, window s, threshold, error, dependency.
+# Returns the pause's fields when the stage is paused (now or before), else an empty list.
+_RECORD_FAULT = _script(
+    _SET_PAUSE
+    + b"""
+redis.call('zadd', KEYS[3], now, ARGV[1])
+redis.call('zremrangebyscore', KEYS[3], '-inf', now - tonumber(ARGV[2]))
+if redis.call('exists', KEYS[1]) == 0 and redis.call('zcard', KEYS[3]) >= tonumber(ARGV[3]) then
+  set_pause(ARGV[4], 'auto', ARGV[5], now)
 end
 return redis.call('hgetall', KEYS[1])
+"""
+)
+# KEYS: pause, outage. ARGV: reason. An operator's pause: a new one, or one that takes over an
+# automatic pause with the operator's reason and keeps its start; returns the pause's fields.
+_PAUSE = _script(
+    _SET_PAUSE
+    + b"""
+if redis.call('hget', KEYS[1], 'by') ~= 'operator' then
+  if redis.call('exists', KEYS[1]) == 0 then redis.call('del', KEYS[2]) end
+  set_pause(ARGV[1], 'operator', redis.call('hget', KEYS[1], 'dependency') or '', now)
+end
+return redis.call('hgetall', KEYS[1])
+"""
+)
+# KEYS: pause, outage, faults. ARGV: token, remember s. Ends the pause if it still holds
+# `token`; the outage's start is remembered for `remember` seconds. Returns 1 if it ended.
+_END_IF = _script(b"""
+if redis.call('hget', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('del', KEYS[1], KEYS[3])
+redis.call('expire', KEYS[2], math.max(1, math.ceil(tonumber(ARGV[2]))))
+return 1
 """)
+
+
+def _keys(stage: Stage) -> list[str]:
+    return [redis_keys.pause(stage), redis_keys.outage(stage), redis_keys.faults(stage)]
 
 
 def record_fault(
-    redis: Redis, stage: Stage, email_id: int, error: str, *, threshold: int, window: float
+    redis: Redis,
+    stage: Stage,
+    email_id: int,
+    error: str,
+    *,
+    dependency: str,
+    threshold: int,
+    window: float,
 ) -> Pause | None:
-    """Count a fleet-wide fault of `email_id` at `stage`; the stage's pause, if it is paused
+    """Count an outage's fault of `email_id` at `stage`; the stage's pause, if it is paused
     (by this fault or before it)."""
     fields = _RECORD_FAULT(
-        keys=[redis_keys.faults(stage), redis_keys.pause(stage)],
-        args=[email_id, window, threshold, error],
-        client=redis,
+        keys=_keys(stage), args=[email_id, window, threshold, error, dependency], client=redis
     )
     return _from_fields(stage, fields)
 
 
-def pause(redis: Redis, stage: Stage, error: str, by: str = OPERATOR) -> Pause:
-    """Pause `stage` unless it is paused already; the pause in force. An operator's pause of a
-    stage a fault paused makes it the operator's: no probe ends it, only `mailpipe resume`."""
-    fields = _PAUSE(keys=[redis_keys.pause(stage)], args=[error, by], client=redis)
+def pause(redis: Redis, stage: Stage, reason: str) -> Pause:
+    """An operator's pause of `stage`, with `reason`; the pause in force. It takes over an
+    automatic pause (no probe ends it then, only `resume`), and leaves an operator's as it is."""
+    fields = _PAUSE(keys=_keys(stage)[:2], args=[reason], client=redis)
     result = _from_fields(stage, fields)
     assert result is not None
     return result
 
 
+def end_if(redis: Redis, stage: Stage, token: str, remember: float) -> bool:
+    """End the stage's pause if it is still the pause of `token` (a probe's check passed);
+    False when it has ended or changed meanwhile. The outage's start is kept `remember`
+    seconds, for a pause that follows."""
+    return bool(_END_IF(keys=_keys(stage), args=[token, remember], client=redis))
+
+
 def resume(redis: Redis, stage: Stage) -> bool:
-    """End the stage's pause and forget its recent faults; False if it was not paused."""
+    """An operator ends the stage's pause, its recent faults and its outage's start; False if it
+    was not paused."""
     pipe = redis.pipeline()
-    pipe.delete(redis_keys.pause(stage))
-    pipe.delete(redis_keys.faults(stage))
-    deleted, _ = pipe.execute()
+    for name in _keys(stage):
+        pipe.delete(name)
+    deleted, _, _ = pipe.execute()
     return bool(deleted)
 
 
@@ -113,12 +157,6 @@ def paused(redis: Redis) -> dict[Stage, Pause]:
         for stage, fields in zip(Stage, pipe.execute(), strict=True)
     }
     return {stage: pause for stage, pause in found.items() if pause is not None}
-
-
-def faulted_emails(redis: Redis, stage: Stage, count: int = 1) -> list[int]:
-    """The emails that hit a fault at `stage` most lately: what a probe tries."""
-    found: list[bytes] = redis.zrevrange(redis_keys.faults(stage), 0, count - 1)  # type: ignore[assignment]
-    return [int(i) for i in found]
 
 
 def take_probe(redis: Redis, stage: Stage, interval: float) -> bool:
@@ -153,7 +191,14 @@ def _from_fields(stage: Stage, fields: object) -> Pause | None:
         values = list(fields)  # type: ignore[call-overload]
         items = list(zip(values[::2], values[1::2], strict=True))
     text = {_str(k): _str(v) for k, v in items}
-    return Pause(stage, text.get("error", ""), float(text.get("since", "0")), text.get("by", AUTO))
+    return Pause(
+        stage,
+        text.get("error", ""),
+        float(text.get("since", "0")),
+        text.get("by", AUTO),
+        text.get("token", ""),
+        text.get("dependency", ""),
+    )
 
 
 def _str(value: object) -> str:

@@ -44,6 +44,7 @@ from redis import Redis, RedisError
 from mailpipe.broker.queues import Lane
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import Throttled
+from mailpipe.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,17 @@ class FleetRateLimiter:
         self._inflight_key = redis_keys.key(f"ratelimit:{{{name}}}:inflight")
         self._live_key = redis_keys.key(f"ratelimit:{{{name}}}:live")
         self._acquire = redis.register_script(_ACQUIRE)
+
+    @classmethod
+    def for_model_calls(cls, redis: Redis, settings: Settings) -> FleetRateLimiter:
+        """The fleet's limit on model calls, as the settings give it."""
+        return cls(
+            redis,
+            rate_per_s=settings.model_rate_per_s,
+            burst=settings.model_burst,
+            max_in_flight=settings.model_max_in_flight,
+            bulk_share=settings.bulk_share,
+        )
 
     @contextmanager
     def slot(self, wait: float = 0.0, lane: Lane = Lane.LIVE) -> Iterator[float]:

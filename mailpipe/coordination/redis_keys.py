@@ -33,6 +33,11 @@ def deferred_sets() -> list[str]:
     return [deferred(queue) for queue in job_queues(get_settings())]
 
 
+def health_checks_counter(dependency: str) -> str:
+    """Checks of `dependency` the fleet has made (mailpipe.pipeline.health), ever."""
+    return key(f"metrics:health-checks:{dependency}")
+
+
 def deferrals_counter() -> str:
     """Deferrals since the last metrics report (the `Deferrals` metric)."""
     return key("metrics:deferrals")
@@ -83,12 +88,19 @@ def report_cursor() -> str:
 
 
 def pause(stage: str) -> str:
-    """Hash: the stage's pause (error, since, by), present while the stage is paused."""
+    """Hash: the stage's pause (error, since, by, token, dependency), present while the stage
+    is paused."""
     return key(f"pause:{stage}")
 
 
+def outage(stage: str) -> str:
+    """String: when the stage's outage began (Redis time), kept a pause window past the pause
+    that ended it, so that a pause soon after counts from the same start."""
+    return key(f"outage:{stage}")
+
+
 def faults(stage: str) -> str:
-    """Sorted set: emails that hit a fleet-wide fault at `stage`, scored by when (Redis time)."""
+    """Sorted set: emails that met an outage at `stage`, scored by when (Redis time)."""
     return key(f"faults:{stage}")
 
 

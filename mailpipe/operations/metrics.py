@@ -325,16 +325,23 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     jobs only: the backlog figures, which scaling depends on, are still worth sending."""
     measured_at = time.time()
     settings = res.settings
-    holding = {
-        stage
-        for stage, pause in pauses.paused(res.redis).items()
-        if pause.holds(settings.max_pause)
-    }
+    paused = pauses.paused(res.redis)
+    for stage, pause in paused.items():
+        if pause.alarming(settings.outage_alarm_after, measured_at):
+            log.error(
+                "ALARM: the %s stage has been paused for %.0f s, past MAILPIPE_OUTAGE_ALARM_AFTER "
+                "(%g s), by an outage of %s: %s",
+                stage,
+                measured_at - pause.since,
+                settings.outage_alarm_after,
+                pause.dependency or "a dependency",
+                pause.error,
+            )
     readings: list[BacklogMetrics] = []
     for stage in Stage:
         lanes = [stage_queue(stage, settings, lane) for lane in Lane]
         readings.extend(
-            replace(read_backlog(res, queue, measured_at, lanes), held=stage in holding)
+            replace(read_backlog(res, queue, measured_at, lanes), held=stage in paused)
             for queue in lanes
         )
     email, *others = readings
@@ -345,14 +352,13 @@ def collect(res: Resources) -> list[BacklogMetrics]:
         log.warning("could not count failed runs and ended jobs", exc_info=True)
         window = None
     deferrals = int(counted) if counted is not None else None
-    paused = frozenset(pauses.paused(res.redis))
     return [
         replace(
             email,
             failed_runs=window.failed_runs if window else None,
             stage_jobs=window.stage_jobs if window else None,
             deferrals=deferrals,
-            paused_stages=paused,
+            paused_stages=frozenset(paused),
         ),
         *others,
     ]

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.coordination import markers, pauses
 from mailpipe.coordination.heartbeat import live_worker_list
+from mailpipe.errors import mask_aws
 from mailpipe.operations.metrics import read_backlog
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -100,9 +101,11 @@ def fleet_status(res: Resources) -> dict[str, Any]:
     queues = {role: _queue_dict(res, name) for role, name in names.items()}
     paused = {
         stage.value: {
-            "error": pause.error,
+            "error": mask_aws(pause.error),
             "since": datetime.fromtimestamp(pause.since, UTC).isoformat(),
             "by": pause.by,
+            "dependency": pause.dependency or None,
+            "alarm": pause.alarming(settings.outage_alarm_after),
         }
         for stage, pause in pauses.paused(res.redis).items()
     }

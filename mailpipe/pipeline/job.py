@@ -12,17 +12,20 @@ outcome to Celery's actions in one place.
 
 - Rejected input (`PermanentError`: no such email, not an email, over a limit, no blob) fails
   the run at once.
-- Any other failed attempt (a service down, the soft time limit, a bug no one foresaw) is
-  recorded on the run and retried after an exponential backoff with full jitter, until the
-  attempts are used up; the hard time limit and a killed child count the same way at the next
-  claim.
-- A fleet-wide fault (`FleetFault`) gives the attempt back and is recorded in Redis; enough of
-  them pause the stage (mailpipe.coordination.pauses), and a job of a paused stage goes back to
-  its queue untouched. Runs fail for it only once the stage was paused `MAILPIPE_MAX_PAUSE`.
+- A dependency's error (S3, the model, the database, Redis) is judged by that dependency's own
+  check (mailpipe.pipeline.health). When the check fails too, it is an outage or a refusal of
+  the whole fleet: the attempt is given back, the fault recorded in Redis, and the job waits;
+  enough of them pause the stage (mailpipe.coordination.pauses), and a job of a paused stage
+  goes back to its queue untouched. No run fails for an outage, however long. When the check
+  passes, the error is the email's own: a failed attempt, below.
+- Any other failed attempt (the email's own dependency error, the soft time limit, a bug no one
+  foresaw) is recorded on the run and retried after an exponential backoff with jitter, until
+  the attempts are used up; the hard time limit and a killed child count the same way, and
+  wait out the same backoff, at the next claim.
 - A deferral (the lease held by a live delivery, the fleet's rate limit, the provider's
-  throttling, a database that cannot count the attempt) waits without using an attempt, never
-  longer than `MAILPIPE_RETRY_BACKOFF_MAX` at a time (so never past the visibility timeout), and
-  fails the run once it has waited `MAILPIPE_MAX_DEFERRAL` in all.
+  throttling) waits without using an attempt, never longer than `MAILPIPE_RETRY_BACKOFF_MAX` at a
+  time (so never past the visibility timeout), and fails the run once it has waited
+  `MAILPIPE_MAX_DEFERRAL` in all.
 """
 
 from __future__ import annotations
@@ -43,16 +46,17 @@ from mailpipe.coordination import leases, pauses, redis_keys, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import (
+    Dependency,
     PermanentError,
     Throttled,
+    dependency_of,
     describe,
     error_class,
-    is_fleet_fault,
     is_soft_time_limit,
     is_transient,
 )
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import health, runs
 from mailpipe.pipeline.classify import (
     classify_remote,
     email_for_classifier,
@@ -119,47 +123,50 @@ def _deliver(
     pause = _pause_in_force(res, stage)
     if pause is not None:
         # Taken before its worker stopped consuming the stage: back to the queue, untouched.
-        return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
+        return Outcome(
+            Kind.PAUSED,
+            error=f"the {stage} stage is paused: {pause.error}",
+            deferred_since=deferred_since or time.time(),
+        )
     try:
         with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
-            outcome = run_claimed(res, email_id, cut_off, stage, lane)
+            outcome = run_claimed(res, email_id, cut_off, stage, lane, deferred_since)
             lease.keep_marker = outcome.follows_up
     except LeaseHeld as held:
         outcome = Outcome(Kind.DEFER, held.wait, str(held))
     except RedisError as exc:
         outcome = Outcome(
-            Kind.DEFER, _deferral_delay(settings, deferred_since), f"Redis unavailable: {exc}"
+            Kind.DEFER,
+            _deferral_delay(settings, deferred_since),
+            f"Redis unavailable: {describe(exc)}",
+            outage=Dependency.REDIS,
         )
     if outcome.kind is Kind.DEFER:
-        return _bounded_deferral(
-            res, email_id, stage_queue(stage, settings, lane), outcome, deferred_since
-        )
+        return _deferral(res, email_id, stage_queue(stage, settings, lane), outcome, deferred_since)
     return outcome
 
 
 def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
-    """The stage's pause while it holds: an operator's until resumed, a fault's until
-    MAILPIPE_MAX_PAUSE (from then on jobs run again, and those that hit the fault fail with it)."""
+    """The stage's pause: an operator's until resumed, an outage's until its check passes."""
     try:
-        pause = res.pauses(res.redis).get(stage)
+        return res.pauses(res.redis).get(stage)
     except RedisError:
         return None  # the lease cannot be taken either: the job defers below
-    if pause is None or not pause.holds(res.settings.max_pause):
-        return None
-    return pause
 
 
 def retry_delay(settings: Settings, attempt: int, retry_after: float | None = None) -> float:
-    """Exponential backoff with full jitter: uniform in [0, min(max, base * 2**(attempt-1))],
-    or the service's own `retry_after` hint when it gave one; never more than the maximum.
+    """Exponential backoff with equal jitter: uniform in [c/2, c], c = min(max, base *
+    2**(attempt-1)), or the service's own `retry_after` hint when it gave one; never more than
+    the maximum.
 
-    Celery's own helper draws whole seconds only, which cannot express the sub-second bases that
-    tests use; the jitter spreads retries of jobs that failed together.
+    Half of each backoff is certain, so that the retries of an email span a known least time
+    (MAILPIPE_RETRY_BACKOFF_BASE); the other half spreads the retries of jobs that failed
+    together. Celery's own helper draws whole seconds of full jitter only.
     """
     if retry_after is not None:
         return min(retry_after, settings.retry_backoff_max)
     ceiling = min(settings.retry_backoff_max, settings.retry_backoff_base * 2 ** (attempt - 1))
-    return random.uniform(0, ceiling)
+    return random.uniform(ceiling / 2, ceiling)
 
 
 def run_claimed(
@@ -168,6 +175,7 @@ def run_claimed(
     cut_off: float | None = None,
     stage: Stage = Stage.CPU,
     lane: Lane = Lane.LIVE,
+    deferred_since: float | None = None,
 ) -> Outcome:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
     the claim, so two of these at once for one email (what a lapsed lease allows) leave the
@@ -191,13 +199,14 @@ def run_claimed(
     try:
         claim = once_more_if_disconnected(claim_in_a_transaction)
     except Exception as exc:
-        if is_fleet_fault(exc):
-            return _after_fleet_fault(res, email_id, stage, exc)
+        outage = _outage(res, exc)
+        if outage is not None:
+            return _after_outage(res, email_id, stage, exc, outage, deferred_since)
         if not is_transient(exc):
             raise
         # Nothing was counted: wait like a deferral, bounded the same way.
         return Outcome(
-            Kind.DEFER, settings.retry_backoff_base, f"could not claim an attempt: {describe(exc)}"
+            Kind.DEFER, settings.defer_base, f"could not claim an attempt: {describe(exc)}"
         )
     if isinstance(claim, Outcome):
         return claim
@@ -209,7 +218,16 @@ def run_claimed(
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
-        return _after_error(res, email_id, claim, stage, exc)
+        return _after_error(res, email_id, claim, stage, exc, deferred_since)
+
+
+def _outage(res: Resources, exc: Exception) -> Dependency | None:
+    """The dependency whose error `exc` is, when its own check fails too: an outage or a refusal
+    of the whole fleet, not the email's error."""
+    dependency = dependency_of(exc)
+    if dependency is None or health.passes(res, dependency):
+        return None
+    return dependency
 
 
 def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
@@ -340,13 +358,7 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
         email_text = input_from_json(session.get_one(ModelInput, email_id).input)
 
     if res.classifier.remote:
-        limiter = FleetRateLimiter(
-            res.redis,
-            rate_per_s=settings.model_rate_per_s,
-            burst=settings.model_burst,
-            max_in_flight=settings.model_max_in_flight,
-            bulk_share=settings.bulk_share,
-        )
+        limiter = FleetRateLimiter.for_model_calls(res.redis, settings)
         # A thread waits its turn here, cheaply; past the wait the job is deferred.
         result = classify_remote(
             res.classifier, email_text, limiter, wait=settings.model_slot_wait, lane=lane
@@ -377,24 +389,33 @@ def _close_with_labels(
 
 
 def _after_error(
-    res: Resources, email_id: int, claim: runs.Claim, stage: Stage, exc: Exception
+    res: Resources,
+    email_id: int,
+    claim: runs.Claim,
+    stage: Stage,
+    exc: Exception,
+    deferred_since: float | None,
 ) -> Outcome:
     """An attempt that raised, by whose fault it was (mailpipe.errors)."""
     token = claim.token
-    fleet_fault = is_fleet_fault(exc)
-    if fleet_fault or isinstance(exc, Throttled):
+    outage = None if isinstance(exc, Throttled) else _outage(res, exc)
+    if outage is not None or isinstance(exc, Throttled):
         # Not the email's attempt to lose: given back, then deferred or paused.
-        superseded = _write(
-            res,
-            lambda session: runs.give_back(
+        def give_back(session: Session) -> bool:
+            runs.give_back(
                 session, email_id, token, error=describe(exc), error_class=error_class(exc)
-            ),
-            None,
-        )
-        if superseded is not None:
-            return superseded
-        if fleet_fault:
-            return _after_fleet_fault(res, email_id, stage, exc)
+            )
+            return True
+
+        given_back = _write(res, give_back, False)
+        if isinstance(given_back, Outcome):
+            return given_back
+        if given_back is False:
+            # The database is out too: the next claim gives the attempt back, as for a job its
+            # worker cut off.
+            _mark_cut_off(res, email_id)
+        if outage is not None:
+            return _after_outage(res, email_id, stage, exc, outage, deferred_since)
         return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
     if not isinstance(exc, PermanentError):
         return _after_failed_attempt(res, email_id, claim, exc)
@@ -422,7 +443,7 @@ def _after_failed_attempt(
     if is_soft_time_limit(exc):
         error = f"soft time limit ({settings.task_soft_time_limit} s) exceeded"
         log.warning("email %s: attempt %s: %s", email_id, attempt, error)
-    elif is_transient(exc):
+    elif is_transient(exc) or dependency_of(exc) is not None:
         error = describe(exc)
     else:
         # A bug or a library error no one classified: the run records what it was, the log its
@@ -454,36 +475,47 @@ def _after_failed_attempt(
     return outcome
 
 
-def _after_fleet_fault(res: Resources, email_id: int, stage: Stage, exc: Exception) -> Outcome:
-    """A fault of the fleet, not of the email (its attempt already given back): counted toward
-    the stage's pause; the job goes back to its queue when the stage is paused, and defers like
-    a throttled job until then."""
+def _after_outage(
+    res: Resources,
+    email_id: int,
+    stage: Stage,
+    exc: Exception,
+    dependency: Dependency,
+    deferred_since: float | None,
+) -> Outcome:
+    """An outage of `dependency`, or its refusal of the whole fleet (the email's attempt, if
+    one was counted, given back): counted toward the stage's pause. The job goes back to its
+    queue when the stage is paused, and waits as a deferral until then, with no bound."""
     settings = res.settings
     error = describe(exc)
+    since = deferred_since or time.time()
     try:
         pause = pauses.record_fault(
             res.redis,
             stage,
             email_id,
             error,
+            dependency=dependency,
             threshold=settings.pause_after_emails,
             window=settings.pause_window,
         )
     except RedisError:
         pause = None
     if pause is None:
-        log.warning("email %s: fleet-wide fault at the %s stage: %s", email_id, stage, error)
-        return Outcome(Kind.DEFER, settings.retry_backoff_base, error)
-    if not pause.holds(settings.max_pause):
-        paused_for = time.time() - pause.since
-        return _fail_unclaimed(
-            res,
-            email_id,
-            f"the {stage} stage has been paused for {paused_for:.0f} s, past MAILPIPE_MAX_PAUSE "
-            f"({settings.max_pause:g} s), by a fleet-wide fault: {error}",
-            ErrorClass.PAUSED_TOO_LONG,
+        log.warning("email %s: %s outage at the %s stage: %s", email_id, dependency, stage, error)
+        return Outcome(
+            Kind.DEFER, _deferral_delay(settings, deferred_since), error, since, outage=dependency
         )
-    return Outcome(Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}")
+    return Outcome(
+        Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}", deferred_since=since
+    )
+
+
+def _mark_cut_off(res: Resources, email_id: int) -> None:
+    try:
+        shutdowns.mark_cut_off(res.redis, [email_id])
+    except RedisError:
+        log.warning("email %s: its attempt could not be given back", email_id)
 
 
 def _fail_unclaimed(res: Resources, email_id: int, error: str, bound: ErrorClass) -> Outcome:
@@ -516,14 +548,16 @@ def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | O
         return unwritten
 
 
-def _bounded_deferral(
+def _deferral(
     res: Resources, email_id: int, queue: str, outcome: Outcome, deferred_since: float | None
 ) -> Outcome:
+    """Count the deferral; fail the run instead when it has waited past MAILPIPE_MAX_DEFERRAL in
+    all, unless it waits out an outage, which has no bound."""
     settings = res.settings
     now = time.time()
     since = deferred_since or now
     delay = min(max(outcome.delay, 0.5), settings.retry_backoff_max)
-    if now + delay - since > settings.max_deferral:
+    if outcome.outage is None and now + delay - since > settings.max_deferral:
         return _fail_unclaimed(
             res,
             email_id,
@@ -539,10 +573,10 @@ def _bounded_deferral(
     except RedisError:
         log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)
     log.info("email %s: deferred %.1fs: %s", email_id, delay, outcome.error)
-    return Outcome(Kind.DEFER, delay, outcome.error, since)
+    return Outcome(Kind.DEFER, delay, outcome.error, since, outage=outcome.outage)
 
 
 def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
-    """Doubles with the time already waited, from the backoff base up to its maximum."""
+    """Doubles with the time already waited, from MAILPIPE_DEFER_BASE up to MAILPIPE_DEFER_MAX."""
     waited = time.time() - deferred_since if deferred_since else 0.0
-    return min(settings.retry_backoff_max, settings.retry_backoff_base + waited)
+    return min(settings.defer_max, settings.defer_base + waited)

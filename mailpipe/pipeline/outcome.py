@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from mailpipe.errors import Dependency
+
 
 class Kind(enum.StrEnum):
     SUCCEEDED = "succeeded"
@@ -24,7 +26,9 @@ class Outcome:
     kind: Kind
     delay: float = 0.0  # RETRY, DEFER: seconds before the next delivery
     error: str | None = None  # why, for FAILED, RETRY, DEFER and PAUSED
-    deferred_since: float | None = None  # DEFER: when this job was first deferred (unix time)
+    # DEFER, PAUSED: when this job was first deferred or sent back by a pause (unix time)
+    deferred_since: float | None = None
+    outage: Dependency | None = None  # DEFER: the dependency whose outage it waits out
 
     @property
     def follows_up(self) -> bool:

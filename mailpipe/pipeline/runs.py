@@ -98,7 +98,7 @@ def claim_attempt(
 ) -> Claim | Outcome:
     """Count one attempt of `stage` and return its `Claim`, or return the job's outcome when it
     must not run now (no such email, a closed run, a stage done or not yet due, no attempt left,
-    a cut-off attempt's backoff).
+    the backoff after an attempt whose process died or was cut off).
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
@@ -107,7 +107,8 @@ def claim_attempt(
     email's job off at the end of its shutdown window, and that attempt had started before, the
     attempt is given back.
     `model_calls`: asked when the CPU stage is done already: whether the model stage is next.
-    `backoff`: the seconds an attempt cut off by the hard time limit waits, from its number.
+    `backoff`: the seconds the job waits after an attempt that died or hit the hard time limit,
+    from its number.
 
     The usual case, a run that is new or open and ready for this stage, is counted in one
     statement (`_count_if_ready`), which also reads where the email is stored; every other case
@@ -138,12 +139,14 @@ def claim_attempt(
         )
         if stopped is not None:
             return stopped
-        if cut_off is not None:
+        if run.error_class != ErrorClass.SHUTDOWN_CUTOFFS:
+            # Killed by the hard time limit, or its process died: a failed attempt like any
+            # other, which waits out its backoff before the next one.
             return Outcome(Kind.RETRY, backoff(run.attempts), run.error)
     elif run.attempts >= max_attempts:
         # The last attempt ended with attempts left under a limit lowered since: no attempt
         # ends here, the run fails without another.
-        return _give_up(run, ErrorClass.ATTEMPTS_USED_UP, _used_up(run.attempts, run.error))
+        return _give_up(run, run.error_class, _used_up(run.attempts, run.error))
     run.attempts += 1
     run.claims += 1
     run.attempt_started_at = utcnow()
@@ -195,7 +198,7 @@ def _end_unfinished(
             f"attempt {run.attempts} ended without a result: its worker process died or was "
             "killed, or stopped renewing its lease",
         )
-    failed: tuple[ErrorClass, str] | None = None
+    failed: tuple[str, str] | None = None
     if shutdown and cutoffs >= max_shutdown_cutoffs:
         failed = (
             ErrorClass.SHUTDOWN_CUTOFFS,
@@ -203,7 +206,7 @@ def _end_unfinished(
             "soft-shutdown window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it",
         )
     elif attempts >= max_attempts:
-        failed = (ErrorClass.ATTEMPTS_USED_UP, _used_up(attempts, ended.error))
+        failed = (ended.error_class or ErrorClass.LOST, _used_up(attempts, ended.error))
     _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED) if failed else ended)
     run.attempt_started_at = None
     run.attempts, run.cutoffs = attempts, cutoffs
@@ -462,7 +465,7 @@ def give_back(
     error_class: str | None = None,
 ) -> None:
     """Undo the count of an attempt that did no work worth counting (deferred: throttled,
-    rate-limited, a fleet-wide fault, model calls switched off). `error`, of `error_class`: why,
+    rate-limited, an outage, model calls switched off). `error`, of `error_class`: why,
     for the attempt's row; the run's error stays as it was."""
     run = current(session, email_id, token)
     _record(session, run, _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error))
@@ -487,7 +490,7 @@ def record_failed_attempt(
     ended = _AttemptEnd(AttemptOutcome.RETRYING, error_class, error)
     if run.attempts >= max_attempts:
         _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED))
-        return _give_up(run, ErrorClass.ATTEMPTS_USED_UP, _used_up(run.attempts, error))
+        return _give_up(run, error_class, _used_up(run.attempts, error))
     _record(session, run, ended)
     run.attempt_started_at = None
     _set_error(run, error_class, error)
@@ -629,10 +632,11 @@ def _fail(run: PipelineRun, error: str, error_class: str) -> None:
         setattr(run, column, value)
 
 
-def _give_up(run: PipelineRun, error_class: ErrorClass, error: str) -> Outcome:
+def _give_up(run: PipelineRun, error_class: str | None, error: str) -> Outcome:
     """Fail a locked run whose attempts, or shutdown windows, are used up (the row of an
-    attempt that ends with it is written by the caller, before the run forgets the attempt)."""
-    _fail(run, error, error_class)
+    attempt that ends with it is written by the caller, before the run forgets the attempt).
+    `error_class`: its last error's, so that the failed list names what failed it."""
+    _fail(run, error, error_class or ErrorClass.ATTEMPTS_USED_UP)
     log.error("email %s: failed: %s", run.email_id, run.error)
     return Outcome(Kind.FAILED, error=run.error)
 

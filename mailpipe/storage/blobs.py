@@ -18,13 +18,19 @@ from mailpipe.errors import BlobMissing, InputRejected
 KEY_PATTERN = re.compile(r"^[a-z0-9][a-z0-9/_.-]{0,254}$")
 
 
+# The prefixes the pipeline reads and writes under: raw emails, and document texts too long to
+# keep in their row. The blob store's health check writes under each.
+RAW_PREFIX = "raw"
+TEXT_PREFIX = "text"
+
+
 def raw_email_key(sha256: str) -> str:
     """Content-addressed: storing the same raw bytes twice writes one object."""
-    return f"raw/{sha256[:2]}/{sha256}.eml"
+    return f"{RAW_PREFIX}/{sha256[:2]}/{sha256}.eml"
 
 
 def document_text_key(email_id: int, part_index: int) -> str:
-    return f"text/{email_id}/{part_index}.txt"
+    return f"{TEXT_PREFIX}/{email_id}/{part_index}.txt"
 
 
 def check_key(key: str) -> str:
@@ -39,7 +45,12 @@ class BlobStore(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
-        """The blob's bytes. Raises BlobMissing, TransientError, or InputRejected over max_bytes."""
+        """The blob's bytes. Raises BlobMissing, a DependencyError, or InputRejected over
+        max_bytes."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the blob; nothing happens when there is none."""
         ...
 
 
@@ -65,6 +76,9 @@ class LocalBlobStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)

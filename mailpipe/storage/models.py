@@ -67,7 +67,7 @@ class AttemptOutcome(enum.StrEnum):
     DUPLICATE = "duplicate"
     HANDED_OFF = "handed_off"  # the CPU stage is done, the model stage is next
     WAITING = "waiting"  # the CPU stage is done, model calls are off
-    DEFERRED = "deferred"  # given back: throttled, a fleet-wide fault, model calls off
+    DEFERRED = "deferred"  # given back: throttled, an outage, model calls off
     RETRYING = "retrying"  # failed, retried while attempts remain
     FAILED = "failed"  # failed for good: rejected input, or the run's bound reached
     LOST = "lost"  # its process died or its lease lapsed: written by the next claim
@@ -352,3 +352,13 @@ class SweepReport(Base):
     marked_for_review: Mapped[int] = mapped_column(default=0)
     queue_depth: Mapped[int | None]
     backlog_per_task: Mapped[float | None]
+
+
+class HealthCheck(Base):
+    """The row the database's health check writes (mailpipe.pipeline.health): a write the fleet
+    owns, so that a database that takes no writes is told apart from one email's error."""
+
+    __tablename__ = "health_check"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    checked_at: Mapped[datetime] = mapped_column(default=utcnow)

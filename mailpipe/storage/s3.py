@@ -11,17 +11,24 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from mailpipe.errors import BlobMissing, FleetFault, InputRejected, PermanentError, TransientError
+from mailpipe.errors import (
+    BlobAccessDenied,
+    BlobMissing,
+    BlobUnavailable,
+    InputRejected,
+    PermanentError,
+)
 from mailpipe.storage.blobs import check_key
 
 _S3_CONFIG = Config(
     retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=30
 )
 
-# Codes with which S3 refuses the fleet, not one blob: credentials, the bucket's policy or account,
-# the bucket itself. Every blob would fail the same way until an operator fixes it. With
-# s3:ListBucket granted (deploy/iam), a missing key is a 404, so AccessDenied is never one email's.
-_FLEET_CODES = frozenset(
+# Codes with which S3 refuses a call: credentials, the bucket's policy or account, the bucket
+# itself, or one object (its KMS key, its owner, a policy on its tags). Whether every object is
+# refused or this one, the blob store's check says (mailpipe.pipeline.health). With s3:ListBucket
+# granted (deploy/iam), a missing key is a 404, never an AccessDenied.
+_REFUSED_CODES = frozenset(
     {
         "AccessDenied",
         "InvalidAccessKeyId",
@@ -63,6 +70,12 @@ class S3BlobStore:
         except (BotoCoreError, ClientError) as exc:
             raise _s3_error(exc, "PutObject", key) from exc
 
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except (BotoCoreError, ClientError) as exc:
+            raise _s3_error(exc, "DeleteObject", key) from exc
+
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
@@ -79,18 +92,20 @@ def _s3_error(exc: Exception, operation: str, key: str) -> Exception:
     """The taxonomy's error for a failed S3 call: its message names the operation, the key (a
     hash, nothing of the email) and S3's code."""
     if isinstance(exc, NoCredentialsError | PartialCredentialsError):
-        return FleetFault(f"S3 {operation} of {key}: {type(exc).__name__} (no usable credentials)")
+        return BlobAccessDenied(
+            f"S3 {operation} of {key}: {type(exc).__name__} (no usable credentials)"
+        )
     if isinstance(exc, ClientError):
         error = exc.response.get("Error", {})
         code = error.get("Code", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        if code in _FLEET_CODES or code.startswith("KMS.") or _names_kms(status, error):
-            return FleetFault(f"S3 refused the fleet: {operation} of {key}: {code} ({status})")
+        if code in _REFUSED_CODES or code.startswith("KMS.") or _names_kms(status, error):
+            return BlobAccessDenied(f"S3 refused {operation} of {key}: {code} ({status})")
         if code in _MISSING_CODES:
             return BlobMissing(f"blob {key} not found")
         if status < 500 and code not in _BUSY_CODES:
             return PermanentError(f"S3 refused {operation} of {key}: {code} ({status})")
-    return TransientError(f"S3 unavailable for {operation} of {key}: {exc}")
+    return BlobUnavailable(f"S3 unavailable for {operation} of {key}: {exc}")
 
 
 def _names_kms(status: int, error: dict) -> bool:

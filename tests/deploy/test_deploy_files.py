@@ -468,7 +468,7 @@ def test_every_broker_client_uses_the_same_visibility_timeout():
         if "MAILPIPE_BROKER_URL" in secrets(role)
     }
     assert set(timeouts) == {"worker", "model", "beat", "flower", "web"}
-    assert set(timeouts.values()) == {"900"}, timeouts
+    assert set(timeouts.values()) == {"1800"}, timeouts
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -1077,6 +1077,9 @@ def test_a_paused_stage_alarms(template, alarm, stage):
     assert (props["ComparisonOperator"], props["Threshold"]) == ("GreaterThanOrEqualToThreshold", 1)
     assert props["Statistic"] == "Maximum"
     assert props["TreatMissingData"] == "notBreaching"  # silence is the other alarm's
+    # A pause alarms once it has lasted the parameter's minutes, 15 by default.
+    assert (props["Period"], props["EvaluationPeriods"]) == (60, {"Ref": "StagePausedAlarmMinutes"})
+    assert template["Parameters"]["StagePausedAlarmMinutes"]["Default"] == 15
 
 
 # --- IAM ---------------------------------------------------------------------------------------

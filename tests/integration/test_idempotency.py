@@ -10,6 +10,7 @@ from sqlalchemy import select
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.pipeline import job
+from mailpipe.pipeline.outcome import Kind
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
     Classification,
@@ -129,7 +130,12 @@ def _run_in_child(email_id: int, inside, starts) -> str:  # type: ignore[no-unty
         return real_steps(*args)  # type: ignore[arg-type]
 
     job._run_steps = meeting  # type: ignore[assignment]
-    return job.run_claimed(get_resources(), email_id).kind.value
+    outcome = job.run_claimed(get_resources(), email_id)
+    if outcome.kind is Kind.RETRY:
+        # The other delivery's attempt, unleased, was taken for lost: this is the retry sent
+        # after that attempt's backoff, while the other is still inside its steps.
+        outcome = job.run_claimed(get_resources(), email_id)
+    return outcome.kind.value
 
 
 def test_two_deliveries_at_once_without_the_lease_leave_the_rows_of_one(res) -> None:  # type: ignore[no-untyped-def]

@@ -21,10 +21,9 @@ from mailpipe.cli.demo.servers import PrivateRedis
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.resources import Resources
-from mailpipe.settings import Settings
-from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun, SweepReport
 from tests.support.bedrock_server import BedrockServer, throttling
+from tests.support.database import on_server
 from tests.support.faults import claims_held, release_claim, set_claim_fault
 from tests.support.services import PrivatePostgres
 from tests.support.waits import wait_for, wait_until_closed
@@ -201,12 +200,7 @@ def test_postgresql_restarted_during_a_claim_is_a_retry_not_a_lost_job(res, flee
     pg = PrivatePostgres()
     try:
         pg.start()
-        from mailpipe.storage.migrate import upgrade
-
-        upgrade(pg.url)
-        private = Resources(Settings(**{**res.settings.model_dump(), "database_url": pg.url}))
-        with private.db.transaction() as session:
-            flags.set_model_calls(session, True)
+        private = on_server(res, pg.url)
         [email_id] = store_emails(private, [email("claim-during-restart")])
         f = fleet(
             MAILPIPE_DATABASE_URL=pg.url,

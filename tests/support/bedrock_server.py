@@ -419,6 +419,15 @@ def bedrock_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
     }
 
 
+def unlimited_bedrock_env(server: BedrockServer, aws_dir: Path) -> dict[str, str]:
+    """`bedrock_env` with a fleet rate limit no test reaches."""
+    return {
+        **bedrock_env(server, aws_dir),
+        "MAILPIPE_MODEL_RATE_PER_S": "100",
+        "MAILPIPE_MODEL_BURST": "100",
+    }
+
+
 def invoices(n: int) -> list[bytes]:
     tag = uuid.uuid4().hex[:8]
     return [

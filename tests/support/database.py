@@ -16,3 +16,18 @@ def clean(res) -> None:  # type: ignore[no-untyped-def]
     with res.db.transaction() as session:
         session.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
     delete_prefix(os.environ["MAILPIPE_BROKER_URL"], os.environ["MAILPIPE_REDIS_PREFIX"])
+
+
+def on_server(res, url: str):  # type: ignore[no-untyped-def]
+    """Resources like `res` on the PostgreSQL server at `url` (a `PrivatePostgres` of the
+    test's own), migrated, with model calls on."""
+    from mailpipe.resources import Resources
+    from mailpipe.settings import Settings
+    from mailpipe.storage import flags
+    from mailpipe.storage.migrate import upgrade
+
+    upgrade(url)
+    private = Resources(Settings(**{**res.settings.model_dump(), "database_url": url}))
+    with private.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    return private

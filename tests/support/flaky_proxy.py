@@ -2,8 +2,10 @@
 
 Put in front of the S3 server (moto): `fail_for` gives the chaos run "the S3 server answering 5xx
 for a while", `deny` an S3 that refuses the fleet's credentials (AccessDenied, or another code)
-until the test restores them. The blob store sees real HTTP errors through botocore, exactly as
-from a sick or misconfigured S3.
+until the test restores them, `deny_keys` a bucket that refuses a few objects (a KMS key the role
+lacks, a deny on objects a malware scan tagged), `deny_writes` one that refuses PutObject under
+a prefix. The blob store sees real HTTP errors through botocore, exactly as from a sick or
+misconfigured S3.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ class FlakyProxy:
         target = urlparse(upstream)
         self._failing_until = 0.0
         self._denied_with: str | None = None  # the S3 error code of a 403, while denying
+        self._denied_keys: frozenset[str] = frozenset()
+        self._denied_writes: str | None = None  # a key prefix
         self._lock = threading.Lock()
-        # The paths of the requests answered with an injected error (a thread per request).
+        # The paths of the requests answered with an injected error (a thread per request), and
+        # of every request.
         self.failed_paths: list[str] = []
+        self.paths: list[str] = []
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -38,7 +44,7 @@ class FlakyProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                injected = proxy._injected_error(self.path)
+                injected = proxy._injected_error(self.command, self.path)
                 if injected is not None:
                     status, error = injected
                     self.send_response(status)
@@ -92,14 +98,35 @@ class FlakyProxy:
         """From now on answer every request with 403 and S3's error `code`, until `deny(False)`."""
         self._denied_with = code if on else None
 
+    def deny_keys(self, keys: frozenset[str] | set[str]) -> None:
+        """Answer 403 AccessDenied to every request for an object whose key ends one of `keys`."""
+        self._denied_keys = frozenset(keys)
+
+    def deny_writes(self, prefix: str | None) -> None:
+        """Answer 403 AccessDenied to every PUT of a key under `prefix` (None: allow them)."""
+        self._denied_writes = prefix
+
+    def requests_to(self, fragment: str) -> int:
+        """Requests so far whose path holds `fragment`."""
+        with self._lock:
+            return sum(fragment in path for path in self.paths)
+
     @property
     def failed_requests(self) -> int:
         return len(self.failed_paths)
 
-    def _injected_error(self, path: str) -> tuple[int, bytes] | None:
+    def _injected_error(self, method: str, path: str) -> tuple[int, bytes] | None:
+        with self._lock:
+            self.paths.append(path)
+        key_path = path.split("?", 1)[0]
         denied_with = self._denied_with
+        writes = self._denied_writes
         if denied_with is not None:
             answer = (403, _s3_error_body(denied_with))
+        elif any(key_path.endswith(key) for key in self._denied_keys) or (
+            writes is not None and method == "PUT" and f"/{writes}" in key_path
+        ):
+            answer = (403, _s3_error_body("AccessDenied"))
         elif time.monotonic() < self._failing_until:
             answer = (503, _s3_error_body("ServiceUnavailable"))
         else:

@@ -49,6 +49,13 @@ class Fleet:
         self.workers.append(process)
         return process
 
+    def both_stages(self) -> None:
+        """A CPU worker (its queue and the sweeps') and a model worker on threads (the model
+        queue), as the worker and model roles run them."""
+        queue = self.env.get("MAILPIPE_QUEUE", self.res.settings.queue)
+        self.worker("cpu", "-Q", f"{queue},{queue}.control")
+        self.worker("model", "-P", "threads", "-c", "8", "-Q", f"{queue}.model")
+
     def beat(self, name: str = "beat") -> localfleet.CeleryProcess:
         process = localfleet.beat(self.env, self.tmp_path, name=name).start()
         process.wait_ready()

@@ -31,8 +31,12 @@ def test_production_windows_default_to_the_documented_values(
             monkeypatch.delenv(name)
     s = Settings()
     assert (s.sweep_interval, s.stall_after, s.max_sweeps) == (300, 1800, 3)
-    assert (s.visibility_timeout, s.task_soft_time_limit, s.task_time_limit) == (900, 240, 300)
-    assert (s.retry_backoff_base, s.retry_backoff_max, s.max_retries) == (10, 300, 3)
+    assert (s.visibility_timeout, s.task_soft_time_limit, s.task_time_limit) == (1800, 240, 300)
+    assert (s.retry_backoff_base, s.retry_backoff_max, s.max_retries) == (200, 900, 3)
+    # The least of each backoff is half its ceiling: the 3 retries span at least 10 minutes.
+    ceilings = [min(s.retry_backoff_max, s.retry_backoff_base * 2**i) for i in range(s.max_retries)]
+    assert sum(c / 2 for c in ceilings) >= 600
+    assert (s.defer_base, s.defer_max, s.outage_alarm_after) == (5, 60, 900)
     assert (s.lease_ttl, s.dedup_ttl, s.max_deferral) == (30, 3600, 3600)
     assert (s.worker_heartbeat_interval, s.worker_dead_after) == (10, 30)
     assert (s.db_connect_timeout, s.db_statement_timeout) == (5, 30)

@@ -95,7 +95,9 @@ def test_a_contradiction_in_the_environment_is_refused(monkeypatch: pytest.Monke
                 "visibility_timeout": 60,
                 "task_time_limit": 20,
                 "task_soft_time_limit": 10,
+                "retry_backoff_base": 10,
                 "retry_backoff_max": 30,
+                "defer_max": 10,
                 "lease_ttl": 10,
             },
             ["MAILPIPE_WORKER_DEAD_AFTER (60 s) is not below MAILPIPE_VISIBILITY_TIMEOUT (60 s)"],
@@ -105,10 +107,10 @@ def test_a_contradiction_in_the_environment_is_refused(monkeypatch: pytest.Monke
             ["MAILPIPE_LEASE_TTL (300 s) is not below MAILPIPE_TASK_TIME_LIMIT (300 s)"],
         ),
         (
-            {"lease_ttl": 900, "max_deferral": 7200},
+            {"lease_ttl": 1800, "max_deferral": 7200},
             [
-                "MAILPIPE_LEASE_TTL (900 s) is not below MAILPIPE_TASK_TIME_LIMIT (300 s)",
-                "MAILPIPE_LEASE_TTL (900 s) is not below MAILPIPE_VISIBILITY_TIMEOUT (900 s)",
+                "MAILPIPE_LEASE_TTL (1800 s) is not below MAILPIPE_TASK_TIME_LIMIT (300 s)",
+                "MAILPIPE_LEASE_TTL (1800 s) is not below MAILPIPE_VISIBILITY_TIMEOUT (1800 s)",
             ],
         ),
     ],

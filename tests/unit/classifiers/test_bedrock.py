@@ -15,7 +15,12 @@ import pytest
 from mailpipe.classifiers import DocumentText, EmailForClassifier, LabelScore
 from mailpipe.classifiers.bedrock import THROTTLE_RETRY_AFTER_S, BedrockClassifier
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME
-from mailpipe.errors import FleetFault, PermanentError, TransientError
+from mailpipe.errors import (
+    ModelAccessDenied,
+    ModelUnavailable,
+    PermanentError,
+    Throttled,
+)
 from mailpipe.settings import DEFAULT_LABELS, Settings
 from tests.support.bedrock_server import (
     BedrockServer,
@@ -251,9 +256,9 @@ def test_throttling_beyond_retries_is_transient_with_a_hint(server: BedrockServe
     server.enqueue(throttling(), throttling(retry_after_ms=2500))
     classifier = make_classifier(server, max_attempts=1)
 
-    with pytest.raises(TransientError) as default_hint:
+    with pytest.raises(Throttled) as default_hint:
         classifier.classify(make_email())
-    with pytest.raises(TransientError) as header_hint:
+    with pytest.raises(Throttled) as header_hint:
         classifier.classify(make_email())
 
     assert default_hint.value.retry_after == THROTTLE_RETRY_AFTER_S
@@ -264,16 +269,16 @@ def test_throttling_beyond_retries_is_transient_with_a_hint(server: BedrockServe
 @pytest.mark.parametrize(
     ("error_type", "status", "expected"),
     [
-        ("ServiceUnavailableException", 503, TransientError),
-        ("ModelNotReadyException", 429, TransientError),
-        ("InternalServerException", 500, TransientError),
-        ("ModelTimeoutException", 408, TransientError),
+        ("ServiceUnavailableException", 503, ModelUnavailable),
+        ("ModelNotReadyException", 429, ModelUnavailable),
+        ("InternalServerException", 500, ModelUnavailable),
+        ("ModelTimeoutException", 408, ModelUnavailable),
         ("ValidationException", 400, PermanentError),
-        ("AccessDeniedException", 403, FleetFault),
-        ("ResourceNotFoundException", 404, FleetFault),
-        ("ServiceQuotaExceededException", 400, FleetFault),
-        ("UnrecognizedClientException", 403, FleetFault),
-        ("ExpiredTokenException", 403, FleetFault),
+        ("AccessDeniedException", 403, ModelAccessDenied),
+        ("ResourceNotFoundException", 404, ModelAccessDenied),
+        ("ServiceQuotaExceededException", 400, ModelAccessDenied),
+        ("UnrecognizedClientException", 403, ModelAccessDenied),
+        ("ExpiredTokenException", 403, ModelAccessDenied),
     ],
 )
 def test_error_responses_are_sorted(
@@ -301,18 +306,18 @@ def test_error_responses_are_sorted(
         "toolConfig.toolChoice.tool and try again.",
     ],
 )
-def test_validation_errors_of_the_fleets_configuration_are_fleet_faults(
+def test_validation_errors_of_the_fleets_configuration_are_refusals(
     server: BedrockServer, message: str
 ) -> None:
     server.enqueue(error("ValidationException", 400, message))
 
-    with pytest.raises(FleetFault) as raised:
+    with pytest.raises(ModelAccessDenied) as raised:
         make_classifier(server).classify(make_email())
 
-    assert str(raised.value) == f"bedrock refused the fleet (ValidationException): {message}"
+    assert str(raised.value) == f"bedrock refused the call (ValidationException): {message}"
 
 
-def test_missing_credentials_are_a_fleet_fault(
+def test_missing_credentials_are_a_refusal(
     server: BedrockServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
@@ -325,7 +330,7 @@ def test_missing_credentials_are_a_fleet_fault(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
-    with pytest.raises(FleetFault, match="bedrock credentials: NoCredentialsError"):
+    with pytest.raises(ModelAccessDenied, match="bedrock credentials: NoCredentialsError"):
         make_classifier(server).classify(make_email())
 
     assert server.requests == []  # the call never left the process
@@ -343,7 +348,7 @@ def test_validation_error_is_not_retried_by_botocore(server: BedrockServer) -> N
 def test_read_timeout_is_transient(server: BedrockServer) -> None:
     server.delay = 1.0
 
-    with pytest.raises(TransientError, match="bedrock unreachable"):
+    with pytest.raises(ModelUnavailable, match="bedrock unreachable"):
         make_classifier(server, max_attempts=1, read_timeout=0.2).classify(make_email())
 
 
@@ -354,7 +359,7 @@ def test_unreachable_endpoint_is_transient() -> None:
         model_id=MODEL_ID, labels=LABELS, region="us-east-1", endpoint_url=url, max_attempts=1
     )
 
-    with pytest.raises(TransientError, match="bedrock unreachable"):
+    with pytest.raises(ModelUnavailable, match="bedrock unreachable"):
         classifier.classify(make_email())
 
 

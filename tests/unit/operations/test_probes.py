@@ -17,11 +17,17 @@ EMAIL = b"From: a@example.com\r\nSubject: probe\r\nMessage-ID: <probe@x>\r\n\r\n
 
 
 def test_a_database_that_refuses_the_role_keeps_the_pause(res) -> None:  # type: ignore[no-untyped-def]
-    """The blob read alone would pass while the claim's table refuses the fleet's role: the
-    probe takes the claim's lock too, and a refused one keeps the stage paused."""
+    """A role that may read every table but write none: the database's check writes as a job
+    does, so the probe keeps the stage paused until the grants are back."""
     [email_id] = store_emails(res, [EMAIL])
     pauses.record_fault(
-        res.redis, Stage.CPU, email_id, "ProgrammingError: (SQLSTATE 42501)", threshold=1, window=60
+        res.redis,
+        Stage.CPU,
+        email_id,
+        "ProgrammingError: (SQLSTATE 42501)",
+        dependency="database",
+        threshold=1,
+        window=60,
     )
     role = f"probe_{uuid.uuid4().hex[:8]}"
     url = make_url(res.settings.database_url)

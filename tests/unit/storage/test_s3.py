@@ -1,5 +1,6 @@
-"""S3's refusals sorted by what they say is wrong: the fleet (FleetFault), the blob or the request
-(BlobMissing, PermanentError), or neither (TransientError). Real calls to the S3 server on
+"""S3's errors sorted by what they say: a refusal (BlobAccessDenied, judged later by the blob
+store's check), the blob or the request (BlobMissing, PermanentError), or an outage
+(BlobUnavailable). Real calls to the S3 server on
 loopback, through the proxy that answers S3's own error documents where moto would not refuse."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from mailpipe.errors import FleetFault, PermanentError
+from mailpipe.errors import BlobAccessDenied, BlobUnavailable, PermanentError
 from mailpipe.settings import get_settings
 from mailpipe.storage.blobs import raw_email_key
 from mailpipe.storage.s3 import S3BlobStore, _s3_error
@@ -27,9 +28,9 @@ def proxy() -> Iterator[FlakyProxy]:
     proxy.stop()
 
 
-def test_a_missing_bucket_is_a_fleet_fault() -> None:
+def test_a_missing_bucket_is_a_refusal() -> None:
     store = S3BlobStore("no-such-bucket", "blobs", endpoint_url=get_settings().s3_endpoint_url)
-    with pytest.raises(FleetFault, match=rf"GetObject of {KEY}: NoSuchBucket \(404\)"):
+    with pytest.raises(BlobAccessDenied, match=rf"GetObject of {KEY}: NoSuchBucket \(404\)"):
         store.get(KEY)
 
 
@@ -46,15 +47,15 @@ def test_a_missing_bucket_is_a_fleet_fault() -> None:
         "AccountProblem",
     ],
 )
-def test_s3_refusing_the_fleet_is_a_fleet_fault_until_access_is_restored(
+def test_s3_refusing_a_call_is_a_refusal_until_access_is_restored(
     proxy: FlakyProxy, code: str
 ) -> None:
     store = S3BlobStore(S3_BUCKET, "blobs", endpoint_url=proxy.url)
     store.put(KEY, b"raw email bytes")
     proxy.deny(True, code)
-    with pytest.raises(FleetFault, match=rf"GetObject of {KEY}: {code} \(403\)"):
+    with pytest.raises(BlobAccessDenied, match=rf"GetObject of {KEY}: {code} \(403\)"):
         store.get(KEY)
-    with pytest.raises(FleetFault, match=rf"PutObject of {KEY}: {code} \(403\)"):
+    with pytest.raises(BlobAccessDenied, match=rf"PutObject of {KEY}: {code} \(403\)"):
         store.put(KEY, b"raw email bytes")
     proxy.deny(False)
     assert store.get(KEY) == b"raw email bytes"
@@ -65,7 +66,7 @@ def test_another_403_stays_a_permanent_error(proxy: FlakyProxy) -> None:
     proxy.deny(True, "InvalidObjectState")  # an archived object: this blob, not the fleet
     with pytest.raises(PermanentError, match="InvalidObjectState") as refused:
         store.get(KEY)
-    assert not isinstance(refused.value, FleetFault)
+    assert not isinstance(refused.value, BlobAccessDenied)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_another_403_stays_a_permanent_error(proxy: FlakyProxy) -> None:
         ({"AWS_ACCESS_KEY_ID": "only-the-key-id"}, "PartialCredentialsError"),
     ],
 )
-def test_missing_credentials_are_a_fleet_fault(
+def test_missing_credentials_are_a_refusal(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, environment: dict, error: str
 ) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
@@ -84,7 +85,7 @@ def test_missing_credentials_are_a_fleet_fault(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(FleetFault, match=rf"S3 .+: {error} \(no usable credentials\)"):
+    with pytest.raises(BlobAccessDenied, match=rf"S3 .+: {error} \(no usable credentials\)"):
         S3BlobStore(S3_BUCKET, "blobs", endpoint_url=get_settings().s3_endpoint_url).get(KEY)
 
 
@@ -105,8 +106,8 @@ def refusal(status: int, code: str, message: str = "") -> ClientError:
     ],
     ids=["disabled", "not-found", "invalid-state", "access-denied", "403-naming-kms"],
 )
-def test_a_refused_kms_key_is_a_fleet_fault(refused: ClientError) -> None:
-    assert isinstance(_s3_error(refused, "GetObject", KEY), FleetFault)
+def test_a_refused_kms_key_is_a_refusal(refused: ClientError) -> None:
+    assert isinstance(_s3_error(refused, "GetObject", KEY), BlobAccessDenied)
 
 
 def test_kms_named_outside_a_403_is_the_request_s_fault() -> None:
@@ -114,3 +115,15 @@ def test_kms_named_outside_a_403_is_the_request_s_fault() -> None:
         refusal(400, "InvalidArgument", "KMS headers on a plain PUT"), "PutObject", KEY
     )
     assert type(error) is PermanentError
+
+
+def test_a_5xx_is_unavailable_and_delete_removes_a_blob(proxy: FlakyProxy) -> None:
+    store = S3BlobStore(S3_BUCKET, "blobs", endpoint_url=proxy.url)
+    store.put(KEY, b"raw email bytes")
+    proxy.fail_for(60)
+    with pytest.raises(BlobUnavailable, match=rf"GetObject of {KEY}"):
+        store.get(KEY)
+    proxy.fail_for(0)
+    store.delete(KEY)
+    with pytest.raises(PermanentError, match="not found"):
+        store.get(KEY)
