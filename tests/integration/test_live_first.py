@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, update
 
+from mailpipe.app.tasks import sweep
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
-from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 from tests.support.waits import wait_for, wait_until_closed
 
 CONCURRENCY = 2
@@ -149,3 +150,32 @@ def test_bulk_keeps_its_share_while_live_work_waits(res, worker) -> None:  # typ
     jobs = sum(counts.values())
     assert counts[Lane.LIVE] < 600 and counts[Lane.BULK] < 300  # both lanes had work throughout
     assert abs(counts[Lane.BULK] - SHARE * jobs) <= RESERVED + 2, counts
+
+
+def test_a_sweep_starts_before_a_live_backlog(res, worker) -> None:  # type: ignore[no-untyped-def]
+    """The control queue is asked first: a sweep sent behind 2,000 live jobs starts while nearly
+    all of them still wait. The jobs are of emails that do not exist, so each fails in a few
+    milliseconds; the margin is the messages the worker reserved and what its other child
+    closes while the sweep runs. Asked after the live queue, the sweep would find it empty."""
+    backlog = 2000
+    missing = list(range(10**7, 10**7 + backlog))
+    assert len(enqueue_emails(missing, res).sent) == backlog
+    with res.db.session() as session:
+        reports_before = session.scalar(select(func.max(SweepReport.id))) or 0
+    sweep.apply_async()
+    worker()
+
+    def first_report() -> SweepReport | None:
+        with res.db.session() as session:
+            return session.scalars(
+                select(SweepReport)
+                .where(SweepReport.id > reports_before, SweepReport.finished_at.is_not(None))
+                .order_by(SweepReport.id)
+                .limit(1)
+            ).first()
+
+    wait_for(lambda: first_report() is not None, 60, "a sweep to finish")
+    report = first_report()
+    assert report is not None
+    assert report.queue_depth is not None
+    assert report.queue_depth >= backlog - 100, report.queue_depth
