@@ -73,6 +73,7 @@ NO_SERVICES = (
     "tests/unit/operations/test_metrics.py",
     "tests/unit/test_settings.py",
     "tests/unit/test_settings_checks.py",
+    "tests/unit/test_errors.py",
     "tests/unit/test_layers.py",
     "tests/unit/web/",
     "tests/deploy/",

@@ -210,7 +210,7 @@ def failed_page(
             "failed_at": _iso(row.closed_at),
             "stage": (Stage.CPU if row.converted_at is None else Stage.MODEL).value,
             "error_class": row.error_class,
-            "error": row.error,
+            "error": _shown(row.error),
             "needs_review": row.needs_review,
             "lane": row.lane,
         }
@@ -313,7 +313,7 @@ def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
             "attempts": run.attempts,
             "sweep_count": run.sweep_count,
             "error_class": run.error_class,
-            "error": run.error,
+            "error": _shown(run.error),
             "parse_defects": run.parse_defects,
             "created_at": _iso(run.created_at),
             "updated_at": _iso(run.updated_at),
@@ -331,7 +331,7 @@ def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
                 "pages": d.page_count,
                 "text_chars": len(d.text) if d.text is not None else None,
                 "text_blob_key": d.text_blob_key,
-                "error": d.error,
+                "error": _shown(d.error),
             }
             for d in documents
         ],
@@ -366,7 +366,7 @@ def history(session: Session, email_id: int) -> list[dict[str, Any]]:
             "ended_at": _iso(row.ended_at),
             "outcome": row.outcome,
             "error_class": row.error_class,
-            "error": row.error,
+            "error": _shown(row.error),
             "host": row.host,
         }
         for row in attempts
@@ -421,7 +421,7 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
         "lane": email.lane,
         "attempts": 0 if run is None else run.attempts,
         "error_class": None if run is None else run.error_class,
-        "error": None if run is None else run.error,
+        "error": None if run is None else _shown(run.error),
         "needs_review": email.needs_review,
         "labels": list(labels),
         "updated_at": _iso(email.created_at if run is None else run.updated_at),
@@ -445,3 +445,9 @@ def _sweep_dict(report: SweepReport | None) -> dict[str, Any] | None:
 
 def _iso(value: Any) -> str | None:
     return value.isoformat() + "Z" if value is not None else None
+
+
+def _shown(error: str | None) -> str | None:
+    """A stored error as viewers see it: AWS account ids and ARNs masked, errors stored before
+    they were masked at the source included."""
+    return None if error is None else mask_aws(error)
