@@ -74,6 +74,8 @@ NO_SERVICES = (
     "tests/unit/test_settings.py",
     "tests/unit/test_settings_checks.py",
     "tests/unit/test_errors.py",
+    "tests/unit/app/test_task_signatures.py",
+    "tests/unit/storage/test_migrations_add_only.py",
     "tests/unit/test_layers.py",
     "tests/unit/web/",
     "tests/deploy/",

@@ -140,6 +140,7 @@ def process_email(
     deferred_since: float | None = None,
     cut_off: float | None = None,
     lane: str = Lane.LIVE.value,
+    **unknown: Any,
 ) -> str:
     """Process one stored email (docs/architecture.md, "The life of one email").
 
@@ -150,6 +151,7 @@ def process_email(
     outage (a dependency whose own check fails), a deferral or a shutdown's cut-off uses no
     attempt.
     """
+    ignore_unknown(self, unknown)
     outcome = job.process_email(
         get_resources(), email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
     )
@@ -168,6 +170,7 @@ def classify_email(
     email_id: int,
     deferred_since: float | None = None,
     lane: str = Lane.LIVE.value,
+    **unknown: Any,
 ) -> str:
     """The model stage of an email's job: the model call, the stored answer and the labels; sent
     by the CPU stage once the documents are stored, and by the sweeper. Consumed by the model
@@ -177,21 +180,32 @@ def classify_email(
     fenced by the claim. Retries as `process_email`; a model-call slot is waited for in the
     thread, then the job is deferred (not an attempt).
     """
+    ignore_unknown(self, unknown)
     outcome = job.classify_email(
         get_resources(), email_id, lane=Lane(lane), deferred_since=deferred_since
     )
     return self.follow(email_id, outcome, Lane(lane))
 
 
-@app.task(name=TaskName.SWEEP.value, acks_late=False, ignore_result=True)
-def sweep() -> dict[str, object]:
+@app.task(bind=True, name=TaskName.SWEEP.value, acks_late=False, ignore_result=True)
+def sweep(self: Task, **unknown: Any) -> dict[str, object]:
     """Re-add lost and stalled jobs (mailpipe.operations.sweeper).
 
     Idempotent: a Redis lock lets one sweep run at a time and every re-add is deduplicated.
     No retries: the next scheduled sweep is the retry. Acked early: a sweep lost with its worker
     is simply the next one.
     """
+    ignore_unknown(self, unknown)
     return run_sweep(get_resources()).summary()
+
+
+def ignore_unknown(task: Task, unknown: dict[str, Any]) -> None:
+    """A newer release may send arguments this one does not know (docs/decisions/
+    message-compatibility.md): they are ignored, so that the job runs as this release runs it."""
+    if unknown:
+        log.debug(
+            "%s: ignoring arguments this release does not know: %s", task.name, sorted(unknown)
+        )
 
 
 def run_sweep(res: Resources) -> sweeper.SweepResult:

@@ -167,3 +167,24 @@ def test_a_sweep_task_re_adds_an_email_that_has_no_job(
     # The job waits in the email queue, for the workers that consume it (none in this test).
     assert layout.queue_stats(res.redis, res.settings.queue).depth == 1
     assert layout.emails_in_broker(res.redis, [res.settings.queue]) == {email_id}
+
+
+def test_a_job_sent_with_arguments_of_a_newer_release_runs(
+    res: Resources, worker: Any, outcomes: Outcomes
+) -> None:
+    """A later release may add a field to the job's message: this one runs the job as it
+    knows it, where a task without `**unknown` would raise TypeError before the job starts."""
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    [email_id] = store_emails(res, [email("newer-release")])
+    task_id = worker.app.send_task(
+        TaskName.PROCESS_EMAIL.value,
+        args=(email_id,),
+        kwargs={"lane": "live", "priority_hint": 3, "trace": {"origin": "ingest"}},
+        queue=IN_PROCESS_QUEUE,
+    ).id
+    assert outcomes.wait(task_id) == "succeeded"
+    sweep_id = worker.app.send_task(
+        TaskName.SWEEP.value, kwargs={"reason": "newer"}, queue=IN_PROCESS_QUEUE
+    ).id
+    assert isinstance(outcomes.wait(sweep_id), dict)
