@@ -26,7 +26,7 @@ from celery.signals import (
 )
 from redis import Redis, RedisError
 
-from mailpipe import resources
+from mailpipe import __version__, resources
 from mailpipe.app import logs
 from mailpipe.app.pausing import PauseStep
 from mailpipe.app.tasks import sweep
@@ -137,6 +137,12 @@ def _hold_delivery(request: Any = None, **_: Any) -> None:
 
 
 @worker_ready.connect
+def _say_the_release(sender: Any = None, **_: Any) -> None:
+    """Every worker's start names its release, so that a half-rolled fleet can be read in logs."""
+    log.info("mailpipe %s: worker %s ready", __version__, getattr(sender, "hostname", "?"))
+
+
+@worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     """Liveness and held messages every few seconds, from a thread of the main process; a dead
     worker's messages go back to the queue within about MAILPIPE_WORKER_DEAD_AFTER, put back by
@@ -157,6 +163,7 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     _heartbeat = heartbeat.WorkerHeartbeat(
         _redis(settings.broker_url),
         worker_id,
+        version=__version__,
         interval=settings.worker_heartbeat_interval,
         dead_after=settings.worker_dead_after,
         restore=restore,

@@ -69,9 +69,12 @@ class WorkerHeartbeat:
         queues: Callable[[], Sequence[str]] = tuple,
         health_file: Path | None = None,
         max_restored: int = MAX_RESTORED_PER_PASS,
+        version: str = "",
     ) -> None:
         self.redis = redis
         self.worker_id = worker_id
+        # Its release: a fleet half rolled to the next one shows as two (`live_versions`).
+        self.version = version
         # What it consumes now (a worker can be told to add a queue): RunningTasks is per queue.
         self._queues = queues
         self._registered: set[str] = set()
@@ -111,7 +114,11 @@ class WorkerHeartbeat:
                 thread.join(max(0.0, deadline - time.monotonic()))
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for registry in (redis_keys.workers(), *map(redis_keys.workers_on, self._registered)):
+            for registry in (
+                redis_keys.workers(),
+                redis_keys.workers_of(self.version),
+                *map(redis_keys.workers_on, self._registered),
+            ):
                 pipe.zrem(registry, self.worker_id)
             pipe.delete(redis_keys.worker_held(self.worker_id))
             pipe.execute()
@@ -138,8 +145,13 @@ class WorkerHeartbeat:
         now = redis_time(self.redis)
         pipe = self.redis.pipeline(transaction=True)
         queues = set(self._queues())
-        for registry in (redis_keys.workers(), *map(redis_keys.workers_on, queues)):
+        for registry in (
+            redis_keys.workers(),
+            redis_keys.workers_of(self.version),
+            *map(redis_keys.workers_on, queues),
+        ):
             pipe.zadd(registry, {self.worker_id: now})
+        pipe.sadd(redis_keys.worker_versions(), self.version)
         for left in self._registered - queues:
             pipe.zrem(redis_keys.workers_on(left), self.worker_id)
         self._registered = queues
@@ -288,6 +300,22 @@ def live_workers(redis: Redis, dead_after: float, *queues: str) -> int:
         pipe.zremrangebyscore(registry, "-inf", cutoff - dead_after)
         pipe.zrangebyscore(registry, cutoff, "+inf")
     return len(set().union(*pipe.execute()[1::2]))
+
+
+def live_versions(redis: Redis, dead_after: float) -> dict[str, int]:
+    """Worker processes with a fresh heartbeat per release; a release none of whose workers is
+    left is forgotten."""
+    cutoff = redis_time(redis) - dead_after
+    versions = sorted(_text(v) for v in redis.smembers(redis_keys.worker_versions()))
+    pipe = redis.pipeline(transaction=False)
+    for version in versions:
+        pipe.zremrangebyscore(redis_keys.workers_of(version), "-inf", cutoff - dead_after)
+        pipe.zcount(redis_keys.workers_of(version), cutoff, "+inf")
+    counts = dict(zip(versions, pipe.execute()[1::2], strict=True))
+    gone = [version for version, count in counts.items() if not count]
+    if gone:
+        redis.srem(redis_keys.worker_versions(), *gone)
+    return {version: int(count) for version, count in counts.items() if count}
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,16 @@ def workers() -> str:
     return key("workers")
 
 
+def workers_of(version: str) -> str:
+    """Sorted set: live worker processes of release `version`, scored by their last heartbeat."""
+    return key(f"version:{version}:workers")
+
+
+def worker_versions() -> str:
+    """Set: the releases whose workers have beaten lately (`workers_of` each)."""
+    return key("versions")
+
+
 def workers_on(queue: str) -> str:
     """Sorted set: live worker processes that consume `queue`, scored by their last heartbeat."""
     return key(f"queue:{queue}:workers")

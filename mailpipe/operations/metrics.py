@@ -14,7 +14,8 @@ queue itself, or `bulk`, its `.bulk` twin):
 
 Per stage's queue (dimension `Queue` alone):
 
-- `RunningTasks`: worker processes (ECS tasks) consuming either lane, with a fresh heartbeat.
+- `RunningTasks`: worker processes (ECS tasks) consuming either lane, with a fresh heartbeat;
+  also per release (dimension `Version`), so a fleet half rolled to the next release shows two.
 
 With the email queue's dimension only:
 
@@ -58,7 +59,7 @@ from sqlalchemy import func, select
 from mailpipe.broker.layout import queue_stats
 from mailpipe.broker.queues import Lane, Stage, lane_of, stage_queue
 from mailpipe.coordination import pauses, redis_keys
-from mailpipe.coordination.heartbeat import live_workers
+from mailpipe.coordination.heartbeat import live_versions, live_workers
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import AttemptOutcome, PipelineRun, RunAttempt, RunStatus
@@ -141,6 +142,8 @@ class BacklogMetrics:
     deferrals: int | None = None
     # The stages paused now; None on the readings that do not carry the fleet's figures.
     paused_stages: frozenset[Stage] | None = None
+    # Live worker processes per release, on the reading that carries the fleet's figures.
+    versions: Mapping[str, int] | None = None
     # Each stage's attempts since the last report; None as for failed_runs.
     stage_jobs: Mapping[Stage, StageJobs] | None = None
     # The queue's stage is paused: no task may take its jobs, however many run.
@@ -286,6 +289,11 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
             (name, jobs.counts[name], "Count", [{"Name": "Stage", "Value": stage}])
             for name in JOB_COUNT_NAMES
         )
+    # A rolling deploy half done shows as two releases' counts.
+    figures.extend(
+        ("RunningTasks", count, "Count", [{"Name": "Version", "Value": version}])
+        for version, count in (metrics.versions or {}).items()
+    )
     timestamp = datetime.fromtimestamp(metrics.measured_at, UTC)
     entries = [
         {
@@ -359,6 +367,7 @@ def collect(res: Resources) -> list[BacklogMetrics]:
             stage_jobs=window.stage_jobs if window else None,
             deferrals=deferrals,
             paused_stages=frozenset(paused),
+            versions=live_versions(res.redis, settings.worker_dead_after),
         ),
         *others,
     ]

@@ -48,6 +48,7 @@ import redis
 import requests
 from sqlalchemy import func, select
 
+import mailpipe
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.cli.demo.fleet import control_app
 from mailpipe.cli.demo.servers import free_port
@@ -335,6 +336,8 @@ def test_procfile_workers_consume_their_queues_and_touch_their_health_file(  # t
     worker = start_procfile_line(role, procfile_env, tmp_path)
     try:
         wait_worker_ready(worker, procfile_env, nodename)
+        # Its start line names the release, as `mailpipe --version` does.
+        assert f"mailpipe {mailpipe.__version__}: worker {nodename} ready" in worker.output()
         assert consumed_queues(procfile_env, nodename) == queues_of_the_roles(procfile_env)[role]
         pool = inspect(procfile_env, nodename, "stats")["pool"]
         assert pool["implementation"] == POOLS[role]

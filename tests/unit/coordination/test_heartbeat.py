@@ -312,3 +312,20 @@ def test_a_pass_stops_at_its_time_budget_and_the_next_goes_on(res) -> None:  # t
         assert layout.queue_stats(res.redis, res.settings.queue).depth == 5
     finally:
         delivered.close()
+
+
+def test_workers_are_counted_per_release_until_the_last_of_one_leaves(res) -> None:  # type: ignore[no-untyped-def]
+    """A rolling deploy half done: two releases side by side, then the old one gone."""
+    beats = [
+        heartbeat.WorkerHeartbeat(
+            res.redis, name, interval=1, dead_after=3, restore=lambda tag: None, version=version
+        )
+        for name, version in (("old-1", "0.1.0"), ("old-2", "0.1.0"), ("new-1", "0.2.0"))
+    ]
+    for beat in beats:
+        beat.beat()
+    assert heartbeat.live_versions(res.redis, dead_after=3) == {"0.1.0": 2, "0.2.0": 1}
+    for beat in beats[:2]:
+        beat.stop(timeout=1)
+    assert heartbeat.live_versions(res.redis, dead_after=3) == {"0.2.0": 1}
+    assert res.redis.smembers(redis_keys.worker_versions()) == {b"0.2.0"}

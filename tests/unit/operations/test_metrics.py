@@ -203,3 +203,13 @@ def test_the_log_gives_each_stage_s_jobs(caplog: pytest.LogCaptureFixture) -> No
         "metrics stage=model JobsSucceeded=1 JobsFailed=0 JobsRetried=1 JobsDeferred=0 "
         f"JobDurationP50={step} JobDurationP90={step}",
     ]
+
+
+def test_running_tasks_are_sent_per_release_as_well() -> None:
+    data = metric_data(reading(versions={"0.1.0": 3, "0.2.0": 1}))
+    per_release = {
+        entry["Dimensions"][0]["Value"]: entry["Value"]
+        for entry in data
+        if entry["MetricName"] == "RunningTasks" and entry["Dimensions"][0]["Name"] == "Version"
+    }
+    assert per_release == {"0.1.0": 3.0, "0.2.0": 1.0}
