@@ -21,6 +21,7 @@ class CeleryProcess:
     log_path: Path
     nodename: str = ""
     cwd: Path | None = None  # where to start it: the checkout whose code `-A mailpipe` imports
+    python: str = sys.executable  # the interpreter: another release's, in a venv of its own
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -32,7 +33,7 @@ class CeleryProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "mailpipe", self.role, *self.args],
+            [self.python, "-m", "celery", "-A", "mailpipe", self.role, *self.args],
             env=self.env,
             cwd=self.cwd,
             stdout=log,

@@ -1,0 +1,265 @@
+"""A rolling deploy on real workers: the previous release and this one side by side.
+
+The previous release is the commit `deploy/previous-release` names, checked out in a git worktree
+and installed into a venv of its own (its dependencies are this environment's, which its
+pyproject's ranges allow). The database is migrated by this release, as the release task does
+before a rollout. Each direction runs a CPU worker and a model worker of each release (the model
+stage calls the Bedrock stand-in) on one broker key prefix:
+
+- rollout: the previous release's workers take this release's jobs (both lanes, both stages, and
+  retries it schedules itself); this release's workers start beside them while the emails are
+  ingested; the previous release's workers are stopped with SIGTERM;
+- rollback: the same with the roles reversed, the previous release on this release's schema.
+
+Nothing may fail: no run fails, no task raises, nothing waits for a sweep, and every email is
+done within a minute of the last ingest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+
+from mailpipe.broker.queues import Lane
+from mailpipe.cli.demo import fleet as localfleet
+from mailpipe.cli.ingest import store_emails
+from mailpipe.storage import flags
+from mailpipe.storage.models import (
+    AttemptOutcome,
+    EmailMessage,
+    PipelineRun,
+    RunAttempt,
+    SweepReport,
+)
+from tests.support.bedrock_server import TimedBedrockServer, unlimited_bedrock_env
+from tests.support.faults import set_fault
+from tests.support.paths import REPO
+from tests.support.waits import wait_for, wait_until_closed
+
+EMAILS = 500
+RETRIED = 10  # emails of each half whose first attempt fails, so that a release schedules a retry
+DONE_WITHIN_S = 60.0
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+    python: str  # its interpreter
+    checkout: Path  # the code `celery -A mailpipe` imports, started from there
+
+
+THIS = Release("this", sys.executable, REPO)
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
+    commit = (REPO / "deploy" / "previous-release").read_text().strip()
+    known = subprocess.run(
+        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True
+    )
+    if known.returncode != 0:
+        pytest.fail(
+            f"the previous release {commit} (deploy/previous-release) is not in this clone's "
+            "history: fetch it (git fetch --unshallow) to run the rolling-deploy test"
+        )
+    root = tmp_path_factory.mktemp("previous-release")
+    checkout, venv = root / "checkout", root / "venv"
+    git = ["git", "-C", str(REPO), "worktree"]
+    subprocess.run(
+        [*git, "add", "--detach", str(checkout), commit], check=True, capture_output=True
+    )
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        python = venv / "bin" / "python"
+        site = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        # Its dependencies: this environment's (a line of a .pth file goes on sys.path).
+        Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--no-deps", str(checkout)],
+            check=True,
+            capture_output=True,
+        )
+        yield Release("previous", str(python), checkout)
+    finally:
+        subprocess.run([*git, "remove", "--force", str(checkout)], capture_output=True)
+
+
+def start(release: Release, env: dict[str, str], logs: Path) -> list[localfleet.CeleryProcess]:
+    """The release's CPU worker (both lanes and the sweeps) and model worker, ready."""
+    queue = env["MAILPIPE_QUEUE"]
+    name = f"{release.name}-{uuid.uuid4().hex[:6]}"
+    processes = [
+        localfleet.worker(
+            env,
+            logs,
+            name=f"{name}-cpu",
+            extra_args=(
+                "-I",
+                "tests.support.faults",
+                f"--queues={queue},{queue}.bulk,{queue}.control",
+            ),
+        ),
+        localfleet.worker(
+            env,
+            logs,
+            name=f"{name}-model",
+            pool="threads",
+            concurrency=8,
+            extra_args=(f"--queues={queue}.model,{queue}.model.bulk",),
+        ),
+    ]
+    for process in processes:
+        process.python, process.cwd = release.python, release.checkout
+        process.start()
+    for process in processes:
+        process.wait_ready()
+    return processes
+
+
+def enqueue(env: dict[str, str], ids: list[int], lane: Lane) -> None:
+    """This release's deduplicated enqueue, in the fleet's key space."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mailpipe.broker.queues import Lane; "
+            "from mailpipe.enqueue import enqueue_emails; "
+            "enqueue_emails([int(a) for a in sys.argv[2:]], lane=Lane(sys.argv[1]))",
+            lane.value,
+            *map(str, ids),
+        ],
+        env=env,
+        check=True,
+    )
+
+
+def ingest(res, env: dict[str, str], prefix: str, n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """`n` emails, half of them in the bulk lane, RETRIED of them failing their first attempt."""
+    tag = uuid.uuid4().hex[:8]
+    ids = store_emails(
+        res,
+        [
+            (
+                f"From: billing{i}@acme.example\r\nSubject: Invoice {i}\r\n"
+                f"Message-ID: <{tag}-{i}@acme.example>\r\n\r\nInvoice {i}: amount due\r\n"
+            ).encode()
+            for i in range(n)
+        ],
+    )
+    bulk = ids[: n // 2]
+    with res.db.transaction() as session:
+        session.execute(update(EmailMessage).where(EmailMessage.id.in_(bulk)).values(lane="bulk"))
+    for email_id in ids[:: n // RETRIED][:RETRIED]:
+        set_fault(res.redis, email_id, "transient", 1, prefix=prefix)
+    enqueue(env, bulk, Lane.BULK)
+    enqueue(env, ids[n // 2 :], Lane.LIVE)
+    return ids
+
+
+def received(process: localfleet.CeleryProcess) -> int:
+    return len(re.findall(r"Task mailpipe\.\w+\[[^\]]+\] received", process.log_path.read_text()))
+
+
+def raised(processes: list[localfleet.CeleryProcess]) -> list[str]:
+    """Every task the workers saw end in an exception: a FAILURE in Flower."""
+    lines = []
+    for process in processes:
+        lines += [
+            line
+            for line in process.log_path.read_text(errors="replace").splitlines()
+            if re.search(r"raised (unexpected|expected)|TypeError", line)
+        ]
+    return lines
+
+
+def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """`first`'s workers, then `second`'s beside them while the emails come, then `first`'s
+    stopped with SIGTERM. Returns the figures the closing note quotes."""
+    prefix = f"skew{uuid.uuid4().hex[:8]}:"
+    server = TimedBedrockServer()
+    server.start()
+    processes: list[localfleet.CeleryProcess] = []
+    try:
+        env = {
+            **os.environ,
+            **unlimited_bedrock_env(server, tmp_path),
+            "MAILPIPE_REDIS_PREFIX": prefix,
+            "MAILPIPE_QUEUE": res.settings.queue,
+        }
+        with res.db.transaction() as session:
+            flags.set_model_calls(session, True)
+            reports_before = session.scalar(select(func.max(SweepReport.id))) or 0
+        old = start(first, env, tmp_path)
+        processes += old
+        ids = ingest(res, env, prefix, EMAILS // 2)
+        wait_for(
+            lambda: sum(received(p) for p in old) >= 50, 60, f"{first.name}'s workers to take jobs"
+        )
+        new = start(second, env, tmp_path)
+        processes += new
+        ids += ingest(res, env, prefix, EMAILS - EMAILS // 2)
+        last_ingest = time.monotonic()
+        for process in old:
+            process.stop()
+        statuses = wait_until_closed(res, ids, timeout=DONE_WITHIN_S)
+        done_after = time.monotonic() - last_ingest
+        for process in new:
+            process.stop()
+    finally:
+        for process in processes:
+            process.stop()
+        server.stop()
+
+    assert set(statuses.values()) == {"succeeded"}
+    assert raised(processes) == []
+    with res.db.session() as session:
+        runs = session.scalars(select(PipelineRun).where(PipelineRun.email_id.in_(ids))).all()
+        reports = session.scalars(select(SweepReport).where(SweepReport.id > reports_before)).all()
+        retried = session.scalar(
+            select(func.count())
+            .select_from(RunAttempt)
+            .where(RunAttempt.email_id.in_(ids), RunAttempt.outcome == AttemptOutcome.RETRYING)
+        )
+    assert {run.sweep_count for run in runs} == {0}
+    assert sum(r.readded_no_run + r.readded_stalled for r in reports) == 0
+    # The retries ran, and passed (a run's own count restarts at the model stage: its history).
+    assert retried >= 2 * RETRIED
+    # Each release took jobs at both stages, the first of them the second release's too.
+    taken = {p.nodename: received(p) for p in processes}
+    assert all(taken.values()), taken
+    return {
+        "emails": len(ids),
+        "retried": retried,
+        "done_after_last_ingest_s": round(done_after, 1),
+        **taken,
+    }
+
+
+def test_the_previous_release_takes_this_releases_jobs_during_a_rollout(  # type: ignore[no-untyped-def]
+    res, previous: Release, tmp_path: Path
+) -> None:
+    figures = roll(res, previous, THIS, tmp_path)
+    print("rollout:", figures)
+
+
+def test_a_rollback_runs_the_previous_release_on_this_releases_schema(  # type: ignore[no-untyped-def]
+    res, previous: Release, tmp_path: Path
+) -> None:
+    figures = roll(res, THIS, previous, tmp_path)
+    print("rollback:", figures)
