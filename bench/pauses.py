@@ -17,7 +17,8 @@ database polled until every run has succeeded.
 - **pause**: the defaults: three emails hitting the fault within 60 s pause the CPU stage, and a
   probe every `MAILPIPE_PAUSE_PROBE_INTERVAL` (30 s) ends the pause once it passes.
 - **no pause**: `MAILPIPE_PAUSE_AFTER_EMAILS` past any backlog, so the stage never pauses and
-  each job defers on its own, every `MAILPIPE_RETRY_BACKOFF_BASE` (10 s), without an attempt.
+  each job waits on its own, sent again after `MAILPIPE_DEFER_BASE` (5 s) growing with its wait
+  up to `MAILPIPE_DEFER_MAX` (60 s), without an attempt.
 """
 
 from __future__ import annotations
