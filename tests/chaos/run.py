@@ -156,6 +156,10 @@ def chaos_env(
             "MAILPIPE_TASK_TIME_LIMIT": "20",
             "MAILPIPE_RETRY_BACKOFF_BASE": "1",
             "MAILPIPE_RETRY_BACKOFF_MAX": "6",
+            # A job that waits out an outage comes back within seconds, as the retries do.
+            "MAILPIPE_DEFER_BASE": "1",
+            "MAILPIPE_DEFER_MAX": "6",
+            "MAILPIPE_HEALTH_CACHE_SECONDS": "1",
             "MAILPIPE_LEASE_TTL": "6",
             # Sweeps every few seconds; markers lapse after twice that (the least the settings
             # accept), so a job waits in the queue far longer than its marker lives.

@@ -22,6 +22,7 @@ import boto3
 import pytest
 from sqlalchemy import func, select
 
+import mailpipe
 from mailpipe.broker.layout import ENQUEUED_AT_HEADER
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.cli.demo import fleet as localfleet
@@ -270,15 +271,20 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     }
     # Only the CPU stage ran jobs (the rules backend classifies at once).
     assert by_stage == {Stage.CPU: STAGE_NAMES | {"JobDuration"}, Stage.MODEL: STAGE_NAMES}
-    assert len(listed) == 4 * len(LANE_NAMES) + 3 + 2 * len(STAGE_NAMES) + 1
-    # One report's datapoints: four per lane, RunningTasks per stage, FailedRuns, per stage its
-    # pause and four job counts (and no Deferrals: nothing was deferred; no JobDuration: no job
-    # had run).
+    # The worker's release: RunningTasks per Version, one release running.
+    by_version = [m for m in listed if m["Dimensions"][0]["Name"] == "Version"]
+    assert [(m["MetricName"], m["Dimensions"]) for m in by_version] == [
+        ("RunningTasks", [{"Name": "Version", "Value": mailpipe.__version__}])
+    ]
+    assert len(listed) == 4 * len(LANE_NAMES) + 3 + 2 * len(STAGE_NAMES) + 1 + 1
+    # One report's datapoints: four per lane, RunningTasks per stage and per release,
+    # FailedRuns, per stage its pause and four job counts (and no Deferrals: nothing was
+    # deferred; no JobDuration: no job had run).
     first_report = [
         stats(namespace, m["MetricName"], waiting_from, waiting_until, dimensions=m["Dimensions"])
         for m in listed
     ]
-    assert sum(figures["SampleCount"] for figures in first_report) == 29
+    assert sum(figures["SampleCount"] for figures in first_report) == 30
 
     # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}

@@ -72,8 +72,8 @@ MUTANTS = [
         "mailpipe/pipeline/runs.py",
         "    run.attempts += 1\n",
         "    run.attempts += 0\n",
-        "an attempt is not counted, so a crashing job runs for ever",
-        (f"{JOB}::test_an_attempt_that_died_is_named_and_counted",),
+        "an attempt after a shutdown's cut-off is not counted, so a job cut off every time runs for ever",
+        (f"{JOB}::test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound",),
     ),
     Mutant(
         "claim-one-attempt-more",
@@ -156,8 +156,11 @@ MUTANTS = [
         "mailpipe/pipeline/runs.py",
         "    run.attempts = max(0, run.attempts - 1)\n    run.attempt_started_at = None\n",
         "    run.attempts = run.attempts\n    run.attempt_started_at = None\n",
-        "a throttled delivery uses an attempt",
-        (f"{JOB}::test_a_fleet_wide_fault_uses_no_attempt_and_pauses_the_stage",),
+        "a delivery that met an outage uses an attempt",
+        (
+            "tests/unit/pipeline/test_health.py::"
+            "test_an_outage_uses_no_attempt_waits_past_any_bound_and_pauses_the_stage",
+        ),
     ),
     Mutant(
         "handover-resets-sweeps",
