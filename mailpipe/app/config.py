@@ -90,7 +90,7 @@ worker_soft_shutdown_timeout = _settings.soft_shutdown_timeout
 
 # Task events feed Flower's live view of workers and failed jobs. On from the start rather than
 # left for Flower to turn on (it does every 5 s): with Flower running they cost the same, and a
-# worker's first jobs would be missing (docs/decisions/task-events-on-demand.md).
+# worker's first jobs would be missing (docs/decisions/task-events.md).
 worker_send_task_events = True
 task_send_sent_event = True
 # STARTED state makes running jobs visible in Flower, not just queued and finished ones.
