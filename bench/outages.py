@@ -77,7 +77,7 @@ from mailpipe.cli.demo.servers import PrivateRedis
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import Dependency
 from mailpipe.settings import Settings
-from mailpipe.storage.blobs import raw_email_key
+from mailpipe.storage.keys import raw_email_key
 from tests.support.bedrock_server import BedrockServer, bedrock_env, error, keyword_labels
 from tests.support.flaky_proxy import FlakyProxy
 from tests.support.services import PrivatePostgres, S3Server

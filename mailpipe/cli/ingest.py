@@ -43,7 +43,7 @@ from mailpipe.mail.parse import looks_like_email
 from mailpipe.mail.prescan import prescan
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
-from mailpipe.storage.blobs import raw_email_key
+from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, utcnow
 
 BATCH_SIZE = 500

@@ -18,8 +18,9 @@ from mailpipe.mail.documents import (
 )
 from mailpipe.mail.parse import Attachment, ParsedEmail
 from mailpipe.settings import Settings
-from mailpipe.storage.blobs import BlobStore, document_text_key
+from mailpipe.storage.blobs import BlobStore
 from mailpipe.storage.db import upsert
+from mailpipe.storage.keys import document_text_key
 from mailpipe.storage.models import Document, DocumentStatus, utcnow
 
 

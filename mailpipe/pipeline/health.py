@@ -35,8 +35,8 @@ from mailpipe.coordination import redis_keys
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import Dependency, describe
 from mailpipe.resources import Resources
-from mailpipe.storage.blobs import RAW_PREFIX, TEXT_PREFIX
 from mailpipe.storage.db import upsert
+from mailpipe.storage.keys import RAW_PREFIX, TEXT_PREFIX
 from mailpipe.storage.models import (
     Classification,
     Document,

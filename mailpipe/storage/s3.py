@@ -18,7 +18,7 @@ from mailpipe.errors import (
     InputRejected,
     PermanentError,
 )
-from mailpipe.storage.blobs import check_key
+from mailpipe.storage.keys import check_key
 
 _S3_CONFIG = Config(
     retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=30

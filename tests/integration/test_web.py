@@ -29,7 +29,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
 from mailpipe.pipeline import runs
 from mailpipe.storage import flags
-from mailpipe.storage.blobs import raw_email_key
+from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, utcnow
 from tests.support.console import OPERATOR, OPERATOR_ARGON2, VIEWER, ConsoleProcess, users_env
 from tests.support.fleet import Fleet

@@ -20,7 +20,7 @@ from sqlalchemy import insert
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.pipeline import runs
-from mailpipe.storage.blobs import raw_email_key
+from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, utcnow
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
 from tests.support.fleet import Fleet

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from mailpipe.errors import BlobMissing, InputRejected, TransientError
-from mailpipe.storage.blobs import LocalBlobStore, open_blobstore, raw_email_key
+from mailpipe.storage.blobs import LocalBlobStore, open_blobstore
+from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.s3 import S3BlobStore
 
 

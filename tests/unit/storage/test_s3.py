@@ -13,7 +13,7 @@ from botocore.exceptions import ClientError
 
 from mailpipe.errors import BlobAccessDenied, BlobUnavailable, PermanentError
 from mailpipe.settings import get_settings
-from mailpipe.storage.blobs import raw_email_key
+from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.s3 import S3BlobStore, _s3_error
 from tests.conftest import S3_BUCKET
 from tests.support.flaky_proxy import FlakyProxy
