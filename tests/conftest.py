@@ -142,6 +142,29 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
             returncode=3,
         )
+    if _runs(session.config, BROWSER_TEST) and not os.access(CHROMIUM, os.X_OK):
+        pytest.exit(
+            f"headless Chromium is missing at {CHROMIUM}, which the console's browser test "
+            "drives: apt-get install -y chromium",
+            returncode=3,
+        )
+
+
+# The one test that needs a program besides Python, Redis and PostgreSQL: Debian's Chromium.
+BROWSER_TEST = "tests/integration/test_web_browser.py"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _runs(config: pytest.Config, path: str) -> bool:
+    """Whether the run's arguments (the test paths when none) reach `path`."""
+    args = config.args or ["tests"]
+    wanted = (REPO / path).resolve()
+    for arg in args:
+        named = Path(arg.split("::")[0])
+        named = named if named.is_absolute() else Path(config.invocation_params.dir) / named
+        if wanted == named.resolve() or named.resolve() in wanted.parents:
+            return True
+    return False
 
 
 @pytest.fixture(autouse=True)

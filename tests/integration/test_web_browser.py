@@ -14,7 +14,6 @@ import hashlib
 import os
 from pathlib import Path
 
-import pytest
 from playwright.sync_api import expect, sync_playwright
 from sqlalchemy import insert
 
@@ -22,11 +21,11 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.pipeline import runs
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, utcnow
+from tests.conftest import CHROMIUM
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
 
-CHROMIUM = Path("/usr/bin/chromium")
 MAIL = [
     (
         "billing@acme.example",
@@ -64,12 +63,6 @@ def store_without_blob(res, raw: bytes) -> tuple[int, str]:  # type: ignore[no-u
 
 
 def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(
-            f"headless Chromium is missing at {CHROMIUM}: `apt-get install chromium` "
-            "(.ci/run installs it when missing)",
-            pytrace=False,
-        )
     f: Fleet = fleet()
     f.worker("console")
     web = ConsoleProcess({**f.env, **users_env()}, tmp_path / "web.log")
