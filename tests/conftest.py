@@ -76,6 +76,7 @@ NO_SERVICES = (
     "tests/unit/test_errors.py",
     "tests/unit/app/test_task_signatures.py",
     "tests/unit/storage/test_migrations_add_only.py",
+    "tests/unit/test_readme.py",
     "tests/unit/test_layers.py",
     "tests/unit/web/",
     "tests/deploy/",

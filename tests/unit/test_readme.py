@@ -1,0 +1,99 @@
+"""The README says what is: its roles table is the Procfile, its settings table names every
+setting with its default."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from pydantic import SecretStr
+
+from mailpipe.settings import Settings
+from tests.support.paths import REPO
+
+README = (REPO / "README.md").read_text()
+MIB = 1024 * 1024
+
+
+def section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def procfile() -> dict[str, str]:
+    lines = (REPO / "Procfile").read_text().splitlines()
+    return dict(line.split(": ", 1) for line in lines if line.strip())
+
+
+def test_the_roles_table_is_the_procfile() -> None:
+    rows = re.findall(r"^\| (\w+) \| `([^|]*?)` \|", section("Roles"), re.MULTILINE)
+    assert dict(rows) == procfile()
+
+
+def settings_rows() -> list[tuple[list[str], str]]:
+    """Each row of the settings table: the variables it names, and its default cell."""
+    rows = []
+    for line in section("Configuration").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) < 3 or not cells[0].startswith("`MAILPIPE_"):
+            continue
+        rows.append((re.findall(r"MAILPIPE_[A-Z0-9_*]+", cells[0]), cells[1]))
+    return rows
+
+
+def field(variable: str) -> str:
+    return variable.removeprefix("MAILPIPE_").lower()
+
+
+def test_the_settings_table_names_every_setting() -> None:
+    named = {v for variables, _ in settings_rows() for v in variables}
+    wildcards = [v[:-1] for v in named if v.endswith("*")]
+    missing = [
+        f"MAILPIPE_{name.upper()}"
+        for name in Settings.model_fields
+        if f"MAILPIPE_{name.upper()}" not in named
+        and not any(f"MAILPIPE_{name.upper()}".startswith(w) for w in wildcards)
+    ]
+    assert missing == []
+    unknown = [v for v in named if not v.endswith("*") and field(v) not in Settings.model_fields]
+    assert unknown == []
+
+
+def as_written(value: object) -> str | None:
+    """A default as the table writes it, or None where the table describes it in words."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None or isinstance(value, SecretStr):
+        return "unset"
+    if isinstance(value, int | float):
+        if value >= MIB and value % MIB == 0:
+            return f"{value // MIB:g} MiB"
+        return f"{value:g}"
+    if value == "":
+        return "empty"
+    if isinstance(value, str) and len(value) < 40:
+        return value
+    return None
+
+
+def written_defaults() -> list[tuple[str, str, str]]:
+    """(variable, the table's default, the field's default as written) for every row whose
+    default cell gives one value per variable."""
+    pairs = []
+    for variables, cell in settings_rows():
+        values = [v.strip() for v in re.split(r",|/", cell.replace("`", ""))]
+        if len(values) != len(variables) or any(v.endswith("*") for v in variables):
+            continue
+        for variable, value in zip(variables, values, strict=True):
+            expected = as_written(Settings.model_fields[field(variable)].default)
+            if expected is not None:
+                pairs.append((variable, value.removesuffix(" s"), expected))
+    return pairs
+
+
+@pytest.mark.parametrize(("variable", "written", "default"), written_defaults())
+def test_the_settings_table_gives_each_default(variable: str, written: str, default: str) -> None:
+    assert written == default, f"{variable}: the README says {written}, the default is {default}"
+
+
+def test_most_defaults_are_checked() -> None:
+    assert len(written_defaults()) >= 40
