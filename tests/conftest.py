@@ -5,14 +5,17 @@ The environment below is set before any mailpipe module reads its settings. A se
 there fails the run with a message that says how to start it; nothing is skipped. The services
 themselves are the ones the benchmarks use too (`tests/support/services.py`).
 
-Tests of pure code (`NO_SERVICES` below) need none: every other test is marked `services`, so
-`pytest -m "not services"` runs the quick tier with Redis and PostgreSQL stopped.
+Tests of pure code need none. A module whose tests need the services says so itself, with
+`pytestmark = pytest.mark.services`; `pytest -m "not services"` runs the quick tier with Redis
+and PostgreSQL stopped. A test that uses the services without the mark stops the run at
+collection, naming it.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,33 +65,22 @@ TEST_ENV = {
 os.environ.update(TEST_ENV)
 
 
-# Tests of pure code: the parser, the documents, the classifiers (the Bedrock stand-in is a
-# thread of the test), the settings, the layers, the deploy files, the mutants' places (the
-# mutants' sample in tests/test_mutants.py is marked `services` itself).
-NO_SERVICES = (
-    "tests/unit/mail/",
-    "tests/unit/app/test_config.py",
-    "tests/unit/broker/test_lane_order.py",
-    "tests/unit/classifiers/",
-    "tests/unit/operations/test_metrics.py",
-    "tests/unit/test_settings.py",
-    "tests/unit/test_settings_checks.py",
-    "tests/unit/test_errors.py",
-    "tests/unit/app/test_task_signatures.py",
-    "tests/unit/storage/test_migrations_add_only.py",
-    "tests/unit/test_readme.py",
-    "tests/unit/test_layers.py",
-    "tests/unit/web/",
-    "tests/deploy/",
-    "tests/test_mutants.py",
-)
+SERVICES_MARK = re.compile(r"^pytestmark = .*\bpytest\.mark\.services\b", re.MULTILINE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(str(item.path)).relative_to(REPO).as_posix()
-        if not path.startswith(NO_SERVICES):
-            item.add_marker(pytest.mark.services)
+    """A test that reaches the services fixture (through `res`, `fleet`, a worker...) must be
+    marked, or the quick tier would run it without them."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "services" in item.fixturenames and item.get_closest_marker("services") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests that use Redis, PostgreSQL or the S3 server without saying so (add "
+            "`pytestmark = pytest.mark.services` to their module): " + ", ".join(unmarked)
+        )
 
 
 def _quick_tier(config: pytest.Config) -> bool:
@@ -96,15 +88,14 @@ def _quick_tier(config: pytest.Config) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """The quick tier does not import the modules whose every test it would deselect (the
-    services' own imports take seconds in each process)."""
-    if not _quick_tier(config):
+    """The quick tier does not import the modules marked `services`, whose every test it would
+    deselect (the services' own imports take seconds in each process): their mark is read from
+    their text."""
+    if not _quick_tier(config) or collection_path.suffix != ".py":
         return None
-    path = collection_path.relative_to(REPO).as_posix()
-    wanted = path.startswith(NO_SERVICES) or any(
-        entry.startswith(path + "/") for entry in NO_SERVICES
-    )
-    return None if wanted else True
+    if not collection_path.name.startswith("test_"):
+        return None
+    return True if SERVICES_MARK.search(collection_path.read_text()) else None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

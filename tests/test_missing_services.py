@@ -12,6 +12,8 @@ import pytest
 from mailpipe.cli.demo.servers import free_port
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 # Any test module: the run must stop before its first test.
 SOME_TESTS = "tests/unit/storage/test_blobs.py"
 

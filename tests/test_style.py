@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.paths import REPO
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 BIN = Path(sys.executable).parent
 CHECKED = ["mailpipe", "tests", "bench"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import enqueue_email, enqueue_emails
@@ -10,6 +12,8 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import PipelineRun
 from tests.support.emails import nested_multipart
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 GOOD = b"From: a@example.org\r\nSubject: Invoice 7\r\nMessage-ID: <good@x>\r\n\r\nAmount due: 5 EUR\r\n"
 # An address header the default policy cannot read; the job must read it raw and go on.

@@ -9,12 +9,15 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
 from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 SWEEP_INTERVAL = 2
 LOCK_TIMEOUT = 6

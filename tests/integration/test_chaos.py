@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.paths import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 500
 POISON = 5

@@ -38,6 +38,8 @@ from mailpipe.storage.models import PipelineRun
 from tests.conftest import PG_ADMIN_URL, RUN_ID
 from tests.support.services import Database
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 NOT_AN_EMAIL = b"\x00 not an email"
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.probes import ask_a_job_process
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_workers_jobs_commit_without_waiting_for_the_disk(res, tmp_path, pool) -> None:  # type: ignore[no-untyped-def]

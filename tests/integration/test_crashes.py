@@ -18,7 +18,7 @@ from tests.support.bedrock_server import BedrockServer
 from tests.support.fleet import Fleet
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and the S3 server
 
 
 def email(tag: str) -> bytes:

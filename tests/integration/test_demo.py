@@ -14,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mailpipe.cli.demo.servers import free_port
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 BIN = Path(sys.executable).parent
 

@@ -10,6 +10,7 @@ import threading
 from email.message import EmailMessage
 
 import psutil
+import pytest
 from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
@@ -24,6 +25,8 @@ from tests.support.document_samples import (
     xlsx_billion_laughs,
 )
 from tests.support.waits import wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 XLSX = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"

@@ -8,6 +8,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from celery.events.receiver import EventReceiver
 
 from mailpipe.celery import app
@@ -16,6 +17,8 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
 from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 JOBS = 30
 

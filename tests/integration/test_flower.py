@@ -22,6 +22,8 @@ from tests.support.fleet import enqueue_in
 from tests.support.paths import REPO
 from tests.support.waits import wait_for
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 UNKNOWN_IDS = [999991, 999992, 999993]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
 from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
@@ -23,6 +24,8 @@ from mailpipe.storage.models import (
 )
 from tests.support.database import clean
 from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAIL = (
     b"From: billing@acme.example\r\nTo: d@example.org\r\nSubject: Invoice 9\r\nMessage-ID: <i9@acme>\r\n"

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.cli.ingest import store_emails
 from mailpipe.pipeline import runs
@@ -15,6 +17,8 @@ from mailpipe.storage.models import EmailMessage, ErrorClass
 from tests.support.bedrock_server import BedrockServer
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def emails(n: int, tag: str) -> list[bytes]:

@@ -26,6 +26,8 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 from tests.support.waits import wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 CONCURRENCY = 2
 PREFETCH = 2  # MAILPIPE_WORKER_PREFETCH_MULTIPLIER's default
 RESERVED = CONCURRENCY * PREFETCH

@@ -39,6 +39,8 @@ from mailpipe.storage.models import ErrorClass, PipelineRun, RunAttempt, RunStat
 from tests.support.fleet import enqueue_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 # Per lane of each stage's queue (dimensions Queue and Lane).
 LANE_NAMES = {"QueueDepth", "OldestJobAgeSeconds", "DeferredJobs", "BacklogPerTask"}
 # Per stage's queue (dimension Queue): RunningTasks of both, FailedRuns of the email queue's.

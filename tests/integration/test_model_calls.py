@@ -45,6 +45,8 @@ from tests.support.bedrock_server import (
 from tests.support.faults import runs_key, set_fault
 from tests.support.waits import wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 RATE_PER_S = 3.0
 BURST = 3
 MAX_IN_FLIGHT = 2

@@ -33,6 +33,8 @@ from tests.support.fleet import Fleet
 from tests.support.services import PrivatePostgres
 from tests.support.waits import holds_for, wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 EMAILS = 120
 PROBE_INTERVAL_S = 1.0
 # The retry horizon with the suite's backoff (MAILPIPE_RETRY_BACKOFF_BASE 0.5, _MAX 4): the

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from sqlalchemy import select
 
 from mailpipe.cli.demo.fleet import CeleryProcess, control_app
@@ -35,6 +36,8 @@ from tests.support.bedrock_server import (
 from tests.support.flaky_proxy import FlakyProxy
 from tests.support.fleet import Fleet
 from tests.support.waits import holds_for, wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 50
 PROBE_INTERVAL_S = 1.0

@@ -24,6 +24,8 @@ from redis import Redis
 from mailpipe.coordination.ratelimit import FleetRateLimiter, RateLimited
 from tests.support.grants import assert_within_rate, most_in_window
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 # The run's Redis and key prefix (tests/conftest.py): the limiter's keys and these are all under
 # it, so nothing here touches another run's keys, and the `res` fixture clears them per test.
 REDIS_URL = os.environ["MAILPIPE_BROKER_URL"]

@@ -28,7 +28,7 @@ from tests.support.faults import claims_held, release_claim, set_claim_fault
 from tests.support.services import PrivatePostgres
 from tests.support.waits import wait_for, wait_until_closed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and the S3 server
 
 
 def email(tag: str) -> bytes:

@@ -19,7 +19,7 @@ from mailpipe.storage.models import PipelineRun, RunStatus, SweepReport
 from tests.support.faults import release_claim, set_claim_fault
 from tests.support.waits import wait_for, wait_until_closed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and the S3 server
 
 # Short windows the settings accept: the backoff doubles from 0.5 s, capped at 2 s.
 BACKOFF = {"MAILPIPE_RETRY_BACKOFF_BASE": "0.5", "MAILPIPE_RETRY_BACKOFF_MAX": "2"}

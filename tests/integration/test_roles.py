@@ -63,6 +63,8 @@ from tests.support.paths import REPO
 from tests.support.services import Database
 from tests.support.waits import wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 BIN = Path(sys.executable).parent
 DEPLOY = REPO / "deploy"
 ROOT_WARNING = "ignore:You're running the worker with superuser privileges"

@@ -47,6 +47,8 @@ from tests.support.faults import set_fault
 from tests.support.paths import REPO
 from tests.support.waits import wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 EMAILS = 500
 RETRIED = 10  # emails of each half whose first attempt fails, so that a release schedules a retry
 DONE_WITHIN_S = 60.0

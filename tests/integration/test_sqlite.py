@@ -20,7 +20,7 @@ from mailpipe.storage.migrate import upgrade
 from mailpipe.storage.models import Document, EmailLabel, PipelineRun, RunAttempt
 from tests.support.waits import wait_until_closed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and the S3 server
 
 
 def invoice(n: int, attachment: bool) -> bytes:

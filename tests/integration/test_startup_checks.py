@@ -19,6 +19,8 @@ import pytest
 
 from mailpipe.cli.demo import fleet as localfleet
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 GOOD_RULE = '[[rule]]\nlabel = "invoice"\nkeywords = ["invoice"]\n'
 
 

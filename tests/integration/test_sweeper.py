@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import select, update
 
 from mailpipe.broker import layout, queues
@@ -31,6 +32,8 @@ from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepR
 from tests.support.bedrock_server import BedrockServer
 from tests.support.services import delete_prefix
 from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def emails(n: int, tag: str = "") -> list[bytes]:

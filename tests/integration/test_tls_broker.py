@@ -22,6 +22,8 @@ from cryptography.x509.oid import NameOID
 from mailpipe.cli.demo.servers import PrivateRedis
 from tests.support.probes import ask_a_job_process
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 def _write_certificates(folder: Path) -> tuple[Path, Path, Path]:
     """A CA of the test's own, and a certificate for 127.0.0.1 that it signed."""

@@ -35,6 +35,8 @@ from tests.support.console import OPERATOR, OPERATOR_ARGON2, VIEWER, ConsoleProc
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 HOSTILE = "<script>alert('subject')</script>"
 
 

@@ -14,6 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
+import pytest
 from playwright.sync_api import expect, sync_playwright
 from sqlalchemy import insert
 
@@ -25,6 +26,8 @@ from tests.conftest import CHROMIUM
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 MAIL = [
     (

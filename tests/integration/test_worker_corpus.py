@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import select
 
 from mailpipe.cli.ingest import ingest
@@ -9,6 +10,8 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun
 from tests.support.paths import CORPUS
 from tests.support.waits import wait_until_closed
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def test_every_corpus_email_ends_in_a_terminal_state(res, live_worker) -> None:  # type: ignore[no-untyped-def]

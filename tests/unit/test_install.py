@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:

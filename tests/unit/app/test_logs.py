@@ -15,6 +15,8 @@ from celery._state import _task_stack
 
 from mailpipe.app import logs
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 @pytest.fixture
 def lines() -> Iterator[tuple[logging.Logger, io.StringIO]]:

@@ -31,6 +31,8 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, SweepReport
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 IN_PROCESS_QUEUE = "in-process"
 # Exported by Celery's logging set-up for the children a worker forks later.
 CELERY_FORK_VARIABLES = ("_MP_FORK_LOGLEVEL_", "_MP_FORK_LOGFILE_", "_MP_FORK_LOGFORMAT_")

@@ -19,6 +19,8 @@ from mailpipe.broker import lanes
 from mailpipe.broker.lanes import LiveFirst
 from mailpipe.celery import app
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 def test_the_transport_resolves_the_option_to_live_first() -> None:
     assert "queue_order_strategy" in Channel.from_transport_options

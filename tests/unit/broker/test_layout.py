@@ -10,11 +10,14 @@ from __future__ import annotations
 import inspect
 
 import kombu
+import pytest
 from kombu.transport.redis import Channel, QoS
 
 from mailpipe.broker import layout
 from mailpipe.celery import app
 from mailpipe.enqueue import send_job
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def deliver_one(res):  # type: ignore[no-untyped-def]

@@ -20,6 +20,8 @@ from mailpipe.cli.ingest import RawEmail, Rejected, ingest, read_sources
 from mailpipe.storage.models import EmailMessage as EmailRow
 from tests.support.bounds import bounded
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 LIMIT = 50 * 1024 * 1024  # MAILPIPE_MAX_EMAIL_BYTES' default, which the suite keeps
 
 

@@ -13,6 +13,8 @@ from mailpipe.broker.queues import Lane, Stage, TaskName, job_queues, stage_queu
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 def emails(n: int) -> list[bytes]:
     return [

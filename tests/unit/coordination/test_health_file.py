@@ -12,6 +12,8 @@ from redis import Redis, RedisError
 
 from mailpipe.coordination import heartbeat, redis_keys
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 def nothing_to_restore(tag: str) -> None:
     raise AssertionError(tag)

@@ -16,6 +16,8 @@ from mailpipe.coordination import heartbeat, redis_keys
 from mailpipe.enqueue import send_job
 from tests.support.waits import wait_for
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 _time = time.time
 
 

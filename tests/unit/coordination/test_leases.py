@@ -13,6 +13,8 @@ from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.coordination.leases import Lease, LeaseHeld
 from tests.support.waits import holds_for, wait_for
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 EMAIL = 41
 
 

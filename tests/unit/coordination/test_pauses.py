@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mailpipe.broker.queues import Stage
 from mailpipe.coordination import pauses
 from mailpipe.coordination.pauses import AUTO, OPERATOR, Pause
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def outage(res, email_id: int = 1, error: str = "BlobUnavailable: S3 down") -> Pause | None:  # type: ignore[no-untyped-def]

@@ -19,6 +19,8 @@ from mailpipe.coordination import redis_keys
 from mailpipe.coordination.ratelimit import FleetRateLimiter, RateLimited
 from tests.support.grants import assert_within_rate
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 def limiter(res, name: str, **limits: float) -> FleetRateLimiter:  # type: ignore[no-untyped-def]
     settings = {"rate_per_s": 100.0, "burst": 1, "max_in_flight": 100, "bulk_share": 0.2}

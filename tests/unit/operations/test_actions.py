@@ -21,6 +21,8 @@ from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
 from tests.support.failed_runs import add_emails, add_failed, add_run
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 USER = "test:operator"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import psycopg
+import pytest
 from sqlalchemy.engine import make_url
 
 from mailpipe.broker.queues import Stage
@@ -12,6 +13,8 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
 from mailpipe.operations.probes import ProbeResult, probe
 from mailpipe.resources import Resources
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAIL = b"From: a@example.com\r\nSubject: probe\r\nMessage-ID: <probe@x>\r\n\r\nbody\r\n"
 

@@ -27,6 +27,8 @@ from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunAttempt, RunStatus, utcnow
 from tests.support.failed_runs import T0, add_emails, add_failed, add_run
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 def listed(res: Resources, filt: FailedFilter | None = None, **paging: int) -> list[int]:
     with res.db.session() as session:

@@ -3,6 +3,7 @@ test's PostgreSQL database."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import select
 
 from mailpipe.classifiers import ClassificationResult, LabelScore
@@ -18,6 +19,8 @@ from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel, EmailMessage, PipelineRun, RunStatus
 from tests.support.bedrock_server import BedrockServer, labels
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 PHISHING = (
     b"From: it-desk@examp1e.com\r\nTo: staff@example.org\r\nSubject: Verify your password\r\n"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
@@ -16,6 +18,8 @@ from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import RunStatus
 from tests.unit.pipeline.test_job import history, model_calls, run_of
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def emails(n: int) -> list[bytes]:

@@ -30,6 +30,8 @@ from mailpipe.storage.models import (
     RunStatus,
 )
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 INVOICE = (
     b"From: billing@acme.example\r\nSubject: Invoice 12\r\nMessage-ID: <j12@acme>\r\n"
     b'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import select
 
 from mailpipe.classifiers import LabelScore
@@ -8,6 +9,8 @@ from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.pipeline.origin import find_origin, fingerprint, link_to_origin
 from mailpipe.storage.models import EmailLabel, EmailMessage, EmailOrigin
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 LIMITS = ParseLimits(1 << 20, 25, 100, 10_000)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
 from sqlalchemy import select, update
 
 from mailpipe.cli.ingest import store_emails
@@ -25,6 +26,8 @@ from tests.unit.pipeline.test_job import (
     run_of,
     start_attempt,
 )
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def attempts(res: Resources, email_id: int) -> list[RunAttempt]:

@@ -17,6 +17,8 @@ from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 PLAIN = (
     b"From: billing@acme.example\r\nTo: team@mailpipe.example\r\nSubject: Invoice {n}\r\n"
     b"Message-ID: <s{n}@acme>\r\nDate: Mon, 30 Nov 2026 10:00:00 +0000\r\n\r\n"

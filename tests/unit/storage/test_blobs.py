@@ -9,6 +9,8 @@ from mailpipe.storage.blobs import LocalBlobStore, open_blobstore
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.s3 import S3BlobStore
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path: Path, services: None):  # type: ignore[no-untyped-def]

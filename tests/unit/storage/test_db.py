@@ -17,6 +17,8 @@ from mailpipe.storage import db, flags
 from mailpipe.storage.models import EmailMessage, EmailOrigin, PipelineRun
 from tests.conftest import DATABASE, PG_ADMIN_URL
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 PLAIN = b"From: a@example.org\r\nSubject: note {n}\r\nMessage-ID: <c{n}@example.org>\r\n\r\nhello {n}\r\n"
 
 

@@ -18,6 +18,8 @@ from mailpipe.storage.s3 import S3BlobStore, _s3_error
 from tests.conftest import S3_BUCKET
 from tests.support.flaky_proxy import FlakyProxy
 
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
 KEY = raw_email_key("5a" * 32)
 
 
