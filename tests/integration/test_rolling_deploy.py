@@ -6,8 +6,8 @@ pyproject's ranges allow). The database is migrated by this release, as the rele
 before a rollout. Each direction runs a CPU worker and a model worker of each release (the model
 stage calls the Bedrock stand-in) on one broker key prefix:
 
-- rollout: the previous release's workers take this release's jobs (both lanes, both stages, and
-  retries it schedules itself); this release's workers start beside them while the emails are
+- rollout: the previous release's workers take this release's jobs (both lanes, both stages,
+  retries, and deferrals at the fleet's model-call limit); this release's workers start beside them while the emails are
   ingested; the previous release's workers are stopped with SIGTERM;
 - rollback: the same with the roles reversed, the previous release on this release's schema.
 
@@ -203,6 +203,11 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
             **unlimited_bedrock_env(server, tmp_path),
             "MAILPIPE_REDIS_PREFIX": prefix,
             "MAILPIPE_QUEUE": res.settings.queue,
+            # A fleet limit the backlog outruns, with no wait for a slot: model-stage jobs are
+            # deferred, each deferral a message that either release may take.
+            "MAILPIPE_MODEL_RATE_PER_S": "40",
+            "MAILPIPE_MODEL_BURST": "5",
+            "MAILPIPE_MODEL_SLOT_WAIT": "0",
         }
         with res.db.transaction() as session:
             flags.set_model_calls(session, True)
@@ -233,21 +238,26 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
     with res.db.session() as session:
         runs = session.scalars(select(PipelineRun).where(PipelineRun.email_id.in_(ids))).all()
         reports = session.scalars(select(SweepReport).where(SweepReport.id > reports_before)).all()
-        retried = session.scalar(
-            select(func.count())
-            .select_from(RunAttempt)
-            .where(RunAttempt.email_id.in_(ids), RunAttempt.outcome == AttemptOutcome.RETRYING)
+        retried, deferred = (
+            session.scalar(
+                select(func.count())
+                .select_from(RunAttempt)
+                .where(RunAttempt.email_id.in_(ids), RunAttempt.outcome == outcome)
+            )
+            for outcome in (AttemptOutcome.RETRYING, AttemptOutcome.DEFERRED)
         )
     assert {run.sweep_count for run in runs} == {0}
     assert sum(r.readded_no_run + r.readded_stalled for r in reports) == 0
     # The retries ran, and passed (a run's own count restarts at the model stage: its history).
     assert retried >= 2 * RETRIED
+    assert deferred > 0  # the deferrals ran too
     # Each release took jobs at both stages, the first of them the second release's too.
     taken = {p.nodename: received(p) for p in processes}
     assert all(taken.values()), taken
     return {
         "emails": len(ids),
         "retried": retried,
+        "deferred": deferred,
         "done_after_last_ingest_s": round(done_after, 1),
         **taken,
     }

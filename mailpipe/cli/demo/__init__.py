@@ -83,17 +83,18 @@ def redis_answers(url: str) -> bool:
 
 
 def run_demo(console: Console, keep: bool = False, root: Path = DEMO_DIR) -> int:
-    from mailpipe.cli.demo.servers import PrivateRedis
+    from mailpipe.cli.demo.servers import PrivateRedis, redis_server
     from mailpipe.storage.migrate import shown_url
 
     url = broker_url()
     private: PrivateRedis | None = None
     if not redis_answers(url):
-        if shutil.which("redis-server") is None:
+        if redis_server() is None:
             print(
                 f"mailpipe demo: no Redis at {shown_url(url)} and no redis-server to start: "
-                "install Redis (apt-get install redis-server, brew install redis) or set "
-                "MAILPIPE_BROKER_URL to a Redis you can reach",
+                "pip install 'mailpipe[demo]' (it ships one), install Redis (apt-get install "
+                "redis-server, brew install redis) or set MAILPIPE_BROKER_URL to a Redis you "
+                "can reach",
                 file=sys.stderr,
             )
             return NO_REDIS_EXIT
@@ -110,6 +111,8 @@ def run_demo(console: Console, keep: bool = False, root: Path = DEMO_DIR) -> int
     finally:
         if private is not None:
             private.stop()
+            if keep:
+                console.print("the demo's own Redis is stopped: its queues are gone, the rows stay")
             shutil.rmtree(private.log_path.parent, ignore_errors=True)
 
 
@@ -150,7 +153,20 @@ def _run_demo(console: Console, keep: bool, root: Path, url: str) -> int:
     finally:
         worker.stop()
     ok = _report(console, res, ids, elapsed, finished)
-    if not keep:
+    if keep:
+        kept = " ".join(
+            f"{name}={env[name]}"
+            for name in (
+                "MAILPIPE_DATABASE_URL",
+                "MAILPIPE_BLOB_URL",
+                "MAILPIPE_BROKER_URL",
+                "MAILPIPE_REDIS_PREFIX",
+            )
+        )
+        console.print(
+            f"kept {root}; to look at it: {kept} mailpipe status (or mailpipe web)", soft_wrap=True
+        )
+    else:
         shutil.rmtree(root, ignore_errors=True)
         # The demo's queues, markers and kombu bindings, all under its own prefix.
         for key in res.redis.scan_iter(match=res.settings.redis_prefix + "*", count=1000):

