@@ -205,8 +205,8 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
             "MAILPIPE_QUEUE": res.settings.queue,
             # A fleet limit the backlog outruns, with no wait for a slot: model-stage jobs are
             # deferred, each deferral a message that either release may take.
-            "MAILPIPE_MODEL_RATE_PER_S": "40",
-            "MAILPIPE_MODEL_BURST": "5",
+            "MAILPIPE_MODEL_RATE_PER_S": "60",
+            "MAILPIPE_MODEL_BURST": "2",
             "MAILPIPE_MODEL_SLOT_WAIT": "0",
         }
         with res.db.transaction() as session:
