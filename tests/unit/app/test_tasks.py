@@ -23,9 +23,11 @@ from celery.signals import setup_logging, task_failure, task_success
 from sqlalchemy import select
 
 from mailpipe.broker import layout
-from mailpipe.broker.queues import TaskName
+from mailpipe.broker.queues import Lane, Stage, TaskName, stage_queue
 from mailpipe.cli.ingest import store_emails
+from mailpipe.coordination import pauses, redis_keys
 from mailpipe.errors import RunFailed
+from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, SweepReport
@@ -190,3 +192,36 @@ def test_a_job_sent_with_arguments_of_a_newer_release_runs(
         TaskName.SWEEP.value, kwargs={"reason": "newer"}, queue=IN_PROCESS_QUEUE
     ).id
     assert isinstance(outcomes.wait(sweep_id), dict)
+
+
+@pytest.mark.parametrize("follow_up", ["retry", "deferral", "pause"])
+def test_a_bulk_job_s_follow_up_stays_in_the_bulk_lane(
+    res: Resources, worker: Any, follow_up: str
+) -> None:
+    """A retry (after an attempt that died), a deferral (the lease held elsewhere) and a pause's
+    re-send each go back to the queue of the delivery's lane, never to the live one."""
+    [email_id] = store_emails(res, [email(f"bulk-{follow_up}")])
+    if follow_up == "retry":
+        with res.db.transaction() as session:
+            runs.claim_attempt(session, email_id, res.settings.max_attempts)
+    elif follow_up == "deferral":
+        res.redis.set(redis_keys.lease(email_id), "elsewhere:1:holder", px=60_000)
+    else:
+        pauses.pause(res.redis, Stage.CPU, "held for the test")
+        # The in-process worker shares this process's resources: its cached read of the pauses
+        # (a second old at most) is dropped, so that its next job reads the pause.
+        res.__dict__.pop("pauses", None)
+    worker.app.send_task(
+        TaskName.PROCESS_EMAIL.value,
+        args=(email_id,),
+        kwargs={"lane": Lane.BULK.value},
+        queue=IN_PROCESS_QUEUE,
+    )
+    bulk = stage_queue(Stage.CPU, res.settings, Lane.BULK)
+    live = stage_queue(Stage.CPU, res.settings, Lane.LIVE)
+    wait_for(
+        lambda: layout.emails_in_broker(res.redis, [bulk]) == {email_id},
+        30,
+        f"the {follow_up} in the bulk lane",
+    )
+    assert layout.emails_in_broker(res.redis, [live]) == set()

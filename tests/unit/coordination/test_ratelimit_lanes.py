@@ -162,3 +162,14 @@ def test_a_live_call_granted_is_no_longer_waiting(res) -> None:  # type: ignore[
 
 def live_waiters(redis: Redis, name: str) -> list[tuple[bytes, float]]:
     return redis.zrange(redis_keys.key(f"ratelimit:{{{name}}}:live"), 0, -1, withscores=True)
+
+
+def test_bulk_banks_at_most_one_turn_of_credit_while_it_runs_alone(res) -> None:  # type: ignore[no-untyped-def]
+    """Twenty bulk grants with no live call waiting earn bulk no more than one turn: when live
+    calls come, bulk does not take several grants in a row on credit it banked alone."""
+    limits = limiter(res, "credit-cap", rate_per_s=1000.0, burst=50, bulk_share=0.25)
+    for _ in range(20):
+        with limits.slot(wait=1.0, lane=Lane.BULK):
+            pass
+    bucket = redis_keys.key("ratelimit:{credit-cap}:bucket")
+    assert float(res.redis.hget(bucket, "bulk_credit")) == 1.0
