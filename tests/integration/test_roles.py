@@ -341,10 +341,13 @@ def test_procfile_workers_consume_their_queues_and_touch_their_health_file(  # t
         # Its start line names the release, as `mailpipe --version` does.
         assert f"mailpipe {mailpipe.__version__}: worker {nodename} ready" in worker.output()
         assert consumed_queues(procfile_env, nodename) == queues_of_the_roles(procfile_env)[role]
-        pool = inspect(procfile_env, nodename, "stats")["pool"]
+        stats = inspect(procfile_env, nodename, "stats")
+        pool = stats["pool"]
         assert pool["implementation"] == POOLS[role]
         if role == "model":
             assert pool["max-concurrency"] == 32
+            # One message reserved per thread, so that a live call waits behind no bulk one.
+            assert stats["prefetch_count"] == 32
         wait_for(health.exists, 30, "the worker's health file")
         first = health.stat().st_mtime
         wait_for(lambda: health.stat().st_mtime > first, 30, "the heartbeat to touch it again")
@@ -732,8 +735,11 @@ def test_ecs_worker_and_model_run_an_email_s_two_stages(  # type: ignore[no-unty
         wait_worker_ready(worker, worker_env, WORKER_NODE)
         wait_worker_ready(model, model_env, MODEL_NODE)
         assert consumed_queues(model_env, MODEL_NODE) == queues_of_the_roles(model_env)["model"]
-        pool = inspect(model_env, MODEL_NODE, "stats")["pool"]
+        stats = inspect(model_env, MODEL_NODE, "stats")
+        pool = stats["pool"]
         assert pool["implementation"] == POOLS["model"] and pool["max-concurrency"] == 32
+        # One message reserved per thread, so that a live call waits behind no bulk one.
+        assert stats["prefetch_count"] == 32
         enqueue_in(worker_env, [email_id])
         assert wait_until_closed(res, [email_id], timeout=60) == {email_id: "succeeded"}
         check = image.health_check("model")
