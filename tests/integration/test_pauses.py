@@ -184,13 +184,14 @@ def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> Non
     f = fleet(**FAST_PROBES)
     worker = f.worker("cpu")
     queue = res.settings.queue
-    assert queue in consumed_queues(f, worker.nodename)
+    lanes = {queue, f"{queue}.bulk"}
+    assert lanes <= consumed_queues(f, worker.nodename)
 
     mailpipe(f.env, "pause", "cpu")
     wait_for(
-        lambda: queue not in consumed_queues(f, worker.nodename),
+        lambda: not lanes & consumed_queues(f, worker.nodename),
         30,
-        "the worker to stop consuming the cpu queue",
+        "the worker to stop consuming both lanes of the cpu stage",
     )
     pause = paused(f.env)
     assert set(pause) == {"cpu"}
@@ -205,7 +206,7 @@ def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> Non
     assert set(statuses.values()) == {"succeeded"}
     assert {run.attempts for run in runs(res, ids)} == {1}
     assert paused(f.env) == {}
-    assert queue in consumed_queues(f, worker.nodename)
+    assert lanes <= consumed_queues(f, worker.nodename)
 
 
 def lose_broker_connection(res, worker: CeleryProcess) -> int:  # type: ignore[no-untyped-def]
