@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutants.run import MUTANTS, REPO, Mutant, run_mutant
+from tests.mutants.run import MUTANTS, REPO, Mutant, run_mutant, verdict
 
 # Five mutants a commit, picked by the commit's id: a commit always checks the same five, and
 # each mutant is in about one commit's sample in six.
@@ -21,7 +21,7 @@ SAMPLE_SIZE = 5
 # The id to pick by where git cannot tell the commit (a checkout without its history).
 COMMIT_VARIABLE = "MUTANTS_COMMIT"
 # Each sampled mutant's tests kill it in well under a minute; five, two at a time, stay within
-# the suite's timeout of a test (pyproject.toml). A run cut off counts as killed, as in run.py.
+# the suite's timeout of a test (pyproject.toml). A run cut off is no verdict, and fails the check.
 MUTANT_TIMEOUT = 110
 
 
@@ -79,6 +79,37 @@ def test_without_git_the_commit_comes_from_the_variable_or_the_sample_fails(
     assert commit() == "0123abc"
 
 
+@pytest.mark.parametrize(
+    ("returncode", "killer", "message", "expected"),
+    [
+        (1, "tests/a.py::test_x", "assert 1 == 2", "killed"),
+        (1, "tests/a.py::test_x", "AssertionError: timed out after 30s", "killed"),
+        (0, "", "", "survived"),
+        (1, "tests/a.py::test_x", "Failed", "killed"),  # pytest.raises saw nothing raised
+        (1, "tests/a.py::test_x", "TypeError: unexpected keyword", "no verdict"),
+        (1, "tests/a.py::test_x", "Timeout", "no verdict"),
+        (1, "tests/a.py::test_y", "assert 1 == 2", "no verdict"),
+        (2, "", "", "no verdict"),  # interrupted: a collection error
+        (3, "", "", "no verdict"),  # services down
+        (4, "", "", "no verdict"),  # usage: a case id that does not exist
+        (5, "", "", "no verdict"),  # no test ran
+    ],
+)
+def test_only_an_assertion_of_a_named_test_kills_a_mutant(
+    returncode: int, killer: str, message: str, expected: str
+) -> None:
+    got = verdict(returncode, killer, message, named=("tests/a.py::test_x",))
+    assert got.startswith(expected), got
+
+
+def test_a_mutant_that_changes_nothing_pointed_at_a_missing_test_is_no_kill() -> None:
+    """What the check once counted as a kill: a no-op mutant and a test id that does not exist."""
+    nothing = Mutant("nothing", MUTANTS[0].path, MUTANTS[0].old, MUTANTS[0].old, "no change", ())
+    missing = "tests/unit/test_errors.py::test_that_does_not_exist"
+    result = run_mutant(nothing, ["-n", "0", missing], 60, named=(missing,))
+    assert result["result"] != "killed", result
+
+
 def test_a_commit_always_samples_the_same_mutants_and_commits_sample_them_all() -> None:
     assert sample("0" * 40) == sample("0" * 40)
     seen = {m.name for i in range(200) for m in sample(f"{i:040x}")}
@@ -95,7 +126,12 @@ def test_the_mutants_this_commit_samples_are_killed() -> None:
     # Two at a time: most of a run is spent waiting on its workers, database and S3 server.
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(
-            pool.map(lambda m: run_mutant(m, ["-n", "0", *m.killed_by], MUTANT_TIMEOUT), chosen)
+            pool.map(
+                lambda m: run_mutant(
+                    m, ["-n", "0", *m.killed_by], MUTANT_TIMEOUT, named=m.killed_by
+                ),
+                chosen,
+            )
         )
     seconds = time.monotonic() - started
     report = "\n".join(

@@ -1,14 +1,17 @@
 """A mutation check: deliberate faults in the code that keeps every email processed once, and
 whether the tests catch each of them.
 
-    .venv/bin/python -m tests.mutants.run [--only NAME ...] [--json FILE]
+    .venv/bin/python -m tests.mutants.run [--only NAME ...] [--named-tests] [--json FILE]
 
 Each mutant below is a one-line change a real bug could make in `pipeline/runs.py`,
 `coordination/leases.py`, `coordination/markers.py`, `enqueue.py` or `operations/sweeper.py`.
 For each, the checkout (the package and the tests) is copied into a temporary folder, the change
 is made there, and the tests that cover those modules run against the copy (real PostgreSQL,
-Redis and worker processes, as always). A mutant is killed when a test fails; one that survives
-is a fault the tests would let through. The results are in docs/mutants.md.
+Redis and worker processes, as always). A mutant is killed only when a test ran and failed on an
+assertion (with `killed_by`, one of the tests it names); one that survives is a fault the tests
+would let through. Anything else is no verdict and says so: a collection error, a test that does
+not exist, services that are down, a run cut off by its timeout. The results are in
+docs/mutants.md.
 
 The suite runs a sample of five mutants a commit, each against only the tests that kill it
 fastest (`killed_by`), in tests/test_mutants.py.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -315,9 +319,11 @@ MUTANTS = [
 ]
 
 
-def run_mutant(mutant: Mutant, pytest_args: list[str], timeout: float) -> dict[str, object]:
+def run_mutant(
+    mutant: Mutant, pytest_args: list[str], timeout: float, named: tuple[str, ...] = ()
+) -> dict[str, object]:
     """Run pytest with `pytest_args` on a copy of the checkout with `mutant` written in, to its
-    first failure, which kills the mutant."""
+    first failure. `named`: the tests that must be the one failing, when given."""
     with tempfile.TemporaryDirectory(prefix="mailpipe-mutant-") as tmp:
         copy = Path(tmp)
         for name in ("mailpipe", "tests"):
@@ -342,13 +348,13 @@ def run_mutant(mutant: Mutant, pytest_args: list[str], timeout: float) -> dict[s
         )
         try:
             stdout, _ = run.communicate(timeout=timeout)
-            result = "survived" if run.returncode == 0 else "killed"
             tail = stdout.strip().splitlines()[-1:] if stdout else []
-            killer = _first_failure(stdout)
+            killer, message = _first_failure(stdout)
+            result = verdict(run.returncode, killer, message, named)
         except subprocess.TimeoutExpired:
             os.killpg(run.pid, signal.SIGKILL)
             run.communicate()
-            result, tail, killer = "killed", ["timed out"], "timed out"
+            result, tail, killer = "no verdict: timed out", ["timed out"], ""
         return {
             "name": mutant.name,
             "file": mutant.path,
@@ -360,14 +366,40 @@ def run_mutant(mutant: Mutant, pytest_args: list[str], timeout: float) -> dict[s
         }
 
 
-def _first_failure(output: str) -> str:
-    """The first test that pytest's short summary (`-ra`) names as failed or in error."""
+# pytest's exit codes: 0 all passed, 1 some failed; the rest are no verdict on the code.
+PASSED, FAILED = 0, 1
+
+
+def verdict(returncode: int, killer: str, message: str, named: tuple[str, ...]) -> str:
+    """`killed` only for a test that ran and failed on an assertion (one of `named`, if given);
+    `survived` when every test passed; otherwise why there is no verdict."""
+    if returncode == PASSED:
+        return "survived"
+    if returncode != FAILED or not killer:
+        return f"no verdict: pytest exited {returncode} (collection, usage or services)"
+    if named and killer not in named:
+        return f"no verdict: {killer} failed, not a test the mutant names"
+    # An assertion, or pytest's own verdict (`pytest.raises` that saw nothing, `pytest.fail`).
+    if not message.startswith(("assert", "AssertionError", "Failed")):
+        return f"no verdict: {killer} failed on {message.split(':')[0] or 'an error'}"
+    return "killed"
+
+
+def _first_failure(output: str) -> tuple[str, str]:
+    """The first test that pytest's short summary (`-ra`) names as failed, and the exception it
+    failed on, from the last line of its traceback (`path:line: ExceptionName`); an error in
+    set-up or collection is no failure of the test."""
     _, _, summary = output.partition(" short test summary info ")
     for line in summary.splitlines():
         status, _, rest = line.partition(" ")
-        if status in ("FAILED", "ERROR"):
-            return rest.split(" - ")[0]
-    return ""
+        if status == "ERROR":
+            return "", rest
+        if status == "FAILED":
+            raised = re.search(r"^\S+\.py:\d+: (\w+(?:\.\w+)*)$", output, re.MULTILINE)
+            if "+ Timeout +" in output:  # pytest-timeout's banner: the test was cut off
+                return rest.split(" - ")[0].strip(), "Timeout"
+            return rest.split(" - ")[0].strip(), raised.group(1) if raised else ""
+    return "", ""
 
 
 def _env() -> dict[str, str]:
@@ -378,12 +410,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=[], help="names of the mutants to run")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--named-tests",
+        action="store_true",
+        help="run each mutant against the tests it names (`killed_by`) only, which must kill it",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     results = []
     for mutant in chosen:
-        outcome = run_mutant(mutant, TESTS, args.timeout)
+        if args.named_tests:
+            named = mutant.killed_by
+            outcome = run_mutant(mutant, ["-n", "0", *named], args.timeout, named=named)
+        else:
+            outcome = run_mutant(mutant, TESTS, args.timeout)
         results.append(outcome)
         print(
             f"{outcome['result']:>9}  {mutant.name:<40} {outcome.get('seconds', ''):>6}"
@@ -391,10 +432,12 @@ def main() -> int:
             flush=True,
         )
     killed = sum(r["result"] == "killed" for r in results)
-    print(f"\n{killed} killed, {len(results) - killed} survived, of {len(results)}")
+    survived = sum(r["result"] == "survived" for r in results)
+    others = len(results) - killed - survived
+    print(f"\n{killed} killed, {survived} survived, {others} without a verdict, of {len(results)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    return 0
+    return 0 if killed == len(results) else 1
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def test_release_before_a_follow_up_keeps_the_marker_stamped_anew(res) -> None: 
         time.sleep(0.01)
         held.keep_marker = True
     assert not res.redis.exists(redis_keys.lease(EMAIL))
-    assert float(res.redis.get(redis_keys.job_marker(EMAIL))) > taken
+    marker = res.redis.get(redis_keys.job_marker(EMAIL))
+    assert marker is not None, "the follow-up's marker was deleted with the lease"
+    assert float(marker) > taken
 
 
 def test_a_second_delivery_finds_the_lease_held_by_a_live_process(res) -> None:  # type: ignore[no-untyped-def]
@@ -62,7 +64,10 @@ def test_the_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(res) -> 
     res.redis.set(redis_keys.lease(EMAIL), f"{socket.gethostname()}:{dead.pid}:gone", px=60_000)
 
     taker = lease(res)
-    taker.acquire()
+    try:
+        taker.acquire()
+    except LeaseHeld as held:
+        raise AssertionError(f"the dead process's lease was waited out: {held}") from None
     assert res.redis.get(redis_keys.lease(EMAIL)).decode() == taker.value
     assert taker.release()
 
