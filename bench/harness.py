@@ -9,6 +9,7 @@ import time, so a benchmark can set `os.environ` first.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -141,6 +142,12 @@ def machine() -> dict[str, object]:
         "python": platform.python_version(),
         "load_avg_at_start": os.getloadavg(),
     }
+
+
+def write_report(path: Path, args: object, results: object) -> None:
+    """A benchmark's figures as JSON, with the machine and the arguments they were made with."""
+    report = {"machine": machine(), "args": vars(args), "results": results}
+    path.write_text(json.dumps(report, indent=2, default=str))
 
 
 def percentile(values: Iterable[float], share: float) -> float:

@@ -398,8 +398,7 @@ def main() -> int:
         )
     print(table([{k: shown(v) for k, v in r.items()} for r in results], list(results[0])))
     if args.json:
-        report = {"machine": harness.machine(), "args": vars(args), "results": results}
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+        harness.write_report(args.json, args, results)
     return 0
 
 

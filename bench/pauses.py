@@ -192,8 +192,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(table(results, list(results[0])))
     if args.json:
-        report = {"machine": harness.machine(), "args": vars(args), "results": results}
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+        harness.write_report(args.json, args, results)
     return 0
 
 
