@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from mailpipe.broker.queues import Lane, TaskName
 from mailpipe.operations.status import FailedFilter
 from mailpipe.operations.sweeper import Enqueue, in_lanes
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import emails, runs
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
 
@@ -58,7 +58,7 @@ def retry(
 
     def reopen(session: Session, ids: list[int]) -> list[int]:
         reopened = runs.reopen_failed(session, ids)[0]
-        lanes.update(runs.lanes(session, reopened))
+        lanes.update(emails.lanes(session, reopened))
         return reopened
 
     for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen):
@@ -82,7 +82,7 @@ def move(
         email_ids,
         None,
         batch,
-        lambda session, ids: runs.move(session, ids, lane),
+        lambda session, ids: emails.move(session, ids, lane),
         lambda session, ids: dict.fromkeys(ids, "no such email"),
     ):
         _logged(f"move_to_{lane}", user, moved)
@@ -118,7 +118,7 @@ def clear_review(
     done: list[int] = []
     refused: dict[int, str] = {}
     for cleared, not_cleared in _in_batches(
-        res, email_ids, None, batch, runs.clear_review, _not_marked
+        res, email_ids, None, batch, emails.clear_review, _not_marked
     ):
         _logged("clear_review", user, cleared)
         done.extend(cleared)

@@ -20,7 +20,7 @@ from mailpipe.classifiers import (
 from mailpipe.classifiers.prompt import MAX_RECIPIENTS
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.mail.parse import ParsedEmail
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import emails
 from mailpipe.storage.db import upsert
 from mailpipe.storage.models import Classification, utcnow
 
@@ -89,7 +89,7 @@ def store_classification(
         ["run_id"],
     )
     if result.dropped_labels:
-        runs.mark_for_review(
+        emails.mark_for_review(
             session,
             [email_id],
             f"the model answered {result.dropped_labels} labels outside MAILPIPE_LABELS or "

@@ -181,23 +181,8 @@ def run_claimed(
     the claim, so two of these at once for one email (what a lapsed lease allows) leave the
     rows one would."""
     settings = res.settings
-
-    def claim_in_a_transaction() -> runs.Claim | Outcome:
-        with res.db.transaction() as session:
-            return runs.claim_attempt(
-                session,
-                email_id,
-                settings.max_attempts,
-                cut_off=cut_off,
-                stage=stage,
-                cut_off_at=lambda: shutdowns.cut_off_at(res.redis, email_id),
-                max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
-                model_calls=lambda: res.model_calls(session),
-                backoff=lambda attempt: retry_delay(settings, attempt),
-            )
-
     try:
-        claim = once_more_if_disconnected(claim_in_a_transaction)
+        claim = once_more_if_disconnected(lambda: _claim(res, email_id, stage, cut_off))
     except Exception as exc:
         outage = _outage(res, exc)
         if outage is not None:
@@ -208,7 +193,7 @@ def run_claimed(
         return Outcome(
             Kind.DEFER, settings.defer_base, f"could not claim an attempt: {describe(exc)}"
         )
-    if isinstance(claim, Outcome):
+    if not isinstance(claim, runs.Claim):
         return claim
     try:
         if stage is Stage.CPU:
@@ -219,6 +204,45 @@ def run_claimed(
         return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
         return _after_error(res, email_id, claim, stage, exc, deferred_since)
+
+
+def _claim(
+    res: Resources, email_id: int, stage: Stage, cut_off: float | None
+) -> runs.Claim | Outcome:
+    """Claim an attempt in a transaction of its own: its `Claim`, or what a claim that counted
+    none means for the job."""
+    settings = res.settings
+    # Read before the claim, which needs it only when the last attempt ended without a result.
+    shutdown_cut_off_at = shutdowns.cut_off_at(res.redis, email_id)
+    with res.db.transaction() as session:
+        claim = runs.claim_attempt(
+            session,
+            email_id,
+            settings.max_attempts,
+            stage=stage,
+            cut_off=cut_off,
+            shutdown_cut_off_at=shutdown_cut_off_at,
+            max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
+        )
+        if isinstance(claim, runs.Refused) and claim.reason is runs.Refusal.CONVERTED:
+            # A second delivery of a CPU stage already done (redelivered, or sent again once
+            # model calls are on): the model stage is next, sent again in case the first
+            # hand-off was lost with its worker. Two of them run once: the lease and the claim
+            # see to it.
+            return Outcome(Kind.HANDED_OFF if res.model_calls(session) else Kind.WAITING)
+    if isinstance(claim, runs.Claim):
+        return claim
+    if isinstance(claim, runs.Failed):
+        return Outcome(Kind.FAILED, error=claim.error)
+    if claim.reason is runs.Refusal.UNFINISHED:
+        # Killed by the hard time limit, or its process died: a failed attempt like any other,
+        # which waits out its backoff before the next one.
+        return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
+    if claim.reason is runs.Refusal.NO_EMAIL:
+        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
+    if claim.reason is runs.Refusal.NOT_CONVERTED:
+        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
+    return Outcome(Kind.CLOSED)
 
 
 def _outage(res: Resources, exc: Exception) -> Dependency | None:
@@ -260,7 +284,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
             origin = _origin_unless_copy(session, email_id, token, parsed, defects)
             if origin is None:
                 return Outcome(Kind.DUPLICATE)
-            runs.parsed(session, email_id, token, defects)
+            runs.mark_parsed(session, email_id, token, defects)
             link_to_origin(session, email_id, parsed, origin)
 
     documents = convert_documents(parsed, settings)
@@ -291,7 +315,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
             store_classification(session, claim.run_id, email_id, result)
             sync_model_labels(session, email_id, result.labels)
         else:
-            runs.converted(session, email_id, token, defects, model_calls=model_calls)
+            runs.mark_converted(session, email_id, token, defects, model_calls=model_calls)
             # What the model will read is kept, so that its stage never parses the email again.
             upsert(
                 session,
@@ -354,7 +378,7 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
             # second call, the labels come from the stored answer.
             _close_with_labels(session, email_id, token, stored_result(session, claim.run_id))
             return Outcome(Kind.SUCCEEDED)
-        runs.current(session, email_id, token)  # a delivery fenced off calls no model
+        runs.lock_current(session, email_id, token)  # a delivery fenced off calls no model
         email_text = input_from_json(session.get_one(ModelInput, email_id).input)
 
     if res.classifier.remote:
@@ -377,7 +401,7 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
 def _store_classification(
     session: Session, email_id: int, claim: runs.Claim, result: ClassificationResult
 ) -> None:
-    runs.classified(session, email_id, claim.token)
+    runs.mark_classified(session, email_id, claim.token)
     store_classification(session, claim.run_id, email_id, result)
 
 
@@ -453,9 +477,8 @@ def _after_failed_attempt(
             log.error("email %s: attempt %s: %s", email_id, attempt, error)
         else:
             log.exception("email %s: attempt %s: unexpected error", email_id, attempt)
-    delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
     # Retried, whether or not the error could be recorded: the attempt was counted at the claim.
-    outcome = _write(
+    failed = _write(
         res,
         lambda session: runs.record_failed_attempt(
             session,
@@ -463,16 +486,17 @@ def _after_failed_attempt(
             claim.token,
             error,
             settings.max_attempts,
-            delay,
             error_class=error_class(exc),
         ),
-        Outcome(Kind.RETRY, delay, error),
+        None,
     )
-    if outcome.kind is Kind.RETRY:
-        log.info(
-            "email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error
-        )
-    return outcome
+    if isinstance(failed, Outcome):
+        return failed
+    if failed is not None:
+        return Outcome(Kind.FAILED, error=failed.error)
+    delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
+    log.info("email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error)
+    return Outcome(Kind.RETRY, delay, error)
 
 
 def _after_outage(

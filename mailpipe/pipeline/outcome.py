@@ -1,5 +1,5 @@
-"""What one delivery of an email's job comes to: the one result of the claim (`runs`), the
-steps (`job`) and the task shell, which maps it to Celery's actions."""
+"""What one delivery of an email's job comes to: decided by the steps (`job`) from the facts
+the run's state answers (`runs`), and mapped to Celery's actions by the task shell."""
 
 from __future__ import annotations
 

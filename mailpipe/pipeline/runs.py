@@ -1,15 +1,17 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
-A delivery claims an attempt (`claim_attempt`), which answers with the job's outcome when the
-claim decides it, or with the `Claim` to run the steps under. Each transaction of the steps then
-asks this module once, with one act: `parsed`, `converted`, `classified` or `close` (the one way
-a delivery closes its run), `current` before it reads, or after an error `give_back` or
+This module records and answers facts; what they mean for the job is decided in
+mailpipe.pipeline.job. A delivery claims an attempt (`claim_attempt`), which answers with the
+`Claim` to run the steps under, or with why none was counted (`Refused`, or `Failed` when the
+claim failed the run). Each transaction of the steps then writes through this module once, with
+one act: `mark_parsed`, `mark_converted`, `mark_classified` or `close` (the one way a delivery
+closes its run), `lock_current` before it reads, or after an error `give_back` or
 `record_failed_attempt`. `fail` fails a run from outside any claim.
 
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
 delivery's claim, a token that grows by one at every claim and is never reset (`claims`), so a
 stale delivery can never pass for a later one. It is fenced in one of two ways: its act locks
-the run and checks that it is still open and still at this claim (`current`); or its act is one
+the run and checks that it is still open and still at this claim (`lock_current`); or its act is one
 UPDATE on the same two conditions, which raises Superseded, rolling back the whole transaction,
 when it finds no such row. A delivery whose lease lapsed while a later one claimed the run, or
 one that finishes after the run was closed (by another delivery, by the sweeper), is thereby
@@ -28,9 +30,9 @@ starts with a fresh budget. `sweep_count` covers both stages and only a reopen r
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -39,8 +41,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, bindparam, case, insert, literal, select, update
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Lane, Stage
-from mailpipe.pipeline.outcome import Kind, Outcome
+from mailpipe.broker.queues import Stage
+from mailpipe.pipeline import emails
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import (
     AttemptOutcome,
@@ -49,14 +51,12 @@ from mailpipe.storage.models import (
     PipelineRun,
     RunAttempt,
     RunStatus,
+    clip_error,
     table,
     utcnow,
 )
 
 log = logging.getLogger(__name__)
-
-# Errors are for operators: long tracebacks belong in the log, not in the row.
-MAX_ERROR_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,33 @@ class Claim:
     run_id: int
     blob_key: str | None  # at the CPU stage: where the raw email is stored
     classified: bool  # the run holds the model's answer from an earlier attempt
+
+
+class Refusal(enum.StrEnum):
+    """Why a claim counted no attempt."""
+
+    NO_EMAIL = "no_email"  # no email row with that id
+    CLOSED = "closed"  # the run is closed
+    CONVERTED = "converted"  # a CPU stage asked for, and it is done already
+    NOT_CONVERTED = "not_converted"  # a model stage asked for before the CPU stage is done
+    UNFINISHED = "unfinished"  # the last attempt died or hit the hard time limit: ended here
+
+
+@dataclass(frozen=True)
+class Refused:
+    """No attempt was counted, for `reason`. UNFINISHED: `attempt` is the number of the attempt
+    the claim ended, `error` how it ended."""
+
+    reason: Refusal
+    attempt: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The run failed for good in this transaction, with `error`."""
+
+    error: str
 
 
 class Superseded(Exception):
@@ -89,26 +116,20 @@ def claim_attempt(
     email_id: int,
     max_attempts: int,
     *,
-    cut_off: float | None = None,
     stage: Stage = Stage.CPU,
-    cut_off_at: Callable[[], float | None] = lambda: None,
+    cut_off: float | None = None,
+    shutdown_cut_off_at: float | None = None,
     max_shutdown_cutoffs: int = 10,
-    model_calls: Callable[[], bool] = lambda: False,
-    backoff: Callable[[int], float] = lambda attempt: 0.0,
-) -> Claim | Outcome:
-    """Count one attempt of `stage` and return its `Claim`, or return the job's outcome when it
-    must not run now (no such email, a closed run, a stage done or not yet due, no attempt left,
-    the backoff after an attempt whose process died or was cut off).
+) -> Claim | Refused | Failed:
+    """Count one attempt of `stage` and return its `Claim`; or say why no attempt was counted
+    (`Refused`); or fail the run, when its attempts or shutdown windows are used up (`Failed`).
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
     `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
-    `cut_off_at`: asked when the last attempt ended without a result; when its worker cut the
-    email's job off at the end of its shutdown window, and that attempt had started before, the
-    attempt is given back.
-    `model_calls`: asked when the CPU stage is done already: whether the model stage is next.
-    `backoff`: the seconds the job waits after an attempt that died or hit the hard time limit,
-    from its number.
+    `shutdown_cut_off_at`: when the email's job was last cut off at the end of its worker's
+    shutdown window (unix time); a last attempt that ended without a result and started before
+    that is given back.
 
     The usual case, a run that is new or open and ready for this stage, is counted in one
     statement (`_count_if_ready`), which also reads where the email is stored; every other case
@@ -120,29 +141,24 @@ def claim_attempt(
             return counted
     blob_key = session.execute(_BLOB_KEY, {"run_email_id": email_id}).scalar()
     if blob_key is None:
-        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
+        return Refused(Refusal.NO_EMAIL)
     ensure_runs(session, [email_id])
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
-        return Outcome(Kind.CLOSED)
+        return Refused(Refusal.CLOSED)
     converted = run.converted_at is not None
     if stage is Stage.CPU and converted:
-        # A second delivery of a CPU stage already done (redelivered, or sent again once model
-        # calls are on): the model stage is next, sent again in case the first hand-off was
-        # lost with its worker. Two of them run once: the lease and the claim see to it.
-        return Outcome(Kind.HANDED_OFF if model_calls() else Kind.WAITING)
+        return Refused(Refusal.CONVERTED)
     if stage is Stage.MODEL and not converted:
-        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
+        return Refused(Refusal.NOT_CONVERTED)
     if run.attempt_started_at is not None:
-        stopped = _end_unfinished(
-            session, run, max_attempts, cut_off, cut_off_at(), max_shutdown_cutoffs
+        failed = _end_unfinished(
+            session, run, max_attempts, cut_off, shutdown_cut_off_at, max_shutdown_cutoffs
         )
-        if stopped is not None:
-            return stopped
+        if failed is not None:
+            return failed
         if run.error_class != ErrorClass.SHUTDOWN_CUTOFFS:
-            # Killed by the hard time limit, or its process died: a failed attempt like any
-            # other, which waits out its backoff before the next one.
-            return Outcome(Kind.RETRY, backoff(run.attempts), run.error)
+            return Refused(Refusal.UNFINISHED, run.attempts, run.error)
     elif run.attempts >= max_attempts:
         # The last attempt ended with attempts left under a limit lowered since: no attempt
         # ends here, the run fails without another.
@@ -166,9 +182,9 @@ def _end_unfinished(
     cut_off: float | None,
     marked_at: float | None,
     max_shutdown_cutoffs: int,
-) -> Outcome | None:
+) -> Failed | None:
     """End the run's last attempt, which ended without a result: its row written by the claim
-    that finds it so, and its error on the run. Returns FAILED when the run fails for it (its
+    that finds it so, and its error on the run. Returns `Failed` when the run fails for it (its
     attempts, or its shutdown windows, used up), None when the claim goes on.
 
     The attempt was cut off by the hard time limit (`cut_off`), or by its worker's shutdown
@@ -352,7 +368,7 @@ def ensure_runs(session: Session, email_ids: list[int]) -> None:
         )
 
 
-def current(session: Session, email_id: int, token: int) -> PipelineRun:
+def lock_current(session: Session, email_id: int, token: int) -> PipelineRun:
     """The run, locked, if it is still open at claim `token`; raises Superseded otherwise."""
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
@@ -362,17 +378,17 @@ def current(session: Session, email_id: int, token: int) -> PipelineRun:
     return run
 
 
-def parsed(
+def mark_parsed(
     session: Session, email_id: int, token: int, parse_defects: dict[str, Any] | None
 ) -> None:
     """The email is parsed and is no copy: its documents are converted next, outside this
-    transaction. Locks the run as `current` does, and keeps what the parser got past."""
-    run = current(session, email_id, token)
+    transaction. Locks the run as `lock_current` does, and keeps what the parser got past."""
+    run = lock_current(session, email_id, token)
     if parse_defects is not None:
         run.parse_defects = parse_defects
 
 
-def converted(
+def mark_converted(
     session: Session,
     email_id: int,
     token: int,
@@ -398,7 +414,7 @@ def converted(
     _update_fenced(session, email_id, token, values, parse_defects, ended)
 
 
-def classified(session: Session, email_id: int, token: int) -> None:
+def mark_classified(session: Session, email_id: int, token: int) -> None:
     """The model's answer is stored in this transaction: a later attempt syncs the labels from
     it and never calls the model again. Fenced as `close`."""
     _update_fenced(session, email_id, token, {"classified_at": utcnow()}, None, None)
@@ -415,7 +431,7 @@ def close(
     classified: bool = False,
     parse_defects: dict[str, Any] | None = None,
 ) -> None:
-    """Close the run in this delivery's transaction, in one UPDATE fenced like `current`: when
+    """Close the run in this delivery's transaction, in one UPDATE fenced like `lock_current`: when
     the run is closed already or a later claim holds it, it updates nothing and raises
     Superseded, and the transaction rolls back every write the delivery made in it. `error`: why
     it failed, of `error_class`. `classified`: the model's answer is stored in this transaction.
@@ -452,7 +468,7 @@ def _update_fenced(
     if ended is not None:
         connection.execute(_RECORD_IF_AT_CLAIM, {**_ended_row(ended), **fence})
     if connection.execute(_UPDATE_IF_AT_CLAIM, {**values, **fence}).rowcount != 1:
-        current(session, email_id, token)  # raises Superseded, saying why
+        lock_current(session, email_id, token)  # raises Superseded, saying why
         raise Superseded(f"email {email_id}: the run is not at claim {token}")
 
 
@@ -467,7 +483,7 @@ def give_back(
     """Undo the count of an attempt that did no work worth counting (deferred: throttled,
     rate-limited, an outage, model calls switched off). `error`, of `error_class`: why,
     for the attempt's row; the run's error stays as it was."""
-    run = current(session, email_id, token)
+    run = lock_current(session, email_id, token)
     _record(session, run, _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error))
     run.attempts = max(0, run.attempts - 1)
     run.attempt_started_at = None
@@ -479,14 +495,13 @@ def record_failed_attempt(
     token: int,
     error: str,
     max_attempts: int,
-    delay: float,
     *,
     error_class: str,
-) -> Outcome:
-    """Record a failed attempt: retried after `delay` while attempts remain, the run failed for
-    good once none do. The attempt's row keeps its own error; a run failed here says its
-    attempts are used up."""
-    run = current(session, email_id, token)
+) -> Failed | None:
+    """Record a failed attempt: the run goes on while attempts remain (None), and fails for
+    good once none do (`Failed`). The attempt's row keeps its own error; a run failed here says
+    its attempts are used up."""
+    run = lock_current(session, email_id, token)
     ended = _AttemptEnd(AttemptOutcome.RETRYING, error_class, error)
     if run.attempts >= max_attempts:
         _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED))
@@ -494,7 +509,7 @@ def record_failed_attempt(
     _record(session, run, ended)
     run.attempt_started_at = None
     _set_error(run, error_class, error)
-    return Outcome(Kind.RETRY, delay, error)
+    return None
 
 
 def fail(session: Session, email_id: int, error: str, *, error_class: str) -> bool:
@@ -532,7 +547,7 @@ def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[in
         )
     )
     if failed:
-        mark_for_review(session, failed, reason)
+        emails.mark_for_review(session, failed, reason)
     return failed
 
 
@@ -559,11 +574,7 @@ def reopen(session: Session, email_id: int) -> bool:
     # A manual retry runs the whole job again, the CPU stage included.
     run.converted_at = None
     run.closed_at = None
-    session.execute(
-        update(EmailMessage)
-        .where(EmailMessage.id == email_id)
-        .values(needs_review=False, review_reason=None)
-    )
+    emails.clear_review(session, [email_id])
     return True
 
 
@@ -590,15 +601,6 @@ def reopen_failed(
     return reopened, statuses
 
 
-def mark_for_review(session: Session, email_ids: list[int], reason: str) -> None:
-    """Put the emails on the review list with `reason`; their runs are left as they are."""
-    session.execute(
-        update(EmailMessage)
-        .where(EmailMessage.id.in_(email_ids))
-        .values(needs_review=True, review_reason=_clip(reason))
-    )
-
-
 def _locked_run(session: Session, email_id: int) -> PipelineRun:
     # FOR UPDATE on PostgreSQL serialises two deliveries that lost their lease; SQLite ignores
     # it and serialises every write transaction anyway (BEGIN IMMEDIATE).
@@ -613,7 +615,7 @@ def _closed(
     failed with and its class (none for a run that did not fail)."""
     return {
         "status": status,
-        "error": _clip(error) if error else None,
+        "error": clip_error(error) if error else None,
         "error_class": error_class if error else None,
         "attempt_started_at": None,
         "closed_at": utcnow(),
@@ -622,7 +624,7 @@ def _closed(
 
 def _set_error(run: PipelineRun, error_class: str | None, error: str | None) -> None:
     """The error of a locked run's last attempt, which it goes on from."""
-    run.error = _clip(error) if error else None
+    run.error = clip_error(error) if error else None
     run.error_class = error_class if error else None
 
 
@@ -632,13 +634,13 @@ def _fail(run: PipelineRun, error: str, error_class: str) -> None:
         setattr(run, column, value)
 
 
-def _give_up(run: PipelineRun, error_class: str | None, error: str) -> Outcome:
+def _give_up(run: PipelineRun, error_class: str | None, error: str) -> Failed:
     """Fail a locked run whose attempts, or shutdown windows, are used up (the row of an
     attempt that ends with it is written by the caller, before the run forgets the attempt).
     `error_class`: its last error's, so that the failed list names what failed it."""
     _fail(run, error, error_class or ErrorClass.ATTEMPTS_USED_UP)
     log.error("email %s: failed: %s", run.email_id, run.error)
-    return Outcome(Kind.FAILED, error=run.error)
+    return Failed(run.error or error)
 
 
 def _used_up(attempts: int, error: str | None) -> str:
@@ -664,7 +666,7 @@ def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:
         "ended_at": ended.at or utcnow(),
         "outcome": ended.outcome.value,
         "error_class": ended.error_class,
-        "error": _clip(ended.error) if ended.error else None,
+        "error": clip_error(ended.error) if ended.error else None,
         "host": _host(),
     }
 
@@ -672,10 +674,6 @@ def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:
 @cache
 def _host() -> str:
     return socket.gethostname()
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
 
 def dismiss(session: Session, email_ids: list[int]) -> list[int]:
@@ -695,40 +693,5 @@ def dismiss(session: Session, email_ids: list[int]) -> list[int]:
         )
     )
     if dismissed:
-        clear_review(session, dismissed)
+        emails.clear_review(session, dismissed)
     return sorted(dismissed)
-
-
-def clear_review(session: Session, email_ids: list[int]) -> list[int]:
-    """Take the emails among `email_ids` off the review list, their runs left as they are.
-    Returns the emails that were on it."""
-    return sorted(
-        session.scalars(
-            update(EmailMessage)
-            .where(EmailMessage.id.in_(email_ids), EmailMessage.needs_review)
-            .values(needs_review=False, review_reason=None)
-            .returning(EmailMessage.id)
-        )
-    )
-
-
-def move(session: Session, email_ids: list[int], lane: Lane) -> list[int]:
-    """Put the emails among `email_ids` in `lane`, the lane their next jobs are sent in. Returns
-    the emails found (those in it already included)."""
-    return sorted(
-        session.scalars(
-            update(EmailMessage)
-            .where(EmailMessage.id.in_(email_ids))
-            .values(lane=lane.value)
-            .returning(EmailMessage.id)
-        )
-    )
-
-
-def lanes(session: Session, email_ids: list[int]) -> dict[int, str]:
-    """The lane of each email among `email_ids`."""
-    return dict(
-        session.execute(
-            select(EmailMessage.id, EmailMessage.lane).where(EmailMessage.id.in_(email_ids))
-        ).all()
-    )

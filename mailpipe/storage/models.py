@@ -48,6 +48,15 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+# Errors and review reasons are for operators: long tracebacks belong in the log, not the row.
+MAX_ERROR_CHARS = 2000
+
+
+def clip_error(text: str) -> str:
+    """`text` cut to what an error or review reason column keeps."""
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
 def table(model: type[Base]) -> Table:
     """A model's table, for Core statements: they skip the ORM's work on each execution."""
     return cast(Table, model.__table__)

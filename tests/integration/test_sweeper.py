@@ -84,9 +84,9 @@ def classify_then_die(res: Resources, email_id: int) -> None:
             session, email_id, res.settings.max_attempts, stage=queues.Stage.MODEL
         ).token
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, token)
+        run = runs.lock_current(session, email_id, token)
         store_classification(session, run.id, email_id, ClassificationResult((), "m", "p"))
-        runs.classified(session, email_id, token)
+        runs.mark_classified(session, email_id, token)
 
 
 def answered_earlier(res: Resources, email_id: int, seconds: float) -> None:

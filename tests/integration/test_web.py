@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from sqlalchemy import insert, select, update
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import emails, runs
 from mailpipe.storage import flags
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, utcnow
@@ -227,7 +228,7 @@ def test_pages_escape_what_emails_hold(res, console) -> None:  # type: ignore[no
         session.execute(
             update(EmailMessage).where(EmailMessage.id == email_id).values(subject=HOSTILE)
         )
-        runs.mark_for_review(session, [email_id], f"reason {HOSTILE}")
+        emails.mark_for_review(session, [email_id], f"reason {HOSTILE}")
     web = console()
     for path in ("/review", "/failed", f"/emails/{email_id}"):
         page = requests.get(f"{web.url}{path}", auth=VIEWER, timeout=10)
@@ -238,15 +239,50 @@ def test_pages_escape_what_emails_hold(res, console) -> None:  # type: ignore[no
     assert "alert" not in web.output()
 
 
-def test_the_api_refuses_what_is_not_an_email(res, console) -> None:  # type: ignore[no-untyped-def]
+def test_pages_take_their_style_and_script_from_the_console_alone(console) -> None:  # type: ignore[no-untyped-def]
+    """No inline style or script, which the Content-Security-Policy would block: the console's
+    own files, served as what they are."""
     web = console()
-    unknown = requests.get(f"{web.url}/api/jobs/987654321", auth=VIEWER, timeout=10)
-    assert unknown.status_code == 404
-    assert unknown.json() == {"error": "no email with id 987654321"}
-    bad = requests.get(f"{web.url}/api/jobs/abc", auth=VIEWER, timeout=10)
-    assert bad.status_code == 400
-    assert bad.json() == {"error": "an email id is a whole number"}
-    assert requests.get(f"{web.url}/emails/987654321", auth=VIEWER, timeout=10).status_code == 404
+    for path in ("/", "/failed", "/review"):
+        page = requests.get(f"{web.url}{path}", auth=OPERATOR, timeout=10)
+        assert page.status_code == 200, path
+        policy = page.headers["content-security-policy"]
+        assert "'unsafe-inline'" not in policy
+        assert "style-src 'self'" in policy and "script-src 'self'" in policy
+        assert not re.search(r"<style|<script(?![^>]*\ssrc=)|\s(style|on[a-z]+)=", page.text), path
+        assert '<link rel="stylesheet" href="/static/console.css">' in page.text, path
+        assert '<script src="/static/console.js" defer></script>' in page.text, path
+    for name, kind in (("console.css", "text/css"), ("console.js", "text/javascript")):
+        served = requests.get(f"{web.url}/static/{name}", auth=VIEWER, timeout=10)
+        assert served.status_code == 200, name
+        assert served.headers["content-type"] == f"{kind}; charset=utf-8"
+        assert served.headers["x-content-type-options"] == "nosniff"
+        assert served.text.strip()
+    assert requests.get(f"{web.url}/static/console.css", timeout=10).status_code == 401
+
+
+def test_the_api_answers_in_json_and_the_pages_in_text(res, console) -> None:  # type: ignore[no-untyped-def]
+    """Each Mount answers its own refusals: JSON under /api/, a line of text on the pages."""
+    web = console()
+    for path, status, error in (
+        ("/api/jobs/987654321", 404, "no email with id 987654321"),
+        ("/api/jobs/abc", 400, "an email id is a whole number"),
+        ("/api/no-such-thing", 404, "Not Found"),
+    ):
+        answer = requests.get(f"{web.url}{path}", auth=VIEWER, timeout=10)
+        assert answer.status_code == status, path
+        assert answer.headers["content-type"] == "application/json", path
+        assert answer.json() == {"error": error}
+    for path, status, error, auth in (
+        ("/emails/987654321", 404, "no email with id 987654321", VIEWER),
+        ("/emails/abc", 400, "an email id is a whole number", VIEWER),
+        ("/no-such-page", 404, "Not Found", VIEWER),
+        ("/failed", 401, "sign in as a viewer or an operator", None),
+    ):
+        answer = requests.get(f"{web.url}{path}", auth=auth, timeout=10)
+        assert answer.status_code == status, path
+        assert answer.headers["content-type"] == "text/plain; charset=utf-8", path
+        assert answer.text == f"{status}: {error}\n"
 
 
 # --- the job status API on a real worker -------------------------------------------------------

@@ -15,11 +15,11 @@ import os
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import ConsoleMessage, expect, sync_playwright
 from sqlalchemy import insert
 
 from mailpipe.cli.ingest import store_emails
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import emails
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, utcnow
 from tests.conftest import CHROMIUM
@@ -77,7 +77,9 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
         closed = wait_until_closed(res, [*delivered, missing])
         assert closed == {**dict.fromkeys(delivered, "succeeded"), missing: "failed"}
         with res.db.transaction() as session:
-            runs.mark_for_review(session, [delivered[1]], "the model named a label out of the list")
+            emails.mark_for_review(
+                session, [delivered[1]], "the model named a label out of the list"
+            )
         shots = Path(os.environ.get("MAILPIPE_SCREENSHOTS") or tmp_path)
         _drive(web, missing, shots, put_back=lambda: res.blobs.put(key, raw))
     finally:
@@ -94,14 +96,28 @@ def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back) -> None:  #
                 viewport={"width": 1280, "height": 800},
             )
             page = context.new_page()
+            # What the Content-Security-Policy blocks, Chromium says on the console.
+            blocked: list[str] = []
+
+            def note_blocked(message: ConsoleMessage) -> None:
+                if "Content Security Policy" in message.text:
+                    blocked.append(message.text)
+
+            page.on("console", note_blocked)
             page.goto(f"{web.url}/")
             expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+            expect(page.locator("header")).to_have_css("background-color", "rgb(29, 35, 48)")
             expect(page.get_by_text("console@localhost")).to_be_visible()  # the live worker
             page.screenshot(path=shots / "console-overview.png", full_page=True)
 
             page.get_by_role("link", name="Failed", exact=True).click()
             row = page.locator("tr", has=page.locator(f'a[href="/emails/{missing}"]'))
             expect(row).to_contain_text("BlobMissing")
+            select_all = page.get_by_label("select all on this page")
+            select_all.check()
+            expect(page.get_by_label(f"select email {missing}")).to_be_checked()
+            select_all.uncheck()
+            expect(page.get_by_label(f"select email {missing}")).not_to_be_checked()
             page.screenshot(path=shots / "console-failed.png", full_page=True)
 
             row.get_by_role("link", name=str(missing)).click()
@@ -130,5 +146,6 @@ def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back) -> None:  #
             assert page.locator("#history tr").count() - 1 > first_attempts
             expect(page.locator("#history")).to_contain_text("succeeded")
             page.screenshot(path=shots / "console-email.png", full_page=True)
+            assert blocked == []
         finally:
             browser.close()

@@ -22,7 +22,7 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import emails
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunAttempt, RunStatus, utcnow
 from tests.support.failed_runs import T0, add_emails, add_failed, add_run
@@ -111,7 +111,7 @@ def test_the_review_list_pages_with_the_run_s_status(res) -> None:  # type: igno
     marked = [add_failed(res, minutes, review=True) for minutes in range(3)]
     [no_run, unmarked] = add_emails(res, 2)
     with res.db.transaction() as session:
-        runs.mark_for_review(session, [no_run], "looked odd")
+        emails.mark_for_review(session, [no_run], "looked odd")
     with res.db.session() as session:
         first = review_page(session, 1, 3)
         second = review_page(session, 2, 3)

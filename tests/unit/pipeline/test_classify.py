@@ -51,7 +51,7 @@ def classify_on_a_run(res: Resources, result: ClassificationResult) -> int:
     with res.db.transaction() as session:
         attempt = runs.claim_attempt(session, email_id, res.settings.max_attempts).attempt
     with res.db.transaction() as session:
-        run = runs.current(session, email_id, attempt)
+        run = runs.lock_current(session, email_id, attempt)
         store_classification(session, run.id, email_id, result)
         sync_model_labels(session, email_id, result.labels)
     return email_id

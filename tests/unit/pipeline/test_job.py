@@ -74,8 +74,8 @@ def start_attempt(res: Resources, email_id: int) -> int:
     asks for the backoff first: the retry sent after it claims."""
     with res.db.transaction() as session:
         claim = runs.claim_attempt(session, email_id, res.settings.max_attempts)
-    if isinstance(claim, job.Outcome):
-        assert claim.kind is Kind.RETRY, claim
+    if isinstance(claim, runs.Refused):
+        assert claim.reason is runs.Refusal.UNFINISHED, claim
         with res.db.transaction() as session:
             claim = runs.claim_attempt(session, email_id, res.settings.max_attempts)
     assert isinstance(claim, runs.Claim), claim
@@ -323,17 +323,17 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
         a = runs.claim_attempt(session, email_id, 4)
     with res.db.transaction() as session:
         died = runs.claim_attempt(session, email_id, 4)  # finds A unfinished: A's process died
-    assert died.kind is Kind.RETRY  # type: ignore[union-attr]
+    assert isinstance(died, runs.Refused) and died.reason is runs.Refusal.UNFINISHED
     with res.db.transaction() as session:
         b = runs.claim_attempt(session, email_id, 4)  # the retry, after its backoff
     with res.db.transaction() as session:
-        runs.converted(session, email_id, b.token, model_calls=True)
+        runs.mark_converted(session, email_id, b.token, model_calls=True)
     with res.db.transaction() as session:
         c = runs.claim_attempt(session, email_id, 4, stage=Stage.MODEL)
     assert (a.attempt, b.attempt, c.attempt) == (1, 2, 1)
     assert (a.token, b.token, c.token) == (1, 2, 3)
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
-        runs.converted(session, email_id, a.token, model_calls=True)
+        runs.mark_converted(session, email_id, a.token, model_calls=True)
     with res.db.transaction() as session:
         runs.close(session, email_id, c.token, RunStatus.SUCCEEDED)
     assert run_of(res, email_id).status is RunStatus.SUCCEEDED
@@ -346,8 +346,8 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
     # A mark from before the attempt started (a job that had ended inside an earlier window)
     # counts for nothing: this attempt died, and it counts.
     with res.db.transaction() as session:
-        died = runs.claim_attempt(session, email_id, 4, cut_off_at=lambda: marked_before)
-    assert died.kind is Kind.RETRY  # type: ignore[union-attr]
+        died = runs.claim_attempt(session, email_id, 4, shutdown_cut_off_at=marked_before)
+    assert isinstance(died, runs.Refused) and died.reason is runs.Refusal.UNFINISHED
     run = run_of(res, email_id)
     assert (run.attempts, run.cutoffs) == (1, 0)
     assert run.error.startswith("attempt 1 ended without a result")
@@ -356,17 +356,17 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
     for cut in (1, 2):
         with res.db.transaction() as session:
             claim = runs.claim_attempt(
-                session, email_id, 4, cut_off_at=time.time, max_shutdown_cutoffs=3
+                session, email_id, 4, shutdown_cut_off_at=time.time(), max_shutdown_cutoffs=3
             )
         run = run_of(res, email_id)
         assert (type(claim), run.attempts, run.cutoffs) == (runs.Claim, 2, cut)
         assert run.error.startswith(f"cut off by shutdown ({cut} of at most 3)")
     with res.db.transaction() as session:
         claim = runs.claim_attempt(
-            session, email_id, 4, cut_off_at=time.time, max_shutdown_cutoffs=3
+            session, email_id, 4, shutdown_cut_off_at=time.time(), max_shutdown_cutoffs=3
         )
     run = run_of(res, email_id)
-    assert (claim.kind, run.status, run.cutoffs) == (Kind.FAILED, RunStatus.FAILED, 3)
+    assert (type(claim), run.status, run.cutoffs) == (runs.Failed, RunStatus.FAILED, 3)
     assert run.error.startswith("cut off by shutdown 3 times")
 
 

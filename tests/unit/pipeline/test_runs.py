@@ -9,6 +9,7 @@ import time
 import pytest
 from sqlalchemy import select, update
 
+from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
@@ -132,7 +133,7 @@ def test_an_unfinished_attempt_is_written_by_the_claim_that_finds_it(res) -> Non
     assert run_of(res, email_id).error_class == "HardTimeLimit"
     start_attempt(res, email_id)  # attempt 2, then its worker's shutdown cut it off
     with res.db.transaction() as session:
-        runs.claim_attempt(session, email_id, 4, cut_off_at=time.time)
+        runs.claim_attempt(session, email_id, 4, shutdown_cut_off_at=time.time())
     assert run_of(res, email_id).error_class == "ShutdownCutoffs"
     started = run_of(res, email_id).attempt_started_at  # attempt 2 again, its process died
     assert job.process_email(res, email_id).kind is Kind.RETRY  # the death waits its backoff
@@ -164,8 +165,10 @@ def test_an_unfinished_attempt_that_fails_the_run_is_written_as_failed(res) -> N
 
     start_attempt(res, cut)
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(session, cut, 4, cut_off_at=time.time, max_shutdown_cutoffs=1)
-    assert claim.kind is Kind.FAILED  # type: ignore[union-attr]
+        claim = runs.claim_attempt(
+            session, cut, 4, shutdown_cut_off_at=time.time(), max_shutdown_cutoffs=1
+        )
+    assert isinstance(claim, runs.Failed)
     assert history(res, cut) == [("cpu", 1, "failed", "ShutdownCutoffs")]
     assert run_of(res, cut).error_class == "ShutdownCutoffs"
 
@@ -188,3 +191,28 @@ def test_runs_failed_from_outside_a_claim_name_their_bound_and_write_no_attempt(
         assert runs.reopen(session, deferred)
     run = run_of(res, deferred)
     assert (run.status, run.error, run.error_class) == (RunStatus.OPEN, None, None)
+
+
+def test_a_claim_that_counts_no_attempt_says_why_and_writes_nothing_of_the_job_s(res) -> None:  # type: ignore[no-untyped-def]
+    emails = [INVOICE, PLAIN, b"Subject: a\n\nb\n", b"Subject: c\n\nd\n"]
+    closed, converted, fresh, died = store_emails(res, emails)
+    model_calls(res, False)
+    assert job.process_email(res, closed).kind is Kind.WAITING
+    model_calls(res, True)
+    assert job.classify_email(res, closed).kind is Kind.SUCCEEDED
+    model_calls(res, False)
+    assert job.process_email(res, converted).kind is Kind.WAITING
+    start_attempt(res, died)
+
+    def claim(email_id: int, stage: Stage = Stage.CPU) -> object:
+        with res.db.transaction() as session:
+            return runs.claim_attempt(session, email_id, 4, stage=stage)
+
+    assert claim(10**9) == runs.Refused(runs.Refusal.NO_EMAIL)
+    assert claim(closed) == runs.Refused(runs.Refusal.CLOSED)
+    assert claim(converted) == runs.Refused(runs.Refusal.CONVERTED)
+    assert claim(fresh, Stage.MODEL) == runs.Refused(runs.Refusal.NOT_CONVERTED)
+    lost = "attempt 1 ended without a result: its worker process died or was killed, or stopped "
+    assert claim(died) == runs.Refused(runs.Refusal.UNFINISHED, 1, lost + "renewing its lease")
+    assert [run_of(res, i).attempts for i in (converted, died)] == [0, 1]
+    assert isinstance(claim(died), runs.Claim)  # the lost attempt ended, the next one counts
