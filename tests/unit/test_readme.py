@@ -1,5 +1,5 @@
 """The README says what is: its roles table is the Procfile, its settings table names every
-setting with its default."""
+setting with its default, its layout names every module where it is."""
 
 from __future__ import annotations
 
@@ -97,3 +97,26 @@ def test_the_settings_table_gives_each_default(variable: str, written: str, defa
 
 def test_most_defaults_are_checked() -> None:
     assert len(written_defaults()) >= 40
+
+
+def layout() -> dict[str, set[str]]:
+    """Each folder the layout names, and the modules it names in it (`celeryconfig.py` is named
+    beside `config.py`, which it re-exports)."""
+    top = {"celeryconfig.py"}
+    folders: dict[str, set[str]] = {}
+    for bullet in section("Layout").split("\n- ")[1:]:
+        folder = re.match(r"`(mailpipe/[\w/]*)`:", bullet)
+        if folder:
+            folders[folder.group(1)] = set(re.findall(r"`(\w+\.py)`", bullet)) - top
+    return folders
+
+
+def test_the_layout_names_every_module_in_its_folder() -> None:
+    named = layout()
+    package = REPO / "mailpipe"
+    folders = {p.parent for p in package.rglob("*.py") if "migrations" not in p.parts}
+    on_disk = {
+        f"{folder.relative_to(REPO)}/": {p.name for p in folder.glob("*.py")} - {"__init__.py"}
+        for folder in folders
+    }
+    assert named == on_disk
