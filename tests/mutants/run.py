@@ -38,6 +38,13 @@ JOB = "tests/unit/pipeline/test_job.py"
 LEASES = "tests/unit/coordination/test_leases.py"
 ENQUEUE = "tests/unit/coordination/test_enqueue.py"
 SWEEPER = "tests/integration/test_sweeper.py"
+LANE_ORDER = "tests/unit/broker/test_lane_order.py"
+RATE_LANES = "tests/unit/coordination/test_ratelimit_lanes.py"
+PAUSES = "tests/unit/coordination/test_pauses.py"
+ACTIONS = "tests/unit/operations/test_actions.py"
+STATUS = "tests/unit/operations/test_status.py"
+METRICS = "tests/unit/operations/test_metrics.py"
+LANES = "tests/integration/test_lanes.py"
 
 # The tests that cover the modules under mutation.
 TESTS = [
@@ -47,6 +54,9 @@ TESTS = [
     "tests/integration/test_idempotency.py",
     "tests/integration/test_recovery.py",
     "tests/integration/test_crashes.py",
+    "tests/unit/broker",
+    "tests/unit/operations",
+    LANES,
 ]
 
 
@@ -66,8 +76,8 @@ MUTANTS = [
     Mutant(
         "claim-runs-closed",
         "mailpipe/pipeline/runs.py",
-        "    if run.status is not RunStatus.OPEN:\n        return Outcome(Kind.CLOSED",
-        "    if False:\n        return Outcome(Kind.CLOSED",
+        "    if run.status is not RunStatus.OPEN:\n        return Refused(Refusal.CLOSED)",
+        "    if False:\n        return Refused(Refusal.CLOSED)",
         "a closed run is run again",
         (f"{JOB}::test_model_calls_off_leaves_the_run_open_after_the_documents",),
     ),
@@ -315,6 +325,130 @@ MUTANTS = [
         "            view.take()",
         "a job that ended during the broker read is taken for lost",
         (f"{SWEEPER}::test_a_job_that_ends_while_the_broker_is_read_is_not_taken_for_lost",),
+    ),
+    Mutant(
+        "lanes-bulk-always-first",
+        "mailpipe/broker/lanes.py",
+        "(bulk + live if self.credit >= 1 else live + bulk)",
+        "(bulk + live if self.credit >= 0 else live + bulk)",
+        "a backfill goes before live mail",
+        (f"{LANE_ORDER}::test_control_goes_first_then_live_until_bulk_has_earned_a_job",),
+    ),
+    Mutant(
+        "lanes-sweep-behind-jobs",
+        "mailpipe/broker/lanes.py",
+        "        return control + (bulk + live if self.credit >= 1 else live + bulk)",
+        "        return (bulk + live if self.credit >= 1 else live + bulk) + control",
+        "a sweep waits behind a backlog of jobs",
+        (f"{LANE_ORDER}::test_a_sweep_never_waits_behind_a_backlog_and_earns_bulk_nothing",),
+    ),
+    Mutant(
+        "lanes-bulk-banks-while-live-runs-alone",
+        "mailpipe/broker/lanes.py",
+        "        elif self.credit < 1:\n",
+        "        else:\n",
+        "bulk banks turns while it has no work, then holds live mail back for all of them",
+        (f"{LANE_ORDER}::test_live_alone_leaves_bulk_one_turn_not_a_backlog_of_them",),
+    ),
+    Mutant(
+        "lanes-bulk-runs-into-debt",
+        "mailpipe/broker/lanes.py",
+        "self.credit = max(self.credit + self.share - 1, Fraction(0))",
+        "self.credit = self.credit + self.share - 1",
+        "bulk run alone owes turns, and is starved once live mail comes",
+        (f"{LANE_ORDER}::test_bulk_gets_everything_once_live_is_empty_and_banks_nothing",),
+    ),
+    Mutant(
+        "rate-credit-banks",
+        "mailpipe/coordination/ratelimit.py",
+        "credit = math.min(1, credit + bulk_share)",
+        "credit = credit + bulk_share",
+        "bulk banks model calls while it runs alone, then takes them ahead of live calls",
+        (f"{RATE_LANES}::test_bulk_banks_at_most_one_turn_of_credit_while_it_runs_alone",),
+    ),
+    Mutant(
+        "rate-bulk-never-held",
+        "mailpipe/coordination/ratelimit.py",
+        "local held_for_live = bulk_on_credit and credit + bulk_share < 1 - 1e-9",
+        "local held_for_live = false",
+        "bulk model calls take the rate while live calls wait",
+        (
+            f"{RATE_LANES}::test_while_live_calls_wait_bulk_gets_its_share_of_the_rate_and_the_rate_holds",
+        ),
+    ),
+    Mutant(
+        "pause-probe-ends-any",
+        "mailpipe/coordination/pauses.py",
+        "if redis.call('hget', KEYS[1], 'token') ~= ARGV[1] then return 0 end",
+        "if false then return 0 end",
+        "a probe's passing check ends an operator's pause set while it ran",
+        (f"{PAUSES}::test_a_probe_ends_only_the_pause_it_checked",),
+    ),
+    Mutant(
+        "pause-operator-cannot-take-over",
+        "mailpipe/coordination/pauses.py",
+        "if redis.call('hget', KEYS[1], 'by') ~= 'operator' then",
+        "if redis.call('exists', KEYS[1]) == 0 then",
+        "an operator's pause of a stage paused by an outage ends with the outage",
+        (f"{PAUSES}::test_an_operator_takes_over_an_outages_pause_with_their_reason",),
+    ),
+    Mutant(
+        "pause-forgets-outage-start",
+        "mailpipe/coordination/pauses.py",
+        "local since = redis.call('get', KEYS[2]) or tostring(now)",
+        "local since = tostring(now)",
+        "an outage that flaps never reaches its alarm",
+        (f"{PAUSES}::test_a_pause_soon_after_the_last_counts_from_the_outages_start",),
+    ),
+    Mutant(
+        "pause-one-fault-more",
+        "mailpipe/coordination/pauses.py",
+        "redis.call('zcard', KEYS[3]) >= tonumber(ARGV[3])",
+        "redis.call('zcard', KEYS[3]) > tonumber(ARGV[3])",
+        "a stage pauses one email later than MAILPIPE_PAUSE_AFTER_EMAILS says",
+        (f"{PAUSES}::test_pauses_below_the_threshold_wait_and_name_their_dependency",),
+    ),
+    Mutant(
+        "dismiss-keeps-review",
+        "mailpipe/pipeline/runs.py",
+        "    if dismissed:\n        emails.clear_review(session, dismissed)",
+        "    if False:\n        emails.clear_review(session, dismissed)",
+        "a dismissed email stays on the review list",
+        (f"{ACTIONS}::test_dismiss_keeps_the_run_failed_and_takes_it_off_both_lists",),
+    ),
+    Mutant(
+        "retry-in-the-live-lane",
+        "mailpipe/operations/actions.py",
+        "        lanes.update(emails.lanes(session, reopened))",
+        "        lanes.update(dict.fromkeys(reopened, Lane.LIVE.value))",
+        "an operator's retry of a bulk email jumps the live queue",
+        (
+            f"{LANES}::test_each_email_s_jobs_stay_in_its_lane_through_recovery_retry_move_and_hand_off",
+        ),
+    ),
+    Mutant(
+        "api-running-job-queued",
+        "mailpipe/operations/status.py",
+        '    elif run is not None and run.attempt_started_at is not None:\n        state = "running"',
+        '    elif False:\n        state = "running"',
+        "the job API answers queued for a job that is running",
+        (f"{STATUS}::test_job_state_for_every_state",),
+    ),
+    Mutant(
+        "failed-list-lane-live",
+        "mailpipe/operations/status.py",
+        '            "lane": row.lane,',
+        '            "lane": "live",',
+        "the failed list shows every email in the live lane",
+        (f"{STATUS}::test_the_failed_list_is_the_latest_first_without_dismissed_runs",),
+    ),
+    Mutant(
+        "metrics-one-lane",
+        "mailpipe/operations/metrics.py",
+        '    lane = [*queue, {"Name": "Lane", "Value": metrics.lane.value}]',
+        '    lane = [*queue, {"Name": "Lane", "Value": Lane.LIVE.value}]',
+        "the bulk lane's figures are sent as the live lane's, and scaling reads the wrong backlog",
+        (f"{METRICS}::test_each_lane_s_figures_name_the_stage_s_queue_and_the_lane",),
     ),
 ]
 

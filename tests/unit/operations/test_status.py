@@ -40,6 +40,8 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
     new = add_failed(res, 3, "InputRejected", model_stage=True)
     add_failed(res, 2, dismissed=True)
     add_run(res, add_emails(res, 1)[0], RunStatus.SUCCEEDED)
+    with res.db.transaction() as session:
+        emails.move(session, [old], Lane.BULK)
     with res.db.session() as session:
         page = failed_page(session, FailedFilter())
     assert (page.page, page.pages, page.total) == (1, 1, 2)
@@ -62,7 +64,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error_class": "BlobMissing",
             "error": "BlobMissing: failed",
             "needs_review": True,
-            "lane": "live",
+            "lane": "bulk",
         },
     ]
 
