@@ -3,8 +3,8 @@ whether the tests catch each of them.
 
     .venv/bin/python -m tests.mutants.run [--only NAME ...] [--named-tests] [--json FILE]
 
-Each mutant below is a one-line change a real bug could make in `pipeline/runs.py`,
-`coordination/leases.py`, `coordination/markers.py`, `enqueue.py` or `operations/sweeper.py`.
+Each mutant below is a one-line change a real bug could make in the code that keeps every email
+processed once, in its lane and in its turn (docs/mutants.md lists the modules).
 For each, the checkout (the package and the tests) is copied into a temporary folder, the change
 is made there, and the tests that cover those modules run against the copy (real PostgreSQL,
 Redis and worker processes, as always). A mutant is killed only when a test ran and failed on an
