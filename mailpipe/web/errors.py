@@ -1,0 +1,42 @@
+"""How a refusal or an error is answered: the pages with a line of text, which the browser shows as
+it is, the API with JSON. `app.create_app` gives each Mount the one it answers in."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+from starlette.authentication import AuthenticationError
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+Answer = Callable[[int, str, Mapping[str, str] | None], Response]
+
+CHALLENGE = {"WWW-Authenticate": 'Basic realm="mailpipe", charset="UTF-8"'}
+
+
+def as_text(status: int, detail: str, headers: Mapping[str, str] | None) -> Response:
+    return PlainTextResponse(f"{status}: {detail}\n", status, headers=headers)
+
+
+def as_json(status: int, detail: str, headers: Mapping[str, str] | None) -> Response:
+    return JSONResponse({"error": detail}, status, headers=headers)
+
+
+def unauthorized(answer: Answer) -> Callable[[HTTPConnection, AuthenticationError], Response]:
+    """AuthenticationMiddleware's `on_error`: a 401 with the basic-auth challenge."""
+
+    def refuse(conn: HTTPConnection, exc: AuthenticationError) -> Response:
+        return answer(401, str(exc), CHALLENGE)
+
+    return refuse
+
+
+def http_error(answer: Answer) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """The handler of the HTTPExceptions a route raises (Starlette's 404 and 405 among them)."""
+
+    async def handle(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return answer(exc.status_code, exc.detail, exc.headers)
+
+    return handle

@@ -1,0 +1,230 @@
+"""The console's actions, each a form an operator posts: checked (an operator's, with the form's
+CSRF token, fields read), done through `mailpipe.operations.actions` as the CLI does it, logged
+with its user, and answered by a redirect to the page it came from, which shows its counts.
+
+An action is an async endpoint only for reading its form; its work runs on the thread pool, where
+it may block on the database and Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from mailpipe.broker.queues import Lane, Stage
+from mailpipe.coordination import pauses
+from mailpipe.enqueue import sender
+from mailpipe.operations import actions
+from mailpipe.operations.status import FailedFilter, review_page
+from mailpipe.resources import Resources
+from mailpipe.web import params
+from mailpipe.web.auth import ACT, csrf_valid
+
+log = logging.getLogger("mailpipe.web")
+
+# How many email ids an action's log line names; the count is always there.
+LOGGED_IDS = 200
+# What an action's result says, by the name it comes back under; anything else shows nothing.
+ACTIONS = {
+    "retry": "retried",
+    "dismiss": "dismissed",
+    "clear": "review mark cleared",
+}
+_VERBS = ("retry-selected", "retry-matching", "dismiss-selected", "dismiss-matching")
+_COUNTS = ("done", "enqueued", "refused")
+
+
+async def switch_model_calls(request: Request) -> Response:
+    form = await _action_form(request)
+    on = _choice(form, "state", ("on", "off")) == "on"
+    await run_in_threadpool(_switch_model_calls, request.app.state.resources, on)
+    _log_action(request, f"model calls {'on' if on else 'off'}", [])
+    return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
+
+
+async def pause_or_resume(request: Request) -> Response:
+    form = await _action_form(request)
+    stage = Stage(_choice(form, "stage", tuple(Stage)))
+    redis = request.app.state.resources.redis
+    if _choice(form, "do", ("pause", "resume")) == "pause":
+        reason = str(form.get("reason") or "").strip() or "paused by an operator"
+        await run_in_threadpool(pauses.pause, redis, stage, reason[:200])
+        _log_action(request, f"pause {stage.value}", [])
+    else:
+        await run_in_threadpool(pauses.resume, redis, stage)
+        _log_action(request, f"resume {stage.value}", [])
+    return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
+
+
+async def act_on_failed(request: Request) -> Response:
+    form = await _action_form(request)
+    verb, scope = _choice(form, "do", _VERBS).split("-")
+    fields = params.filter_fields(form)
+    filt, problems = params.failed_filter(form)
+    if problems:
+        raise HTTPException(400, "; ".join(problems))
+    res, user = request.app.state.resources, request.user.username
+    if scope == "matching":
+        done = await run_in_threadpool(_act, res, verb, user, None, filt)
+    else:
+        done = await run_in_threadpool(_act, res, verb, user, _selected(form))
+    _log_action(request, f"{verb} {scope} in the failed list", done.done, fields)
+    return _back(request, "failed", fields, verb, done)
+
+
+async def act_on_review(request: Request) -> Response:
+    form = await _action_form(request)
+    verb, scope = _choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split("-")
+    res = request.app.state.resources
+    if scope == "matching":
+        email_ids = await run_in_threadpool(_all_marked_for_review, res)
+    else:
+        email_ids = _selected(form)
+    done = await run_in_threadpool(_act, res, verb, request.user.username, email_ids)
+    _log_action(request, f"{verb} {scope} in the review list", done.done)
+    return _back(request, "review", {}, verb, done)
+
+
+async def move_to_lane(request: Request) -> Response:
+    """As `mailpipe lane`: the email's next job goes in the lane chosen."""
+    email_id = params.email_id(request)
+    form = await _action_form(request)
+    lane = Lane(_choice(form, "lane", tuple(Lane)))
+    done = await run_in_threadpool(
+        actions.move,
+        request.app.state.resources,
+        [email_id],
+        lane,
+        user=f"web:{request.user.username}",
+    )
+    if not done.done:
+        raise HTTPException(404, f"no email with id {email_id}")
+    _log_action(request, f"move to {lane.value}", done.done)
+    return RedirectResponse(request.app.url_path_for("email", email_id=email_id), status_code=303)
+
+
+def notice(query: Mapping[str, str]) -> str | None:
+    """An action's result, as the redirect after it carries it: counts, never text."""
+    verb = ACTIONS.get(query.get("action", ""))
+    if verb is None:
+        return None
+    try:
+        done, enqueued, refused = (int(query.get(key, "0")) for key in _COUNTS)
+    except ValueError:
+        return None
+    parts = [f"{done} {verb}"]
+    if query.get("action") == "retry":
+        parts.append(f"{enqueued} jobs sent")
+    if refused:
+        parts.append(f"{refused} refused (not in a state for it)")
+    return ", ".join(parts)
+
+
+async def _action_form(request: Request) -> FormData:
+    """The action's form, once its user is known to be an operator and its token right."""
+    if ACT not in request.auth.scopes:
+        raise HTTPException(403, "viewers read; only an operator can act")
+    form = await request.form()
+    token = form.get("csrf_token")
+    secret = request.app.state.secret
+    if not isinstance(token, str) or not csrf_valid(secret, request.user.username, token):
+        raise HTTPException(403, "the form's token is missing or wrong: reload the page")
+    return form
+
+
+def _choice(form: FormData, name: str, allowed: Sequence[str]) -> str:
+    value = form.get(name)
+    if value not in allowed:
+        raise HTTPException(400, f"{name} is one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _selected(form: FormData) -> list[int]:
+    try:
+        return [int(str(value)) for value in form.getlist("email_id")]
+    except ValueError:
+        raise HTTPException(400, "an email id is a whole number") from None
+
+
+def _switch_model_calls(res: Resources, on: bool) -> None:
+    """As `mailpipe model-calls on|off`: the flag, then a sweep so that waiting runs go on now."""
+    from mailpipe.storage import flags
+
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, on)
+    if on:
+        # Imported here: the task module loads the pipeline's parsers and classifiers, which
+        # the console has no other use for (tests/unit/test_layers.py).
+        from mailpipe.app.tasks import sweep
+
+        sweep.apply_async()
+
+
+def _act(
+    res: Resources,
+    verb: str,
+    user: str,
+    email_ids: list[int] | None,
+    filt: FailedFilter | None = None,
+) -> actions.Done:
+    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None;
+    done by `user` as the operations' log names them."""
+    if email_ids is not None and not email_ids:
+        return actions.Done([])  # nothing selected: never "every failed run"
+    who = f"web:{user}"
+    if verb == "retry":
+        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who)
+    if verb == "dismiss":
+        return actions.dismiss(res, email_ids, filt, user=who)
+    assert email_ids is not None
+    return actions.clear_review(res, email_ids, user=who)
+
+
+def _all_marked_for_review(res: Resources) -> list[int]:
+    email_ids: list[int] = []
+    page = 1
+    with res.db.session() as session:
+        while True:
+            listed = review_page(session, page, 500)
+            email_ids += [row["email_id"] for row in listed.rows]
+            if page >= listed.pages:
+                return email_ids
+            page += 1
+
+
+def _back(
+    request: Request, page: str, fields: Mapping[str, str], verb: str, done: actions.Done
+) -> Response:
+    """To the page named `page`, its filters kept, with the counts its notice shows."""
+    counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
+    path = request.app.url_path_for(page)
+    return RedirectResponse(
+        f"{path}?{params.query(fields, action=verb, **counts)}", status_code=303
+    )
+
+
+def _log_action(
+    request: Request,
+    action: str,
+    email_ids: Sequence[int],
+    filters: Mapping[str, str] | None = None,
+) -> None:
+    named = list(email_ids[:LOGGED_IDS])
+    more = f" and {len(email_ids) - LOGGED_IDS} more" if len(email_ids) > LOGGED_IDS else ""
+    shown = {key: value for key, value in (filters or {}).items() if value}
+    log.info(
+        "%s: %s, %d emails %s%s%s",
+        request.user.username,
+        action,
+        len(email_ids),
+        named,
+        more,
+        f" (filters {shown})" if shown else "",
+        extra={"user": request.user.username, "action": action, "email_ids": named},
+    )
