@@ -212,16 +212,20 @@ def _claim(
     """Claim an attempt in a transaction of its own: its `Claim`, or what a claim that counted
     none means for the job."""
     settings = res.settings
-    # Read before the claim, which needs it only when the last attempt ended without a result.
-    shutdown_cut_off_at = shutdowns.cut_off_at(res.redis, email_id)
     with res.db.transaction() as session:
+        if cut_off is None:
+            ready = runs.claim_if_ready(session, email_id, settings.max_attempts, stage)
+            if ready is not None:
+                return ready
+        # Any other state of the run: locked and looked at, with the shutdown mark that tells a
+        # last attempt cut off by its worker's shutdown from one whose process died.
         claim = runs.claim_attempt(
             session,
             email_id,
             settings.max_attempts,
             stage=stage,
             cut_off=cut_off,
-            shutdown_cut_off_at=shutdown_cut_off_at,
+            shutdown_cut_off_at=shutdowns.cut_off_at(res.redis, email_id),
             max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
         )
         if isinstance(claim, runs.Refused) and claim.reason is runs.Refusal.CONVERTED:

@@ -1,9 +1,10 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
 This module records and answers facts; what they mean for the job is decided in
-mailpipe.pipeline.job. A delivery claims an attempt (`claim_attempt`), which answers with the
-`Claim` to run the steps under, or with why none was counted (`Refused`, or `Failed` when the
-claim failed the run). Each transaction of the steps then writes through this module once, with
+mailpipe.pipeline.job. A delivery claims an attempt: in the usual case, a run that is new or
+ready for the stage, in one statement (`claim_if_ready`); in any other, by locking the run and
+looking at it (`claim_attempt`), which answers with the `Claim` to run the steps under, or with
+why none was counted (`Refused`, or `Failed` when the claim failed the run). Each transaction of the steps then writes through this module once, with
 one act: `mark_parsed`, `mark_converted`, `mark_classified` or `close` (the one way a delivery
 closes its run), `lock_current` before it reads, or after an error `give_back` or
 `record_failed_attempt`. `fail` fails a run from outside any claim.
@@ -121,8 +122,9 @@ def claim_attempt(
     shutdown_cut_off_at: float | None = None,
     max_shutdown_cutoffs: int = 10,
 ) -> Claim | Refused | Failed:
-    """Count one attempt of `stage` and return its `Claim`; or say why no attempt was counted
-    (`Refused`); or fail the run, when its attempts or shutdown windows are used up (`Failed`).
+    """Lock the run, count one attempt of `stage` and return its `Claim`; or say why no attempt
+    was counted (`Refused`); or fail the run, when its attempts or shutdown windows are used up
+    (`Failed`). A run that is ready is counted as `claim_if_ready` counts it.
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after `max_attempts`.
@@ -130,15 +132,7 @@ def claim_attempt(
     `shutdown_cut_off_at`: when the email's job was last cut off at the end of its worker's
     shutdown window (unix time); a last attempt that ended without a result and started before
     that is given back.
-
-    The usual case, a run that is new or open and ready for this stage, is counted in one
-    statement (`_count_if_ready`), which also reads where the email is stored; every other case
-    locks the run and decides below.
     """
-    if cut_off is None:
-        counted = _count_if_ready(session, email_id, max_attempts, stage)
-        if counted is not None:
-            return counted
     blob_key = session.execute(_BLOB_KEY, {"run_email_id": email_id}).scalar()
     if blob_key is None:
         return Refused(Refusal.NO_EMAIL)
@@ -239,13 +233,14 @@ def _cut_off_after(marked_at: float | None, started: datetime) -> bool:
     return marked_at >= started_at.timestamp()
 
 
-def _count_if_ready(
-    session: Session, email_id: int, max_attempts: int, stage: Stage
+def claim_if_ready(
+    session: Session, email_id: int, max_attempts: int, stage: Stage = Stage.CPU
 ) -> Claim | None:
     """Count an attempt of a run that is open, has no attempt running, has attempts left and is
-    at `stage`, in one statement; None when the run is in any other state (or missing, for the
-    model stage; or when there is no such email). For the CPU stage a missing run is created with
-    its first attempt counted, and the statement returns the email's blob key with the run."""
+    at `stage`, in one statement, and return its `Claim`; None when the run is in any other
+    state (or missing, for the model stage; or when there is no such email): `claim_attempt`
+    then looks at it. For the CPU stage a missing run is created with its first attempt counted,
+    and the statement returns the email's blob key with the run."""
     given = {"run_email_id": email_id, "max_attempts": max_attempts, "now": utcnow()}
     if stage is Stage.CPU:
         statement = _count_or_create(session.get_bind().dialect.name)
