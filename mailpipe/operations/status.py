@@ -4,6 +4,7 @@ JSON-ready data. Every list is a page: a page number, how many pages, and the to
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -12,13 +13,14 @@ from sqlalchemy import ColumnElement, Select, func, not_, select, text
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
-from mailpipe.coordination import markers, pauses
+from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.errors import mask_aws
 from mailpipe.operations.metrics import read_backlog
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
+    AttemptOutcome,
     Classification,
     Document,
     EmailLabel,
@@ -375,16 +377,7 @@ def history(session: Session, email_id: int) -> list[dict[str, Any]]:
 
 def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any] | None:
     """The job status API (`GET /api/jobs/<email_id>`); None when there is no such email.
-
-    `state`, from the run row and the email's enqueue marker in Redis:
-    - a closed run: its status (succeeded, duplicate, failed; a dismissed run is failed);
-    - an open run with an attempt started and not ended: running (also for an attempt whose
-      process died, until the next claim of the run finds it so);
-    - an open run with an error and no attempt running: retrying (a failed attempt waits for its
-      next, or a reopened run for its first);
-    - any other open run, or no run yet but a marker set: queued;
-    - no run and no marker: not_enqueued.
-    """
+    `state` and `waiting_for` are `_where_the_job_is`'s."""
     email = session.execute(
         select(EmailMessage.needs_review, EmailMessage.created_at, EmailMessage.lane).where(
             EmailMessage.id == email_id
@@ -394,9 +387,12 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
         return None
     run = session.execute(
         select(
+            PipelineRun.id,
             PipelineRun.status,
             PipelineRun.attempts,
             PipelineRun.attempt_started_at,
+            PipelineRun.converted_at,
+            PipelineRun.dismissed_at,
             PipelineRun.error_class,
             PipelineRun.error,
             PipelineRun.updated_at,
@@ -405,19 +401,11 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
     labels = session.scalars(
         select(EmailLabel.label).where(EmailLabel.email_id == email_id).order_by(EmailLabel.label)
     ).all()
-    if run is not None and run.status is not RunStatus.OPEN:
-        state = run.status.value
-    elif run is not None and run.attempt_started_at is not None:
-        state = "running"
-    elif run is not None and run.error is not None:
-        state = "retrying"
-    elif run is not None or markers.read(res.redis, [email_id])[0] is not None:
-        state = "queued"
-    else:
-        state = "not_enqueued"
+    state, waiting_for = _where_the_job_is(res, session, email_id, Lane(email.lane), run)
     return {
         "email_id": email_id,
         "state": state,
+        "waiting_for": waiting_for,
         "lane": email.lane,
         "attempts": 0 if run is None else run.attempts,
         "error_class": None if run is None else run.error_class,
@@ -427,6 +415,64 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
         "updated_at": _iso(email.created_at if run is None else run.updated_at),
         "history": history(session, email_id),
     }
+
+
+# The deferrals that wait for a shared limit (the fleet's rate limit, the provider's quota).
+_RATE_LIMITED = ("RateLimited", "Throttled")
+
+
+def _where_the_job_is(
+    res: Resources, session: Session, email_id: int, lane: Lane, run: Any
+) -> tuple[str, str | None]:
+    """The job's state, and for `waiting` what it waits for, from the run row and Redis:
+
+    - a closed run: its status (succeeded, duplicate, failed), or dismissed;
+    - a delivery holds the email's lease: running;
+    - its stage is paused: waiting for `paused_stage`;
+    - a deferred delivery is due later: waiting for `rate_limit` when its last attempt was
+      deferred by a rate limit or the provider's throttling, else for `deferral`;
+    - converted, with model calls off: waiting for `model_calls`;
+    - an error and no attempt running: retrying (a failed attempt waits for its next);
+    - the enqueue marker is set: queued (in a queue, or delivered and not yet taken);
+    - otherwise lost: open, in no queue and not running, until a sweep re-adds it.
+    An email with no run and no marker is not_enqueued; with a marker, its job is read as
+    above.
+    """
+    if run is not None and run.status is not RunStatus.OPEN:
+        failed = run.status is RunStatus.FAILED
+        return ("dismissed" if failed and run.dismissed_at else run.status.value), None
+    stage = Stage.CPU if run is None or run.converted_at is None else Stage.MODEL
+    pipe = res.redis.pipeline(transaction=False)
+    pipe.exists(redis_keys.lease(email_id))
+    pipe.get(redis_keys.job_marker(email_id))
+    pipe.zscore(redis_keys.deferred(stage_queue(stage, res.settings, lane)), str(email_id))
+    leased, marker, due = pipe.execute()
+    if run is None and marker is None:
+        return "not_enqueued", None
+    if leased:
+        return "running", None
+    if stage in pauses.paused(res.redis):
+        return "waiting", "paused_stage"
+    if due is not None and due > time.time():
+        limited = run is not None and _last_deferred_by_a_limit(session, run.id)
+        return "waiting", "rate_limit" if limited else "deferral"
+    if run is not None and stage is Stage.MODEL and not flags.model_calls_enabled(session):
+        return "waiting", "model_calls"
+    if run is not None and run.error is not None and run.attempt_started_at is None:
+        return "retrying", None
+    return ("queued" if marker is not None else "lost"), None
+
+
+def _last_deferred_by_a_limit(session: Session, run_id: int) -> bool:
+    last = session.execute(
+        select(RunAttempt.outcome, RunAttempt.error_class)
+        .where(RunAttempt.run_id == run_id)
+        .order_by(RunAttempt.id.desc())
+        .limit(1)
+    ).one_or_none()
+    if last is None or last.outcome != AttemptOutcome.DEFERRED:
+        return False
+    return last.error_class in _RATE_LIMITED
 
 
 def _sweep_dict(report: SweepReport | None) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from sqlalchemy import select
 
-from mailpipe.cli.demo.fleet import CeleryProcess, control_app
+from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
 from mailpipe.storage.models import PipelineRun
 from tests.support.bedrock_server import (
@@ -68,13 +68,6 @@ def paused(env: dict[str, str]) -> dict[str, Any]:
 def runs(res, email_ids: list[int]) -> list[PipelineRun]:  # type: ignore[no-untyped-def]
     with res.db.session() as session:
         return list(session.scalars(select(PipelineRun).where(PipelineRun.email_id.in_(email_ids))))
-
-
-def consumed_queues(f: Fleet, nodename: str) -> set[str]:
-    """The queues the worker consumes now, as Celery's `active_queues` command answers."""
-    with control_app(f.env) as control:
-        replies = control.control.inspect(destination=[nodename], timeout=2.0).active_queues()
-    return {queue["name"] for queue in (replies or {}).get(nodename, [])}
 
 
 def assert_jobs_wait_in_the_broker(
@@ -185,11 +178,11 @@ def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> Non
     worker = f.worker("cpu")
     queue = res.settings.queue
     lanes = {queue, f"{queue}.bulk"}
-    assert lanes <= consumed_queues(f, worker.nodename)
+    assert lanes <= f.consumed_queues(worker.nodename)
 
     mailpipe(f.env, "pause", "cpu")
     wait_for(
-        lambda: not lanes & consumed_queues(f, worker.nodename),
+        lambda: not lanes & f.consumed_queues(worker.nodename),
         30,
         "the worker to stop consuming both lanes of the cpu stage",
     )
@@ -206,7 +199,7 @@ def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> Non
     assert set(statuses.values()) == {"succeeded"}
     assert {run.attempts for run in runs(res, ids)} == {1}
     assert paused(f.env) == {}
-    assert lanes <= consumed_queues(f, worker.nodename)
+    assert lanes <= f.consumed_queues(worker.nodename)
 
 
 def lose_broker_connection(res, worker: CeleryProcess) -> int:  # type: ignore[no-untyped-def]
@@ -228,22 +221,22 @@ def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet
     queue = res.settings.queue
     others = {f"{queue}.control", f"{queue}.model", f"{queue}.model.bulk"}
     mailpipe(f.env, "pause", "cpu")
-    wait_for(lambda: consumed_queues(f, worker.nodename) == others, 30, "the pause applied")
+    wait_for(lambda: f.consumed_queues(worker.nodename) == others, 30, "the pause applied")
 
     assert lose_broker_connection(res, worker) > 0
     # Only a worker connected again answers; it still leaves the paused queue alone.
-    wait_for(lambda: consumed_queues(f, worker.nodename) == others, 60, "the worker back")
+    wait_for(lambda: f.consumed_queues(worker.nodename) == others, 60, "the worker back")
     ids = store_emails(res, invoices(EMAILS))
     f.enqueue(ids)
     assert_jobs_wait_in_the_broker(f, EMAILS)
     assert runs(res, ids) == []
 
     mailpipe(f.env, "resume", "cpu")
-    wait_for(lambda: queue in consumed_queues(f, worker.nodename), 30, "the resume applied")
+    wait_for(lambda: queue in f.consumed_queues(worker.nodename), 30, "the resume applied")
     assert lose_broker_connection(res, worker) > 0
     statuses = wait_until_closed(res, ids, timeout=120)
     assert set(statuses.values()) == {"succeeded"}
-    assert consumed_queues(f, worker.nodename) == {queue, f"{queue}.bulk", *others}
+    assert f.consumed_queues(worker.nodename) == {queue, f"{queue}.bulk", *others}
 
 
 def test_a_pause_past_its_alarm_bound_fails_nothing_and_alarms(res, fleet) -> None:  # type: ignore[no-untyped-def]

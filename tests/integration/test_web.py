@@ -291,7 +291,7 @@ def test_the_api_answers_in_json_and_the_pages_in_text(res, console) -> None:  #
 def test_the_api_answers_each_state_as_the_fleet_holds_it(res, fleet, console) -> None:  # type: ignore[no-untyped-def]
     # A retry of the transient fault waits up to a minute: long enough to be seen waiting.
     f: Fleet = fleet(MAILPIPE_RETRY_BACKOFF_MAX="60", MAILPIPE_VISIBILITY_TIMEOUT="120")
-    f.worker("web-api", "--concurrency", "1", "--prefetch-multiplier", "1")
+    worker = f.worker("web-api", "--concurrency", "1", "--prefetch-multiplier", "1")
     web = console(f.env)
 
     def job(email_id: int) -> dict[str, Any]:
@@ -302,7 +302,7 @@ def test_the_api_answers_each_state_as_the_fleet_holds_it(res, fleet, console) -
     def state_is(email_id: int, state: str) -> Callable[[], bool]:
         return lambda: job(email_id)["state"] == state
 
-    held, waiting, never, retried = store_emails(res, [email(t) for t in "hwnr"])
+    held, waiting, never, retried, paused, lost = store_emails(res, [email(t) for t in "hwnrpl"])
     missing = store_without_blob(res, email("missing"))
     copied = email("copied")
     first, second = store_emails(res, [copied, copied])
@@ -325,6 +325,19 @@ def test_the_api_answers_each_state_as_the_fleet_holds_it(res, fleet, console) -
     f.enqueue([second])
     assert wait_until_closed(res, [second]) == {second: "duplicate"}
     wait_for(state_is(retried, "retrying"), 60, "the transient fault's retry to be waiting")
+
+    # A job behind an operator's pause waits, and says so; a job whose run is open but whose
+    # message is gone (no marker, no lease) is lost until a sweep re-adds it.
+    f.cli("pause", "cpu")
+    queue = res.settings.queue
+    wait_for(lambda: queue not in f.consumed_queues(worker.nodename), 30, "the pause applied")
+    f.enqueue([paused])
+    assert job(paused)["state"] == "waiting" and job(paused)["waiting_for"] == "paused_stage"
+    f.cli("resume", "cpu")
+    assert wait_until_closed(res, [paused]) == {paused: "succeeded"}
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, [lost])
+    assert job(lost)["state"] == "lost"
 
     with res.db.session() as session:
         runs_by_email = {

@@ -429,8 +429,8 @@ MUTANTS = [
     Mutant(
         "api-running-job-queued",
         "mailpipe/operations/status.py",
-        '    elif run is not None and run.attempt_started_at is not None:\n        state = "running"',
-        '    elif False:\n        state = "running"',
+        '    if leased:\n        return "running", None',
+        '    if False:\n        return "running", None',
         "the job API answers queued for a job that is running",
         (f"{STATUS}::test_job_state_for_every_state",),
     ),

@@ -83,6 +83,24 @@ class Fleet:
         if names:
             self.res.redis.delete(*names)
 
+    def cli(self, *args: str) -> str:
+        """`mailpipe ARGS` as an operator runs it, on the fleet's broker and key prefix."""
+        done = subprocess.run(
+            [sys.executable, "-m", "mailpipe.cli.main", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return done.stdout
+
+    def consumed_queues(self, nodename: str) -> set[str]:
+        """The queues the worker consumes now, as Celery's `active_queues` command answers."""
+        with localfleet.control_app(self.env) as control:
+            replies = control.control.inspect(destination=[nodename], timeout=2.0).active_queues()
+        return {queue["name"] for queue in (replies or {}).get(nodename, [])}
+
     def unacked(self) -> int:
         """Messages delivered to the fleet's workers and not yet acknowledged."""
         return int(self.res.redis.hlen(f"{self.prefix}{Channel.unacked_key}"))

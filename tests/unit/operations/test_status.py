@@ -3,13 +3,14 @@ detail, the job state and the fleet's status."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import insert, update
+from sqlalchemy import insert, select, update
 
-from mailpipe.broker.queues import Lane, Stage
-from mailpipe.coordination import redis_keys
+from mailpipe.broker.queues import Lane, Stage, stage_queue
+from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.operations.status import (
@@ -24,6 +25,7 @@ from mailpipe.operations.status import (
 )
 from mailpipe.pipeline import emails
 from mailpipe.resources import Resources
+from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunAttempt, RunStatus, utcnow
 from tests.support.failed_runs import T0, add_emails, add_failed, add_run
 
@@ -169,32 +171,72 @@ def test_an_email_s_detail_carries_its_history_in_order_and_its_dismissal(res) -
     assert (detail["origin"], detail["duplicate_of"]) == (None, None)
 
 
-def state(res: Resources, email_id: int) -> str:
+def state(res: Resources, email_id: int) -> tuple[str, str | None]:
     with res.db.session() as session:
         found = job_state(res, session, email_id)
     assert found is not None
-    return str(found["state"])
+    return found["state"], found["waiting_for"]
 
 
 def test_job_state_for_every_state(res) -> None:  # type: ignore[no-untyped-def]
-    never, marked, fresh, running, retrying = add_emails(res, 5)
-    assert state(res, never) == "not_enqueued"
-    assert enqueue_emails([marked], res).sent == [marked]
-    assert state(res, marked) == "queued"  # no run yet, a job waiting
+    never, marked, fresh, running, retrying, lost = add_emails(res, 6)
+    assert state(res, never) == ("not_enqueued", None)
+    assert enqueue_emails([marked, fresh, retrying], res).sent == [marked, fresh, retrying]
+    assert state(res, marked) == ("queued", None)  # no run yet, a job waiting
     add_run(res, fresh, RunStatus.OPEN)
-    assert state(res, fresh) == "queued"
+    assert state(res, fresh) == ("queued", None)
     add_run(res, running, RunStatus.OPEN, attempts=1, attempt_started_at=utcnow())
-    assert state(res, running) == "running"
+    res.redis.set(redis_keys.lease(running), "host:1:holder", px=60_000)
+    assert state(res, running) == ("running", None)
     add_run(res, retrying, RunStatus.OPEN, attempts=1, error="OperationalError: e")
-    assert state(res, retrying) == "retrying"
+    assert state(res, retrying) == ("retrying", None)
+    add_run(res, lost, RunStatus.OPEN)  # open, no marker, no lease: in no queue
+    assert state(res, lost) == ("lost", None)
     for status in (RunStatus.SUCCEEDED, RunStatus.DUPLICATE, RunStatus.FAILED):
         [closed] = add_emails(res, 1)
         add_run(res, closed, status, closed_at=utcnow())
-        assert state(res, closed) == status.value
+        assert state(res, closed) == (status.value, None)
     dismissed = add_failed(res, 1, dismissed=True)
-    assert state(res, dismissed) == "failed"
+    assert state(res, dismissed) == ("dismissed", None)
     with res.db.session() as session:
         assert job_state(res, session, 424242) is None
+
+
+def test_a_waiting_job_says_what_it_waits_for(res) -> None:  # type: ignore[no-untyped-def]
+    paused, deferred, limited, switched_off = add_emails(res, 4)
+    enqueue_emails([paused, deferred, limited, switched_off], res)
+    for email_id in (paused, deferred, limited):
+        add_run(res, email_id, RunStatus.OPEN)
+    add_run(res, switched_off, RunStatus.OPEN, converted_at=utcnow())
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, False)
+    assert state(res, switched_off) == ("waiting", "model_calls")
+
+    later = time.time() + 60
+    queue = stage_queue(Stage.CPU, res.settings, Lane.LIVE)
+    res.redis.zadd(redis_keys.deferred(queue), {str(deferred): later, str(limited): later})
+    with res.db.transaction() as session:
+        run_id = session.scalars(
+            select(PipelineRun.id).where(PipelineRun.email_id == limited)
+        ).one()
+        session.execute(
+            insert(RunAttempt).values(
+                run_id=run_id,
+                email_id=limited,
+                stage="cpu",
+                attempt=1,
+                ended_at=utcnow(),
+                outcome="deferred",
+                error_class="RateLimited",
+            )
+        )
+    assert state(res, deferred) == ("waiting", "deferral")
+    assert state(res, limited) == ("waiting", "rate_limit")
+    assert state(res, paused) == ("queued", None)
+
+    pauses.pause(res.redis, Stage.CPU, "maintenance")
+    assert state(res, paused) == ("waiting", "paused_stage")
+    assert state(res, switched_off) == ("waiting", "model_calls")  # its stage is not paused
 
 
 def test_job_state_carries_the_run_s_figures_and_labels(res) -> None:  # type: ignore[no-untyped-def]
