@@ -69,11 +69,14 @@ class Page:
         return {"rows": self.rows, "page": self.page, "pages": self.pages, "total": self.total}
 
 
-def fleet_status(res: Resources) -> dict[str, Any]:
+def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
     """The JSON contract of `mailpipe status --json` (README), plus the last sweep, every queue
-    and the live workers."""
+    and the live workers. Every figure is counted, so that a script can wait on one; with
+    `estimates` (the console's overview), the totals that no operator acts on are PostgreSQL's
+    planner estimate past EXACT_UP_TO, named in `estimated`."""
+    total = _count_or_estimate if estimates else _counted
     with res.db.session() as session:
-        emails, emails_exact = _count_or_estimate(session, select(EmailMessage.id))
+        emails, emails_exact = total(session, select(EmailMessage.id))
         no_run = _count(session, select(EmailMessage.id).where(not_(EmailMessage.has_run)))
         runs: dict[str, int] = {}
         estimated = [] if emails_exact else ["emails"]
@@ -82,7 +85,7 @@ def fleet_status(res: Resources) -> dict[str, Any]:
             if status in _ACTED_ON:
                 runs[status.value] = _count(session, listed)
                 continue
-            runs[status.value], exact = _count_or_estimate(session, listed)
+            runs[status.value], exact = total(session, listed)
             if not exact:
                 estimated.append(f"runs.{status.value}")
         # The bare column, as the partial index over the marked emails is written.
@@ -146,6 +149,10 @@ EXACT_UP_TO = 10_000
 
 def _count(session: Session, query: Select) -> int:
     return session.scalar(select(func.count()).select_from(query.subquery())) or 0
+
+
+def _counted(session: Session, query: Select) -> tuple[int, bool]:
+    return _count(session, query), True
 
 
 def _count_or_estimate(session: Session, query: Select) -> tuple[int, bool]:

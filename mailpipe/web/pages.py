@@ -51,7 +51,9 @@ def _url_path_for(context: dict[str, Any], name: str, /, **path_params: Any) -> 
 
 
 def overview(request: Request) -> Response:
-    return _render(request, "overview.html", status=fleet_status(request.app.state.resources))
+    return _render(
+        request, "overview.html", status=fleet_status(request.app.state.resources, estimates=True)
+    )
 
 
 def failed(request: Request) -> Response:
