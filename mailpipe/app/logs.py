@@ -103,6 +103,18 @@ def use_json(logger: logging.Logger | None) -> None:
             handler.addFilter(JobContext())
 
 
+def to_stderr(logger: logging.Logger, log_format: str) -> None:
+    """Send `logger`'s INFO records and above to stderr, as JSON lines with `json`, else as
+    plain lines: for the processes Celery does not set up (the console, the CLI)."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(json_formatter())
+    else:
+        handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def json_say(msg: str, f: Any = sys.__stderr__) -> None:
     """Celery's `safe_say` (celery.apps.worker), writing a JSON line: still one `os.write` and no
     lock, since it runs in a signal handler."""

@@ -339,9 +339,15 @@ def _filter(
 
 
 def _user() -> str:
-    """Who acts, as the actions' log names them."""
+    """Who acts, as the actions' audit lines name them (`cli:` and the OS user); the lines go to
+    stderr, in the settings' log format, as the console's go to its log."""
     import getpass
+    import logging
 
+    from mailpipe.app.logs import to_stderr
+    from mailpipe.settings import get_settings
+
+    to_stderr(logging.getLogger("mailpipe.operations.actions"), get_settings().log_format)
     return f"cli:{getpass.getuser()}"
 
 
@@ -524,6 +530,8 @@ def review(page: int, limit: int, as_json: bool) -> None:
 @click.argument("state", type=click.Choice(["on", "off"]), required=False)
 def model_calls(state: str | None) -> None:
     """Show or switch model calls; workers read the switch per job, no restart needed."""
+    from mailpipe.app.tasks import sweep
+    from mailpipe.operations import actions
     from mailpipe.storage import flags
 
     res = _migrated()
@@ -531,14 +539,9 @@ def model_calls(state: str | None) -> None:
         with res.db.session() as session:
             console.print("on" if flags.model_calls_enabled(session) else "off")
         return
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, state == "on")
+    actions.switch_model_calls(res, state == "on", send_sweep=sweep.apply_async, user=_user())
     console.print(f"model calls {state}")
     if state == "on":
-        from mailpipe.app.tasks import sweep
-
-        # Waiting runs should not wait for the next scheduled sweep.
-        sweep.apply_async()
         console.print("sweep enqueued")
 
 
@@ -553,9 +556,9 @@ def model_calls(state: str | None) -> None:
 def pause(stage: str, reason: str) -> None:
     """Pause a stage: its workers stop taking its work until `mailpipe resume STAGE`."""
     from mailpipe.broker.queues import Stage
-    from mailpipe.coordination import pauses
+    from mailpipe.operations import actions
 
-    held = pauses.pause(get_resources().redis, Stage(stage), reason)
+    held = actions.pause(get_resources(), Stage(stage), reason, user=_user())
     console.print(f"{stage} stage paused ({held.by}): {held.error}")
 
 
@@ -564,9 +567,9 @@ def pause(stage: str, reason: str) -> None:
 def resume(stage: str) -> None:
     """End a stage's pause, an operator's or one an outage caused."""
     from mailpipe.broker.queues import Stage
-    from mailpipe.coordination import pauses
+    from mailpipe.operations import actions
 
-    ended = pauses.resume(get_resources().redis, Stage(stage))
+    ended = actions.resume(get_resources(), Stage(stage), user=_user())
     console.print(f"{stage} stage resumed" if ended else f"{stage} stage was not paused")
 
 

@@ -1,11 +1,12 @@
-"""What an operator does to failed runs and the review list, from `mailpipe` or the console.
+"""What an operator does, from `mailpipe` or the console: to failed runs, the review list and
+lanes, and to the fleet's switches (model calls, a stage's pause).
 
 Every write goes through mailpipe.pipeline.runs, in batches of one transaction each, so that
 acting on ten thousand runs never holds ten thousand row locks; a retry enqueues each batch's
 jobs after its commit, through the deduplicated enqueue it is handed (`mailpipe.enqueue.sender`:
 this layer never imports Celery). Nothing asked for is passed over without saying why
 (`Done.refused`), and each batch is logged with the action, the user and the email ids (ids
-only: never an email's content).
+only: never an email's content); a switch leaves one line with the action and the user.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Lane, TaskName
+from mailpipe.broker.queues import Lane, Stage, TaskName
+from mailpipe.coordination import pauses
 from mailpipe.operations.status import FailedFilter
 from mailpipe.operations.sweeper import Enqueue, in_lanes
 from mailpipe.pipeline import emails, runs
 from mailpipe.resources import Resources
+from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
 
 log = logging.getLogger(__name__)
@@ -198,10 +201,43 @@ def _why_not(session: Session, email_ids: list[int]) -> dict[int, str]:
     return reasons
 
 
+def switch_model_calls(
+    res: Resources, on: bool, *, send_sweep: Callable[[], object], user: str
+) -> None:
+    """Switch model calls on or off; the workers read the switch per job. Switched on, a sweep
+    is sent (`send_sweep`: this layer never imports Celery), so that the runs waiting for the
+    switch go on now rather than at the next scheduled sweep."""
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, on)
+    _audited(f"model_calls_{'on' if on else 'off'}", user)
+    if on:
+        send_sweep()
+
+
+def pause(res: Resources, stage: Stage, reason: str, *, user: str) -> pauses.Pause:
+    """Pause `stage` with `reason` (an outage's pause is taken over); its workers stop taking
+    its work until it is resumed."""
+    held = pauses.pause(res.redis, stage, reason)
+    _audited(f"pause_{stage.value}", user)
+    return held
+
+
+def resume(res: Resources, stage: Stage, *, user: str) -> bool:
+    """End `stage`'s pause, an operator's or an outage's; False when it was not paused."""
+    ended = pauses.resume(res.redis, stage)
+    if ended:
+        _audited(f"resume_{stage.value}", user)
+    return ended
+
+
 def _not_marked(session: Session, email_ids: list[int]) -> dict[int, str]:
     """Why an email was not taken off the review list."""
     known = set(session.scalars(select(EmailMessage.id).where(EmailMessage.id.in_(email_ids))))
     return {i: "not on the review list" if i in known else "no such email" for i in email_ids}
+
+
+def _audited(action: str, user: str) -> None:
+    log.info("%s by %s", action, user, extra={"action": action, "user": user})
 
 
 def _logged(action: str, user: str, email_ids: list[int]) -> None:

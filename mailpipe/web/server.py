@@ -32,13 +32,6 @@ def serve(settings: Settings) -> None:
 
 
 def _log_to_stderr(settings: Settings) -> None:
-    handler = logging.StreamHandler()
-    if settings.log_format == "json":
-        from mailpipe.app.logs import json_formatter
+    from mailpipe.app.logs import to_stderr
 
-        handler.setFormatter(json_formatter())
-    else:
-        handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    to_stderr(logging.getLogger(), settings.log_format)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import importlib.metadata
 import json
 import mailbox
@@ -26,7 +27,7 @@ from mailpipe.broker.queues import control_queue
 from mailpipe.cli.demo.servers import free_port
 from mailpipe.cli.ingest import store_emails
 from mailpipe.cli.main import main
-from mailpipe.coordination import redis_keys
+from mailpipe.coordination import pauses, redis_keys
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
@@ -428,7 +429,9 @@ def test_every_option_has_help() -> None:
 def test_model_calls_switch_is_durable_and_on_enqueues_a_sweep(res) -> None:  # type: ignore[no-untyped-def]
     control = layout.queue_list(control_queue(res.settings))
     before = res.redis.llen(control)
-    assert "model calls on" in mailpipe("model-calls", "on").stdout
+    switched = mailpipe("model-calls", "on")
+    assert "model calls on" in switched.stdout
+    assert f"model_calls_on by cli:{getpass.getuser()}" in switched.stderr
     with res.db.session() as session:
         assert flags.model_calls_enabled(session)
     assert res.redis.llen(control) == before + 1
@@ -436,6 +439,15 @@ def test_model_calls_switch_is_durable_and_on_enqueues_a_sweep(res) -> None:  # 
     mailpipe("model-calls", "off")
     with res.db.session() as session:
         assert not flags.model_calls_enabled(session)
+
+
+def test_a_pause_and_a_resume_from_the_cli_leave_their_audit_line(res) -> None:  # type: ignore[no-untyped-def]
+    paused = mailpipe("pause", "model", "--reason", "provider maintenance")
+    assert "model stage paused (operator): provider maintenance" in paused.stdout
+    assert f"pause_model by cli:{getpass.getuser()}" in paused.stderr
+    resumed = mailpipe("resume", "model")
+    assert f"resume_model by cli:{getpass.getuser()}" in resumed.stderr
+    assert pauses.paused(res.redis) == {}
 
 
 def test_demo_runs_end_to_end(tmp_path: Path, services: None) -> None:

@@ -18,6 +18,7 @@ from mailpipe.operations import actions
 from mailpipe.operations.status import FailedFilter, failed_page
 from mailpipe.pipeline import job
 from mailpipe.resources import Resources
+from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
 from tests.support.failed_runs import add_emails, add_failed, add_run
 
@@ -177,3 +178,25 @@ def test_a_retry_with_redis_down_changes_nothing(res) -> None:  # type: ignore[n
     with pytest.raises(RedisConnectionError):
         actions.retry(down, [failed], enqueue=sender(down), user=USER)
     assert run_rows(res) == {failed: ("failed", False)}
+
+
+def test_the_fleet_s_switches_are_actions_with_their_audit_line(  # type: ignore[no-untyped-def]
+    res, caplog: pytest.LogCaptureFixture
+) -> None:
+    sweeps: list[str] = []
+    with caplog.at_level(logging.INFO, logger="mailpipe.operations.actions"):
+        actions.switch_model_calls(res, False, send_sweep=lambda: sweeps.append("off"), user=USER)
+        actions.switch_model_calls(res, True, send_sweep=lambda: sweeps.append("on"), user=USER)
+        held = actions.pause(res, Stage.MODEL, "provider maintenance", user=USER)
+        assert actions.resume(res, Stage.MODEL, user=USER)
+        assert not actions.resume(res, Stage.MODEL, user=USER)  # not paused: nothing to audit
+    assert sweeps == ["on"]  # switched on, the waiting runs are swept at once
+    with res.db.session() as session:
+        assert flags.model_calls_enabled(session)
+    assert (held.by, held.error) == ("operator", "provider maintenance")
+    assert [(r.action, r.user) for r in caplog.records] == [  # type: ignore[attr-defined]
+        ("model_calls_off", USER),
+        ("model_calls_on", USER),
+        ("pause_model", USER),
+        ("resume_model", USER),
+    ]
