@@ -67,6 +67,10 @@ SCHEDULE = (
     (0.30, "redis_flush"),
     (0.40, "postgres_restart"),
 )
+# The faults whose cut can spend the attempt it cuts: a process that dies mid-attempt, and an
+# error of PostgreSQL or S3 whose check passes by the time it is judged. A worker's SIGTERM gives
+# back the attempts it cuts off, and a flushed lease leaves its attempt running.
+SPENDS_AN_ATTEMPT = frozenset({"child_sigkill", "worker_sigkill", "postgres_restart", "s3_errors"})
 ONE_OFF_GAP_S = 2.0
 CHILD_SIGKILL_EVERY_S = 3.0
 S3_ERRORS_S = 4.0
@@ -304,8 +308,9 @@ class Chaos:
         # The emails whose delivery a fault cut, and the faults that cut them: any work of the
         # delivery may have to be done again, and only that work.
         self.cut: defaultdict[int, set[str]] = defaultdict(set)
-        # How many cuts each email took: one that every attempt of its run lost to a cut fails
-        # by design (MAILPIPE_MAX_RETRIES), and is no healthy email failing.
+        # How many cuts that spend an attempt each email took: one that every attempt of its run
+        # lost to such a cut fails by design (MAILPIPE_MAX_RETRIES), and is no healthy email
+        # failing.
         self.cuts: Counter[int] = Counter()
         self.t0 = time.monotonic()
         self.fleet_started: float | None = None
@@ -600,7 +605,8 @@ class Chaos:
     def _record_cut(self, fault: str, emails: set[int]) -> list[int]:
         for email_id in emails:
             self.cut[email_id].add(fault)
-            self.cuts[email_id] += 1
+            if fault in SPENDS_AN_ATTEMPT:
+                self.cuts[email_id] += 1
         return sorted(emails)
 
     def _open_count(self, res: Any) -> int:

@@ -20,11 +20,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and t
 
 EMAILS = 500
 POISON = 5
-# It drained in 214 s on 2 CPUs that other test runs kept busy (docs/chaos.md); the deadline
-# allows that, and the run's own start and stop (its servers, four workers) get the rest of the
-# outer budget.
-DEADLINE_S = 240
+# Its slowest drain measured 214 s, on 2 CPUs that other test runs kept busy; 45.5 s with a
+# load average of 3.5 (docs/chaos.md). The deadline is twice the slowest; the run's own start
+# and stop (its servers, four workers) get the rest of the outer budget. The run ends as soon as
+# every run is closed, so the deadline costs nothing when the fleet drains.
+DEADLINE_S = 430
 BUDGET_S = DEADLINE_S + 120
+# A failed run is excused only when each of its 4 attempts was cut by a fault that spends one.
+# Child SIGKILLs every 3 s make that possible for an email retried quickly (the run's backoff is
+# 1 to 6 s); the run recorded in docs/chaos.md excused none. More than 1 % of the emails would
+# mean healthy emails failing under cover of the faults.
+EXCUSED_AT_MOST = EMAILS // 100
 
 
 def test_a_backlog_older_than_the_ttls_drains_under_chaos_without_loss(tmp_path: Path) -> None:
@@ -83,6 +89,9 @@ def test_a_backlog_older_than_the_ttls_drains_under_chaos_without_loss(tmp_path:
     assert report["emails"] == EMAILS
     assert report["lost"] == 0, report["terminal"]
     assert report["failed_other"] == []
+    assert len(report["failed_every_attempt_cut"]) <= EXCUSED_AT_MOST, report[
+        "failed_every_attempt_cut"
+    ]
     assert report["needs_review"] == 0
 
     # The poison jobs, and only they, failed: after 4 attempts, each ended by its dying child.
