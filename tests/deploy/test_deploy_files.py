@@ -917,10 +917,23 @@ ALARMED = {
     "ModelStagePausedAlarm": ("StagePaused", {("Stage", "model")}),
 }
 # Alarms whose action is a scaling policy, not the topic.
+# Each scale-out alarm reads its live lane's oldest job, as 0 while its stage is paused.
 SCALING_ALARMS = {
-    "WorkerLiveJobAgeAlarm": ("OldestJobAgeSeconds", {("Queue", QUEUE), LIVE}),
-    "ModelLiveJobAgeAlarm": ("OldestJobAgeSeconds", {("Queue", f"{QUEUE}.model"), LIVE}),
+    "WorkerLiveJobAgeAlarm": ({("Queue", QUEUE), LIVE}, "cpu"),
+    "ModelLiveJobAgeAlarm": ({("Queue", f"{QUEUE}.model"), LIVE}, "model"),
 }
+PAUSED_IS_NO_WAIT = "IF(paused > 0, 0, age)"
+
+
+def watched(props: dict) -> dict[str, tuple[str, frozenset]]:  # type: ignore[type-arg]
+    """A metric-math alarm's metrics, by id: name and dimensions."""
+    found = {}
+    for query in props["Metrics"]:
+        if "MetricStat" in query:
+            metric = query["MetricStat"]["Metric"]
+            dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in metric["Dimensions"])
+            found[query["Id"]] = (metric["MetricName"], dimensions)
+    return found
 
 
 @pytest.mark.parametrize("alarm", sorted(ALARMED))
@@ -959,24 +972,31 @@ def test_each_service_scales_out_on_its_live_lane_s_oldest_job(template, target,
         if r["Type"] == "AWS::CloudWatch::Alarm"
         and r["Properties"]["AlarmActions"] == [{"Ref": name}]
     ]
-    dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in alarm["Dimensions"])
-    assert (alarm["MetricName"], dimensions) == (
+    assert watched(alarm)["age"] == (
         "OldestJobAgeSeconds",
         frozenset({("Queue", queue), ("Lane", Lane.LIVE.value)}),
     )
-    assert (alarm["MetricName"], dimensions) in emitted_metrics()
+    assert watched(alarm)["age"] in emitted_metrics()
     assert alarm["ComparisonOperator"] == "GreaterThanThreshold"
-    assert alarm["Statistic"] == "Maximum"
+    assert {q["Id"]: q["MetricStat"]["Stat"] for q in alarm["Metrics"] if "MetricStat" in q} == {
+        "age": "Maximum",
+        "paused": "Maximum",
+    }
     assert "OKActions" not in alarm  # nothing to undo: scale-in is the target tracking's
 
 
 @pytest.mark.parametrize("alarm", sorted(SCALING_ALARMS))
 def test_every_scaling_alarm_watches_a_metric_the_report_sends(template, alarm):
     props = template["Resources"][alarm]["Properties"]
-    dimensions = frozenset((d["Name"], resolved(d["Value"])) for d in props["Dimensions"])
-    assert (props["MetricName"], dimensions) in emitted_metrics()
-    name, expected = SCALING_ALARMS[alarm]
-    assert (props["MetricName"], dimensions) == (name, frozenset(expected))
+    metrics = watched(props)
+    assert set(metrics.values()) <= emitted_metrics()
+    lane, stage = SCALING_ALARMS[alarm]
+    assert metrics == {
+        "age": ("OldestJobAgeSeconds", frozenset(lane)),
+        "paused": ("StagePaused", frozenset({("Stage", stage)})),
+    }
+    [shown] = [query for query in props["Metrics"] if query.get("ReturnData", True)]
+    assert shown["Expression"] == PAUSED_IS_NO_WAIT
     [action] = props["AlarmActions"]
     assert (
         template["Resources"][action["Ref"]]["Type"] == "AWS::ApplicationAutoScaling::ScalingPolicy"
