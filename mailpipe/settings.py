@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_LABELS = (
@@ -33,6 +33,9 @@ TLS_SSLMODES = ("require", "verify-ca", "verify-full")
 # is not one (from_url speaks to one server); nor is a Unix socket, unix:// to redis-py but
 # redis+socket:// to kombu.
 BROKER_SCHEMES = ("redis", "rediss")
+# MAILPIPE_WEB_SECRET's least length: as many bytes as the SHA-256 of its HMAC, and as many as
+# the console draws when it is unset.
+WEB_SECRET_BYTES = 32
 
 
 def is_loopback(host: str) -> bool:
@@ -190,8 +193,11 @@ class Settings(BaseSettings):
     web_port: int = Field(8080, ge=1, le=65535)
     web_operators: SecretStr | None = None
     web_viewers: SecretStr | None = None
-    # The key of the console's CSRF tokens (mailpipe/web/auth.py); unset, each process draws its
-    # own at start, so that two processes behind one address need it set.
+    # The API's bearer tokens for machines: `name:role:sha256` entries (web_tokens below).
+    web_tokens: SecretStr | None = None
+    # The key of the console's CSRF tokens (mailpipe/web/auth.py), at least WEB_SECRET_BYTES;
+    # unset, each process draws its own at start, so that two processes behind one address need
+    # it set.
     web_secret: SecretStr | None = None
 
     # Logs: `text` (Celery's lines, for a terminal) or `json` (one JSON object per record, with the
@@ -215,6 +221,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_web_users(self) -> Settings:
+        web_tokens(self.web_tokens)
         operators = dict(web_users(self.web_operators, "MAILPIPE_WEB_OPERATORS"))
         viewers = dict(web_users(self.web_viewers, "MAILPIPE_WEB_VIEWERS"))
         both = sorted(set(operators) & set(viewers))
@@ -224,6 +231,18 @@ class Settings(BaseSettings):
                 "an operator can read already; name each user once"
             )
         return self
+
+    @field_validator("web_secret")
+    @classmethod
+    def _check_web_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().encode()) < WEB_SECRET_BYTES:
+            raise ValueError(
+                f"must be at least {WEB_SECRET_BYTES} bytes: it signs the console's CSRF tokens, "
+                "and a shorter one (an empty one, a word) can be found offline from one token, "
+                "then any token forged. Leave it unset to draw one at start, or make one with "
+                "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
 
     # Refused here, not only when a worker starts: every process builds Redis clients from this
     # URL with from_url (the worker, beat, the CLI, upstream code's enqueue), and each would
@@ -365,6 +384,38 @@ def web_users(value: SecretStr | None, variable: str) -> list[tuple[str, str]]:
             raise ValueError(f"{variable} names the user {user} more than once")
         users.append((user, password))
     return users
+
+
+# The roles a token may have, as the console's users: a viewer reads, an operator also acts.
+TOKEN_ROLES = ("viewer", "operator")
+
+
+def web_tokens(value: SecretStr | None) -> list[tuple[str, str, str]]:
+    """The (name, role, SHA-256 hex) entries of MAILPIPE_WEB_TOKENS: `name:role:sha256`, comma
+    separated; the hash is of the token itself, which is random (`mailpipe web-token` makes
+    one), so one SHA-256 keeps it as safe as a password hash does a password. Errors name the
+    entry's position, never a hash."""
+    if value is None or not value.get_secret_value().strip():
+        return []
+    tokens: list[tuple[str, str, str]] = []
+    for number, entry in enumerate(value.get_secret_value().split(","), start=1):
+        parts = [part.strip() for part in entry.split(":")]
+        name, role, digest = parts if len(parts) == 3 else ("", "", "")
+        if not name or role not in TOKEN_ROLES or len(digest) != 64:
+            raise ValueError(
+                f"MAILPIPE_WEB_TOKENS: entry {number} is not name:role:sha256 (a name, viewer "
+                "or operator, and the token's SHA-256 in 64 hex digits)"
+            )
+        try:
+            bytes.fromhex(digest)
+        except ValueError:
+            raise ValueError(
+                f"MAILPIPE_WEB_TOKENS: entry {number}'s SHA-256 is not 64 hex digits"
+            ) from None
+        if name in {t[0] for t in tokens}:
+            raise ValueError(f"MAILPIPE_WEB_TOKENS names the token {name} more than once")
+        tokens.append((name, role, digest.lower()))
+    return tokens
 
 
 @lru_cache(maxsize=1)

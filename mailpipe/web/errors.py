@@ -10,6 +10,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from mailpipe.web.auth import SignInRefused
+
 Answer = Callable[[int, str, Mapping[str, str] | None], Response]
 
 CHALLENGE = {"WWW-Authenticate": 'Basic realm="mailpipe", charset="UTF-8"'}
@@ -24,9 +26,12 @@ def as_json(status: int, detail: str, headers: Mapping[str, str] | None) -> Resp
 
 
 def unauthorized(answer: Answer) -> Callable[[HTTPConnection, AuthenticationError], Response]:
-    """AuthenticationMiddleware's `on_error`: a 401 with the basic-auth challenge."""
+    """AuthenticationMiddleware's `on_error`: a 401 with the basic-auth challenge, or the 429 or
+    503 of a sign-in refused before its password was checked, with when to try again."""
 
     def refuse(conn: HTTPConnection, exc: AuthenticationError) -> Response:
+        if isinstance(exc, SignInRefused):
+            return answer(exc.status, str(exc), {"Retry-After": str(exc.retry_after)})
         return answer(401, str(exc), CHALLENGE)
 
     return refuse
