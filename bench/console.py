@@ -19,6 +19,7 @@ import base64
 import http.client
 import json
 import os
+import random
 import secrets
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +240,483 @@ def measure(res: Any, repeat: int, per_page: int) -> dict[str, dict[str, float]]
     return {name: timed(call, repeat) for name, call in calls.items()}
 
 
+# --- the search (docs/benchmarks.md, "Search") -------------------------------------------------
+
+SEARCH_DB = "mailpipe_bench_search"
+# The received times span this many days, the newest ending now.
+SEARCH_DAYS = 30
+LABELED = ("newsletter", "invoice", "personal", "security", "spam", "bounce")
+_HASH = "(hashint4({0}) & 2147483647)"
+
+# The emails, in steps, each a statement on temporary tables and then the tables themselves.
+# `seed`: random numbers per email. `mail`: its run state, whether a job has read its headers,
+# the email it is a copy of, the kind of its sender (0-5 a person, 6-8 a newsletter, 9 billing).
+# `head`: its headers, those of the email it copies.
+SEARCH_SEED = [
+    "CREATE TEMP TABLE seed AS SELECT g, "
+    + ", ".join(f"{_HASH.format(f'g + {k * 300_000_000}')} AS r{k}" for k in range(1, 6))
+    + " FROM generate_series(1, %(emails)s) g",
+    "CREATE TEMP TABLE mail AS SELECT *, CASE "
+    "WHEN g > %(emails)s - 2000 THEN 'no_run' "
+    "WHEN g > %(emails)s - 5000 OR r1 %% 1000 = 2 THEN 'open' "
+    "WHEN r1 %% 100 = 0 AND r5 %% 20 = 0 THEN 'dismissed' "
+    "WHEN r1 %% 100 = 0 THEN 'failed' "
+    "WHEN r1 %% 100 = 1 AND g > 1000 THEN 'duplicate' "
+    "ELSE 'succeeded' END AS state, r2 %% 10 AS kind FROM seed",
+    "ALTER TABLE mail ADD COLUMN read boolean, ADD COLUMN orig int",
+    # Half the failed runs failed before their origin step, half of the newest open ones wait
+    # for their first; a copy copies an email up to a thousand before it.
+    "UPDATE mail SET "
+    "read = state <> 'no_run' AND NOT (state IN ('failed', 'dismissed', 'open') AND r4 %% 2 = 0),"
+    " orig = CASE WHEN state = 'duplicate' THEN g - 1 - r3 %% 1000 ELSE g END",
+    "CREATE TEMP TABLE head AS SELECT m.g, "
+    "CASE WHEN o.kind < 6 THEN 'User ' || o.r3 %% 100000 || ' <user' || o.r3 %% 100000 "
+    "|| '@d' || o.r3 %% 2000 || '.example>' "
+    "WHEN o.kind < 9 THEN 'news@list' || o.r3 %% 50 || '.example' "
+    "ELSE 'Billing <billing@shop' || o.r3 %% 200 || '.example>' END AS sender, "
+    "CASE WHEN o.kind = 9 THEN 'Invoice INV-' || o.g || ' ' ELSE '' END || concat_ws(' ', "
+    + ", ".join(
+        "(%(words)s::text[])[1 + floor(%(vocabulary)s * power("
+        + _HASH.format(f"o.g * 8 + {k}")
+        + " / 2147483648.0, 3))::int]"
+        for k in range(1, 6)
+    )
+    + ") AS subject, md5(o.g::text) || '@mail' || o.g %% 100 || '.example' AS message_id, "
+    "o.read AND o.state <> 'duplicate' AS orig_has_origin "
+    "FROM mail m JOIN mail o ON o.g = m.orig",
+    # Foreign keys unchecked while the rows go in: origins and emails point at each other.
+    "SET session_replication_role = replica",
+    "INSERT INTO email_message (id, blob_key, size, sha256, received_at, created_at, "
+    "needs_review, review_reason, has_run, subject, sender, lane, origin_id, duplicate_of) "
+    "SELECT m.g, 'raw/' || m.g, 1000, md5(m.g::text), t.at, t.at, m.r5 %% 1000 = 7, "
+    "CASE WHEN m.r5 %% 1000 = 7 THEN 'the model named a label out of the list' END, "
+    "m.state <> 'no_run', CASE WHEN m.read THEN h.subject END, "
+    "CASE WHEN m.read THEN h.sender END, "
+    "CASE WHEN m.g BETWEEN %(emails)s / 5 AND 2 * %(emails)s / 5 THEN 'bulk' ELSE 'live' END, "
+    "CASE WHEN m.read AND h.orig_has_origin THEN m.orig END, "
+    "CASE WHEN m.state = 'duplicate' THEN m.orig END "
+    "FROM mail m JOIN head h USING (g), LATERAL (SELECT %(end)s::timestamp - "
+    "(%(emails)s - m.g) * %(step)s * interval '1 second' - m.r3 %% 300 * interval '1 second'"
+    " AS at) t ORDER BY m.g",
+    "INSERT INTO email_origin (id, fingerprint, message_id, first_email_id, created_at) "
+    "SELECT m.g, md5('origin' || m.g), h.message_id, m.g, now() FROM mail m JOIN head h "
+    "USING (g) WHERE m.read AND m.state <> 'duplicate'",
+    "INSERT INTO pipeline_run (email_id, status, attempts, sweep_count, created_at, updated_at, "
+    "closed_at, converted_at, error_class, error, dismissed_at) SELECT g, "
+    "(CASE WHEN state = 'dismissed' THEN 'failed' ELSE state END)::run_status, 1, 0, now(), "
+    "now(), CASE WHEN state <> 'open' THEN now() END, CASE WHEN read THEN now() END, "
+    "CASE WHEN state IN ('failed', 'dismissed') THEN (%(classes)s::text[])[1 + r3 %% 5] "
+    "WHEN state = 'open' AND r4 %% 10 = 1 THEN 'OperationalError' END, "
+    "CASE WHEN state IN ('failed', 'dismissed') OR (state = 'open' AND r4 %% 10 = 1) "
+    "THEN 'failed for good' END, CASE WHEN state = 'dismissed' THEN now() END "
+    "FROM mail WHERE state <> 'no_run' ORDER BY g",
+    "INSERT INTO email_label (email_id, label, source, confidence, created_at) "
+    "SELECT g, label, 'model', 0.9, now() FROM mail, LATERAL (VALUES "
+    "('newsletter', kind BETWEEN 6 AND 8 AND r5 %% 10 < 9), "
+    "('invoice', kind = 9 OR r5 %% 50 = 0), "
+    "('personal', kind < 6 AND r5 %% 5 = 2), "
+    "('security', r5 %% 50 = 1), "
+    "('spam', r4 %% 20 = 3), "
+    "('bounce', r4 %% 100 = 5)) AS l(label, given) "
+    "WHERE given AND state IN ('succeeded', 'duplicate') ORDER BY g",
+    "SET session_replication_role = DEFAULT",
+    *(
+        f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))"
+        for table in ("email_message", "email_origin", "pipeline_run", "email_label")
+    ),
+]
+
+
+def vocabulary(size: int = 2000) -> list[str]:
+    """Subject words: the workload's, then made-up ones of two to four syllables; the search
+    seed draws the first ones most often (a word's share falls as its rank's cube root)."""
+    from bench.workload import WORDS
+
+    rng = random.Random(8)
+    syllables = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
+    words = list(WORDS)
+    while len(words) < size:
+        word = "".join(rng.choice(syllables) for _ in range(rng.randint(2, 4)))
+        if word not in words:
+            words.append(word)
+    return words
+
+
+def prepare_search(name: str, emails: int, revision: str = "head") -> str:
+    """A database of `emails` emails as the search finds them, at schema `revision`."""
+    import psycopg
+
+    from mailpipe.storage.migrate import upgrade
+
+    url = harness.database(name).create().url
+    upgrade(url, revision)
+    words = vocabulary()
+    given = {
+        "emails": emails,
+        "words": words,
+        "vocabulary": len(words),
+        "classes": list(ERROR_CLASSES),
+        "end": datetime.now(UTC).replace(tzinfo=None, microsecond=0),
+        "step": SEARCH_DAYS * 86400 / emails,
+    }
+    with psycopg.connect(url) as conn:
+        for statement in SEARCH_SEED:
+            conn.execute(statement, given)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+    return url
+
+
+def search_cases(res: Any) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]]:
+    """The searches to time, by name: each filter alone (some with a rare and a common value),
+    and every two filters together, each with its typical value."""
+    from sqlalchemy import select
+
+    from mailpipe.storage.models import EmailMessage, EmailOrigin
+
+    with res.db.session() as session:
+        end = session.scalar(select(EmailMessage.received_at).order_by(EmailMessage.id.desc()))
+        middle = session.scalar(select(EmailMessage.id).order_by(EmailMessage.id.desc())) // 2
+        message_id = session.scalar(
+            select(EmailOrigin.message_id).where(EmailOrigin.first_email_id >= middle).limit(1)
+        )
+        sender = session.scalar(
+            select(EmailMessage.sender)
+            .where(EmailMessage.id >= middle, EmailMessage.sender.like("User %"))
+            .limit(1)
+        )
+    assert end is not None and message_id is not None and sender is not None
+    words = vocabulary()
+
+    def day(days_ago: float, hours: float = 24) -> dict[str, str]:
+        since = end - timedelta(days=days_ago)
+        return {"since": since.isoformat(), "until": (since + timedelta(hours=hours)).isoformat()}
+
+    typical = {
+        "message_id": {"message_id": message_id},
+        "sender": {"sender": sender.split("<")[1].rstrip(">")},
+        "subject": {"subject": words[60]},
+        "time": day(10),
+        "state": {"state": "failed"},
+        "error_class": {"error_class": "OperationalError"},
+        "label": {"label": "invoice"},
+        "lane": {"lane": "bulk"},
+        "review": {"review": "yes"},
+    }
+    alone = {
+        **{f"{name} ({_shown(values)})": values for name, values in typical.items()},
+        "sender, a newsletter": {"sender": "news@list7.example"},
+        "sender, a domain": {"sender": "@d17.example"},
+        "subject, the commonest word": {"subject": words[0]},
+        "subject, a rare word": {"subject": words[1500]},
+        "subject, two words": {"subject": f"{words[3]} {words[60]}"},
+        "time, an hour": day(10, 1),
+        "time, the older half": {"until": (end - timedelta(days=SEARCH_DAYS / 2)).isoformat()},
+        **{f"state {state}": {"state": state} for state in ("open", "no_run", "dismissed")},
+        **{f"state {state}": {"state": state} for state in ("duplicate", "succeeded")},
+        "label, rare": {"label": "bounce"},
+        "lane live": {"lane": "live"},
+        "none": {},
+    }
+    names = list(typical)
+    together = {
+        f"{a} + {b}": {**typical[a], **typical[b]}
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    }
+    return alone, together
+
+
+def _shown(values: dict[str, str]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in values.items())
+
+
+def measure_search(url: str, repeat: int) -> dict[str, Any]:
+    """Each search as the console's page over HTTP and as `search.find`, `repeat` times."""
+    from urllib.parse import urlencode
+
+    from mailpipe.operations.search import find, read_search
+
+    res = resources_on(url)
+    try:
+        alone, together = search_cases(res)
+        cases = {**alone, **together}
+        found: dict[str, int] = {}
+        calls: dict[str, Callable[[], Any]] = {}
+        for name, values in cases.items():
+            filt, _ = read_search(values)
+
+            def call(filt: Any = filt) -> Any:
+                with res.db.session() as session, session.begin():
+                    return find(session, filt)
+
+            found[name] = len(call().rows)
+            calls[name] = call
+        served = measure_http(
+            url, {name: f"/search?{urlencode(values)}" for name, values in cases.items()}, repeat
+        )
+        queried = {name: timed(call, repeat) for name, call in calls.items()}
+    finally:
+        res.close()
+    return {
+        "cases": cases,
+        "alone": list(alone),
+        "found": found,
+        "http": served,
+        "queries": queried,
+    }
+
+
+def search_main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    url = prepare_search(SEARCH_DB, args.emails)
+    seeded_s = time.perf_counter() - started
+    try:
+        results = measure_search(url, args.repeat)
+    finally:
+        delete_prefix(harness.REDIS_URL, os.environ["MAILPIPE_REDIS_PREFIX"])
+        harness.database(SEARCH_DB).drop()
+    print(f"{args.emails:,} emails, seeded in {seeded_s:.0f} s; {args.repeat} calls each")
+    print(f"{'search':>60} {'found':>5} {'HTTP p50':>9} {'p99':>7} {'find p50':>9} {'p99':>7}")
+    for name in results["cases"]:
+        http_, query = results["http"][name], results["queries"][name]
+        print(
+            f"{name[:60]:>60} {results['found'][name]:>5} {http_['p50_ms']:>9.2f} "
+            f"{http_['p99_ms']:>7.2f} {query['p50_ms']:>9.2f} {query['p99_ms']:>7.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, **results}))
+    return 0
+
+
+# --- ingest with and without the search's indexes -----------------------------------------------
+
+INGEST_DBS = {"with": "mailpipe_bench_ingest_with", "without": "mailpipe_bench_ingest_without"}
+# The schema with the search's indexes (0011) and the one before them: the same columns.
+WITH_REVISION, WITHOUT_REVISION = "0011", "0010"
+
+
+def ingest_main(args: argparse.Namespace) -> int:
+    """`mailpipe ingest` of the same emails into two databases of `--emails` emails, one with the
+    search's indexes and one without, in turns; then the origin step's writes for them, one
+    transaction per email as a job makes them, where the subject and sender reach the trigram
+    indexes. Paired: each repetition times both, the one first that went second before."""
+    from bench.workload import plain_workload
+    from mailpipe.cli.ingest import ingest
+    from mailpipe.mail.parse import ParseLimits, parse_email
+    from mailpipe.pipeline.origin import find_origin, link_to_origin
+    from mailpipe.resources import Resources
+    from mailpipe.settings import Settings
+
+    started = time.perf_counter()
+    urls = {
+        variant: prepare_search(
+            name, args.emails, WITH_REVISION if variant == "with" else WITHOUT_REVISION
+        )
+        for variant, name in INGEST_DBS.items()
+    }
+    seeded_s = time.perf_counter() - started
+    # Other emails each repetition, the same for both databases: each one's origin is new.
+    per = args.ingest_emails
+    emails, _ = plain_workload(per * args.repeat)
+    limits = ParseLimits(max_bytes=1 << 26, max_depth=25, max_parts=1000, body_max_chars=200_000)
+    times: dict[str, dict[str, list[float]]] = {
+        variant: {"ingest": [], "origin": []} for variant in urls
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        folders = [
+            harness.write_emails(Path(scratch) / f"emails-{n}", emails[n * per : (n + 1) * per])
+            for n in range(args.repeat)
+        ]
+        resources = {
+            variant: Resources(
+                Settings(database_url=url, blob_url=f"file://{scratch}/blobs-{variant}")
+            )
+            for variant, url in urls.items()
+        }
+        try:
+            for repetition, folder in enumerate(folders):
+                raws = emails[repetition * per : (repetition + 1) * per]
+                parsed = [parse_email(raw, limits) for raw in raws]
+                for variant in harness.rotated(list(urls), repetition):
+                    res = resources[variant]
+                    began = time.perf_counter()
+                    report = ingest(res, [folder], enqueue=False)
+                    times[variant]["ingest"].append(time.perf_counter() - began)
+                    assert report.stored == per and not report.rejected, report
+                    began = time.perf_counter()
+                    for email_id, email in zip(report.email_ids, parsed, strict=True):
+                        with res.db.transaction() as session:
+                            link_to_origin(
+                                session, email_id, email, find_origin(session, email_id, email)
+                            )
+                    times[variant]["origin"].append(time.perf_counter() - began)
+        finally:
+            for res in resources.values():
+                res.close()
+            for name in INGEST_DBS.values():
+                harness.database(name).drop()
+    rates = {
+        variant: {step: [per / s for s in taken] for step, taken in steps.items()}
+        for variant, steps in times.items()
+    }
+    ratios = {
+        step: [w / o for w, o in zip(rates["with"][step], rates["without"][step], strict=True)]
+        for step in ("ingest", "origin")
+    }
+    print(
+        f"{args.emails:,} emails in each database (seeded in {seeded_s:.0f} s), "
+        f"{per:,} ingested per repetition, {args.repeat} repetitions; emails/s, medians"
+    )
+    print(f"{'step':>28} {'with':>9} {'without':>9} {'with / without':>15}")
+    for step, title in (
+        ("ingest", "ingest (store, no enqueue)"),
+        ("origin", "origin step's writes"),
+    ):
+        print(
+            f"{title:>28} {harness.median(rates['with'][step]):>9.0f} "
+            f"{harness.median(rates['without'][step]):>9.0f} "
+            f"{harness.median(ratios[step]):>15.3f}"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": None}, "rates": rates, "ratios": ratios})
+        )
+    return 0
+
+
+# --- the overview's activity charts (docs/benchmarks.md, "Activity charts") --------------------
+
+ACTIVITY_DB = "mailpipe_bench_activity"
+# Each email's attempts as a fleet writes them, their end times spread evenly over `days` up to
+# now: the CPU stage's (one in fifty retried first, one in a hundred a duplicate, the rest handed
+# off to the model stage) and the model stage's (one in thirty deferred first, one in two
+# hundred failed, the rest succeeded), about 2.1 per email; then a day of the metrics report's
+# samples, one a minute per lane. Rows go in in the order of their end, as a fleet writes them.
+ACTIVITY_SEED = [
+    "CREATE TEMP TABLE seed AS SELECT g, hashint4(g) & 2147483647 AS r, %(end)s::timestamp - "
+    "(%(emails)s - g) * %(step)s * interval '1 second' AS at FROM generate_series(1, %(emails)s) g",
+    "INSERT INTO email_message (id, blob_key, size, sha256, received_at, created_at, has_run) "
+    "SELECT g, 'raw/' || g, 1000, md5(g::text), at - interval '5 seconds', at, true FROM seed",
+    "INSERT INTO pipeline_run (id, email_id, status, attempts, sweep_count, created_at, "
+    "updated_at, closed_at, converted_at, error_class, error) SELECT g, g, "
+    "(CASE WHEN r %% 200 = 3 THEN 'failed' ELSE 'succeeded' END)::run_status, 1, 0, at, at, at, "
+    "at - interval '3 seconds', CASE WHEN r %% 200 = 3 THEN 'InputRejected' END, "
+    "CASE WHEN r %% 200 = 3 THEN 'InputRejected: no' END FROM seed",
+    "CREATE TEMP TABLE attempt AS "
+    "SELECT g, 'cpu' AS stage, 1 AS attempt, at - interval '20 seconds' AS ended_at, "
+    "0.3 AS seconds, 'retrying' AS outcome FROM seed WHERE r %% 50 = 0 "
+    "UNION ALL SELECT g, 'cpu', 1 + (r %% 50 = 0)::int, at - interval '3 seconds', "
+    "0.05 + (r >> 8) %% 450 / 1000.0, "
+    "CASE WHEN r %% 100 = 1 THEN 'duplicate' ELSE 'handed_off' END FROM seed "
+    "UNION ALL SELECT g, 'model', 1, at - interval '2 seconds', 0.01, 'deferred' FROM seed "
+    "WHERE r %% 30 = 2 "
+    "UNION ALL SELECT g, 'model', 1, at, 0.5 + (r >> 12) %% 2500 / 1000.0, "
+    "CASE WHEN r %% 200 = 3 THEN 'failed' ELSE 'succeeded' END FROM seed WHERE r %% 100 <> 1",
+    "INSERT INTO run_attempt (run_id, email_id, stage, attempt, started_at, ended_at, outcome, "
+    "host) SELECT g, g, stage, attempt, ended_at - seconds * interval '1 second', ended_at, "
+    "outcome, 'w1' FROM attempt ORDER BY ended_at",
+    "INSERT INTO queue_sample (measured_at, queue, lane, depth, oldest_age_s) "
+    "SELECT %(end)s::timestamp - m * interval '1 minute', q, l, "
+    "(hashint4(m * 4 + k) & 2147483647) %% 500, (hashint4(m * 8 + k) & 2147483647) %% 600 "
+    "FROM generate_series(0, 1439) m, (VALUES (0, 'mailpipe', 'live'), (1, 'mailpipe', 'bulk'), "
+    "(2, 'mailpipe.model', 'live'), (3, 'mailpipe.model', 'bulk')) AS lanes(k, q, l) ORDER BY m DESC",
+    *(
+        f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))"
+        for table in ("email_message", "pipeline_run")
+    ),
+]
+
+
+def prepare_activity(emails: int, days: float, without: list[str]) -> str:
+    """A database of `emails` emails and their attempts over `days`, less the indexes named in
+    `without` (to measure what each is worth)."""
+    import psycopg
+
+    from mailpipe.storage.migrate import upgrade
+
+    url = harness.database(ACTIVITY_DB).create().url
+    upgrade(url)
+    given = {
+        "emails": emails,
+        "end": datetime.now(UTC).replace(tzinfo=None),
+        "step": days * 86400 / emails,
+    }
+    with psycopg.connect(url) as conn:
+        for statement in ACTIVITY_SEED:
+            conn.execute(statement, given)
+        for index in without:
+            conn.execute(f"DROP INDEX {index}")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+    return url
+
+
+def activity_main(args: argparse.Namespace) -> int:
+    """The overview's charts' data, for the hour and the day: `/api/activity` and the overview
+    page over HTTP, and `activity.fleet_activity`, each `--repeat` times."""
+    from sqlalchemy import func, select
+
+    from mailpipe.operations.activity import WINDOWS, fleet_activity
+    from mailpipe.storage.models import RunAttempt
+
+    started = time.perf_counter()
+    url = prepare_activity(args.emails, args.activity_days, args.activity_without)
+    seeded_s = time.perf_counter() - started
+    res = resources_on(url)
+    try:
+        with res.db.session() as session:
+            attempts = session.scalar(select(func.count()).select_from(RunAttempt))
+            ended = {
+                name: session.scalar(
+                    select(func.count()).where(
+                        RunAttempt.ended_at >= window.start(datetime.now(UTC).replace(tzinfo=None))
+                    )
+                )
+                for name, window in WINDOWS.items()
+            }
+        paths = {
+            **{f"api {name}": f"/api/activity?window={name}" for name in WINDOWS},
+            **{f"overview {name}": f"/?window={name}" for name in WINDOWS},
+        }
+        served = measure_http(url, paths, args.repeat)
+
+        def call(name: str) -> Callable[[], Any]:
+            def query() -> Any:
+                with res.db.session() as session:
+                    return fleet_activity(session, WINDOWS[name])
+
+            return query
+
+        queried = {f"fleet_activity {name}": timed(call(name), args.repeat) for name in WINDOWS}
+    finally:
+        res.close()
+        delete_prefix(harness.REDIS_URL, os.environ["MAILPIPE_REDIS_PREFIX"])
+        harness.database(ACTIVITY_DB).drop()
+    without = ", ".join(args.activity_without) or "none"
+    print(
+        f"{args.emails:,} emails, {attempts:,} attempts over {args.activity_days:g} days "
+        f"({ended['hour']:,} in the last hour, {ended['day']:,} in the last day), seeded in "
+        f"{seeded_s:.0f} s; indexes left out: {without}; {args.repeat} calls each"
+    )
+    print(f"{'':>24} {'p50 (ms)':>9} {'p99 (ms)':>9}")
+    for name, times in {**served, **queried}.items():
+        print(f"{name:>24} {times['p50_ms']:>9.2f} {times['p99_ms']:>9.2f}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": None},
+                    "attempts": attempts,
+                    "ended": ended,
+                    "http": served,
+                    "queries": queried,
+                }
+            )
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--emails", type=int, default=1_000_000)
@@ -245,9 +724,37 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--per-page", type=int, default=50)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="Time the search instead: each filter alone and every two together.",
+    )
+    parser.add_argument(
+        "--ingest",
+        action="store_true",
+        help="Time ingest and the origin step's writes with the search's indexes and without.",
+    )
+    parser.add_argument("--ingest-emails", type=int, default=5000, help="Per repetition.")
+    parser.add_argument(
+        "--activity",
+        action="store_true",
+        help="Time the overview's activity charts' data for the hour and the day instead.",
+    )
+    parser.add_argument(
+        "--activity-days", type=float, default=1.0, help="The attempts' end times span this."
+    )
+    parser.add_argument(
+        "--activity-without", action="append", default=[], help="An index to drop first."
+    )
     args = parser.parse_args()
     os.environ["MAILPIPE_BROKER_URL"] = harness.REDIS_URL
     os.environ["MAILPIPE_REDIS_PREFIX"] = f"benchconsole{uuid.uuid4().hex[:8]}:"
+    if args.search:
+        return search_main(args)
+    if args.ingest:
+        return ingest_main(args)
+    if args.activity:
+        return activity_main(args)
     started = time.perf_counter()
     url = prepare(args.emails, args.failed)
     seeded_s = time.perf_counter() - started

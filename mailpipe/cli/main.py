@@ -384,7 +384,10 @@ _PAGE = click.option(
     "as_json",
     is_flag=True,
     help="List as JSON: the page's rows (email_id, attempts, failed_at, stage, error_class, "
-    "error, needs_review), page, pages and total.",
+    "error, needs_review, lane, dismissed_at), page, pages and total.",
+)
+@click.option(
+    "--dismissed", is_flag=True, help="List the dismissed runs instead (`dismiss --undo`)."
 )
 def failed(
     retry_ids: tuple[int, ...],
@@ -396,13 +399,18 @@ def failed(
     page: int,
     limit: int,
     as_json: bool,
+    dismissed: bool,
 ) -> None:
     """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them."""
+    from dataclasses import replace
+
     from mailpipe.operations.status import failed_page
 
     if retry_ids and retry_all:
         raise BadInput("--retry and --retry-all: one or the other")
-    filt = _filter(retry_ids, error_class, stage, since, until)
+    if dismissed and (retry_ids or retry_all):
+        raise BadInput("--dismissed lists; retry a dismissed run with --retry EMAIL_ID")
+    filt = replace(_filter(retry_ids, error_class, stage, since, until), dismissed=dismissed)
     res = _migrated()
     if retry_ids or retry_all:
         _retry(res, retry_ids or None, filt)
@@ -417,7 +425,8 @@ def failed(
         "attempts",
         "failed at",
         "error",
-        title=f"failed runs: page {listed.page} of {listed.pages}, {listed.total} in all",
+        title=f"{'dismissed' if dismissed else 'failed'} runs: page {listed.page} of "
+        f"{listed.pages}, {listed.total} in all",
     )
     for row in listed.rows:
         table.add_row(
@@ -464,23 +473,35 @@ def _name_refused(refused: dict[int, str], act: str) -> None:
 @click.option(
     "--all", "dismiss_all", is_flag=True, help="Every listed failed run the filters match."
 )
+@click.option(
+    "--undo", is_flag=True, help="Take the dismiss back: the runs are on the failed list again."
+)
 @_failed_filters
 def dismiss(
     email_ids: tuple[int, ...],
     dismiss_all: bool,
+    undo: bool,
     error_class: str | None,
     stage: str | None,
     since: Any,
     until: Any,
 ) -> None:
     """Give up on failed runs: each stays failed, leaves the failed and review lists, and no
-    retry-all or sweep takes it up again (`failed --retry EMAIL_ID` still does)."""
+    retry-all or sweep takes it up again (`failed --retry EMAIL_ID` still does). `failed
+    --dismissed` lists them; `dismiss --undo EMAIL_ID...` takes the dismiss back."""
     from mailpipe.operations import actions
 
     if bool(email_ids) == dismiss_all:
         raise BadInput("give EMAIL_ID... or --all (with filters), one or the other")
+    if undo and dismiss_all:
+        raise BadInput("--undo takes EMAIL_ID..., not --all")
     res = _migrated()
     filt = _filter(email_ids, error_class, stage, since, until)
+    if undo:
+        undone = actions.undo_dismiss(res, email_ids, user=_user())
+        click.echo(f"back on the failed list: {len(undone.done)}")
+        _name_refused(undone.refused, "taken back")
+        return
     done = actions.dismiss(res, email_ids or None, None if email_ids else filt, user=_user())
     click.echo(f"dismissed {len(done.done)}")
     _name_refused(done.refused, "dismissed")
@@ -524,6 +545,121 @@ def review(page: int, limit: int, as_json: bool) -> None:
             str(row["email_id"]), row["subject"] or "", row["reason"] or "", row["status"] or ""
         )
     console.print(table)
+
+
+def _email_filters(command: Any) -> Any:
+    """The search's filters, for finding emails and acting on what they find alike."""
+    for option in reversed(
+        (
+            click.argument("text", required=False),
+            click.option(
+                "--message-id", metavar="ID", help="Only the emails with this Message-ID."
+            ),
+            click.option(
+                "--sender", metavar="TEXT", help="Only emails whose From holds this (any case)."
+            ),
+            click.option(
+                "--subject",
+                metavar="WORDS",
+                help="Only emails whose subject holds each word (any case).",
+            ),
+            click.option(
+                "--since", metavar="TIME", help="Only emails received at or after this (UTC, ISO)."
+            ),
+            click.option(
+                "--until", metavar="TIME", help="Only emails received before this (UTC, ISO)."
+            ),
+            click.option(
+                "--state",
+                metavar="STATE",
+                help="Only emails whose run is in this state: no_run, open, succeeded, "
+                "duplicate, failed (not dismissed), dismissed.",
+            ),
+            click.option(
+                "--error-class", metavar="NAME", help="Only emails whose run has this error class."
+            ),
+            click.option("--label", metavar="LABEL", help="Only emails with this label."),
+            click.option("--lane", metavar="LANE", help="Only emails in this lane: live or bulk."),
+            click.option(
+                "--review/--no-review",
+                default=None,
+                help="Only emails marked for review, or only those not marked.",
+            ),
+        )
+    ):
+        command = option(command)
+    return command
+
+
+def _email_filter(text: str | None, review: bool | None, options: dict[str, Any]) -> Any:
+    """The search's filter and page position the options give, or BadInput saying why not."""
+    from mailpipe.operations import search
+
+    given = {name: value for name, value in options.items() if value is not None}
+    if text is not None:
+        given["q"] = text
+    if review is not None:
+        given["review"] = "yes" if review else "no"
+    try:
+        return search.read_search(given)
+    except search.BadSearch as exc:
+        raise BadInput(str(exc)) from None
+
+
+@main.command()
+@_email_filters
+@click.option(
+    "--before", metavar="EMAIL_ID", help="The next page: emails older than this id (as printed)."
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="As JSON: the page's rows (email_id, received_at, sender, subject, lane, state, "
+    "error_class, needs_review) and next_before.",
+)
+def find(text: str | None, review: bool | None, as_json: bool, **options: str | None) -> None:
+    """Find emails, newest first, 50 a page: every filter given at once. TEXT is what the
+    console's search box takes: an email id, a <Message-ID>, a sender's address, or subject
+    words."""
+    from rich.text import Text
+
+    from mailpipe.operations import search
+
+    filt, before = _email_filter(text, review, options)
+    with _migrated().db.session() as session:
+        found = search.find(session, filt, before)
+    if as_json:
+        click.echo(json.dumps(found.as_json()))
+        return
+    if not found.rows:
+        note = " (Message-ID, sender and subject find only emails a job has read)"
+        click.echo("no email found" + (note if filt.reads_headers else ""))
+        return
+    table = Table(
+        "email",
+        "received",
+        "from",
+        "subject",
+        "lane",
+        "state",
+        "error class",
+        title=f"emails found: {len(found.rows)}, newest first",
+    )
+    for row in found.rows:
+        # Text, not markup: a subject's "[bold]" is the sender's, to be shown as it is.
+        table.add_row(
+            str(row["email_id"]),
+            _to_second(row["received_at"]),
+            Text(row["sender"] or ""),
+            Text(row["subject"] or ""),
+            row["lane"],
+            row["state"],
+            row["error_class"] or "",
+        )
+    console.print(table)
+    if found.next_before is not None:
+        click.echo(f"more: the same filters with --before {found.next_before}")
 
 
 @main.command("model-calls")
@@ -625,6 +761,87 @@ def web() -> None:
     if refused is not None:
         raise BadInput(refused)
     serve(settings)
+
+
+@main.command()
+@_email_filters
+@click.option(
+    "--from",
+    "step",
+    type=click.Choice(["classify", "documents", "parse"]),
+    required=True,
+    help="Where to start: the model stage alone (classify), or the CPU stage and the model "
+    "stage after it (documents and parse both parse the email and convert its documents).",
+)
+@click.option(
+    "--in-lane",
+    type=click.Choice(["bulk", "live"]),
+    default="bulk",
+    show_default=True,
+    help="The lane the jobs are sent in.",
+)
+@click.option("--dry-run", is_flag=True, help="Say what it would take and cost; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def reprocess(
+    text: str | None,
+    review: bool | None,
+    step: str,
+    in_lane: str,
+    dry_run: bool,
+    yes: bool,
+    **options: str | None,
+) -> None:
+    """Run again the emails the filters find whose run succeeded, from a step (after a change to
+    the rules, the prompt or the labels). Their classification and labels stay until the new
+    ones replace them; the overview and `status --json` ("reprocesses") show the progress."""
+    from mailpipe.broker.queues import Lane
+    from mailpipe.enqueue import sender
+    from mailpipe.operations import actions
+    from mailpipe.operations.search import EmailFilter
+
+    filt, _ = _email_filter(text, review, options)
+    if filt == EmailFilter():
+        raise BadInput("give a filter: reprocessing every email is not a filter")
+    res = _migrated()
+    step_ = actions.Step(step)
+    lane = Lane(in_lane)
+    planned = actions.reprocess(
+        res, filt, step_, lane=lane, enqueue=sender(res), user="", dry_run=True
+    )
+    click.echo(
+        f"{planned.emails} succeeded emails match, from {step}, in the {lane} lane: "
+        f"{planned.model_calls} model calls"
+    )
+    if dry_run or not planned.emails:
+        return
+    if not yes:
+        click.confirm("Reprocess them?", abort=True)
+    done = actions.reprocess(res, filt, step_, lane=lane, enqueue=sender(res), user=_user())
+    click.echo(f"reprocess {done.reprocess_id}: reopened {done.emails}, enqueued {done.enqueued}")
+
+
+@main.command("web-token")
+@click.argument("name")
+@click.option(
+    "--role",
+    type=click.Choice(["viewer", "operator"]),
+    default="viewer",
+    show_default=True,
+    help="A viewer's token reads the API; an operator's also acts.",
+)
+def web_token(name: str, role: str) -> None:
+    """Make a bearer token for the console's API: the token, shown once, for the machine that
+    calls; and its entry for MAILPIPE_WEB_TOKENS, which holds only the token's SHA-256."""
+    import hashlib
+    import secrets
+
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise BadInput("a token's name is letters, digits, - and _")
+    token = secrets.token_urlsafe(32)
+    click.echo(f"token (give it to the caller; it is not kept): {token}")
+    click.echo(
+        f"MAILPIPE_WEB_TOKENS entry: {name}:{role}:{hashlib.sha256(token.encode()).hexdigest()}"
+    )
 
 
 @main.command()

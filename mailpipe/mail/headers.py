@@ -49,6 +49,13 @@ def plain_value(name: str, raw: str) -> str | None:
     return None
 
 
+def normalise_message_id(value: str) -> str | None:
+    """A Message-ID as origins store it and the search looks it up: no angle brackets or white
+    space, lowercase; None for an empty one."""
+    value = "".join(value.split()).strip("<>").lower()
+    return value or None
+
+
 def _mailboxes(value: str) -> str | None:
     rendered = []
     for item in value.split(","):

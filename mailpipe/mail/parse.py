@@ -24,7 +24,7 @@ from email.message import EmailMessage, Message
 from typing import Any
 
 from mailpipe.errors import InputRejected
-from mailpipe.mail.headers import plain_value
+from mailpipe.mail.headers import normalise_message_id, plain_value
 from mailpipe.mail.prescan import (
     NESTED_TOO_DEEPLY,
     PARSED_PARTS_PER_PART,
@@ -218,11 +218,6 @@ def header(message: Message, name: str) -> str:
         return "" if value is None else storable(str(value).strip())
     except Exception:
         return _decode_raw_header(str(raw_value))
-
-
-def normalise_message_id(value: str) -> str | None:
-    value = "".join(value.split()).strip("<>").lower()
-    return value or None
 
 
 def _decode_raw_header(value: str) -> str:

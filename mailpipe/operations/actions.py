@@ -11,21 +11,24 @@ only: never an email's content); a switch leaves one line with the action and th
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.coordination import pauses
+from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
 from mailpipe.operations.sweeper import Enqueue, in_lanes
 from mailpipe.pipeline import emails, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
-from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
+from mailpipe.storage.models import EmailMessage, PipelineRun, Reprocess, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,19 @@ def dismiss(
     return Done(done, refused=refused)
 
 
+def undo_dismiss(
+    res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
+) -> Done:
+    """Put dismissed runs back on the failed list, failed as they were."""
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    for undone, not_undone in _in_batches(res, email_ids, None, batch, runs.undismiss):
+        _logged("undo_dismiss", user, undone)
+        done.extend(undone)
+        refused.update(not_undone)
+    return Done(done, refused=refused)
+
+
 def clear_review(
     res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
 ) -> Done:
@@ -199,6 +215,90 @@ def _why_not(session: Session, email_ids: list[int]) -> dict[int, str]:
         else:
             reasons[email_id] = f"its run is {status.value}"
     return reasons
+
+
+class Step(enum.StrEnum):
+    """Where a reprocess starts: the model stage alone, or the CPU stage and the model stage
+    after it (the CPU stage parses the email and converts its documents together)."""
+
+    CLASSIFY = "classify"
+    DOCUMENTS = "documents"
+    PARSE = "parse"
+
+
+@dataclass(frozen=True)
+class Reprocessed:
+    emails: int  # the succeeded runs the filter found (a dry run: what it would take)
+    model_calls: int  # what it costs: one call per email with a remote model, none with rules
+    reprocess_id: int | None = None  # None for a dry run
+    enqueued: int = 0  # jobs sent (an email whose job is queued already gets none)
+
+
+def reprocess(
+    res: Resources,
+    filt: EmailFilter,
+    step: Step,
+    *,
+    lane: Lane = Lane.BULK,
+    enqueue: Enqueue,
+    user: str,
+    dry_run: bool = False,
+    batch: int = BATCH,
+) -> Reprocessed:
+    """Run again, from `step`, the emails `filt` finds whose run succeeded: reopened in batches
+    under one reprocess (its progress: `status.reprocesses`), their jobs sent in `lane`, the bulk
+    one by default. Their classification and labels stay until the new answer replaces them. A
+    run already reopened is open, so the same filter twice reopens and sends nothing twice."""
+    with res.db.session() as session:
+        emails = session.scalar(select(func.count()).select_from(_succeeded(filt).subquery())) or 0
+    model_calls = emails if res.classifier.remote else 0
+    if dry_run or not emails:
+        return Reprocessed(emails, model_calls)
+    res.redis.ping()  # reopened runs wait for a job: with Redis down, change nothing
+    with res.db.transaction() as session:
+        record = Reprocess(
+            created_by=user,
+            from_step=step.value,
+            lane=lane.value,
+            search=filt.fields(),
+            emails=emails,
+        )
+        session.add(record)
+        session.flush()
+        reprocess_id = record.id
+    _audited(f"reprocess_{reprocess_id}_from_{step.value}", user)
+    enqueued, after = 0, 0
+    while True:
+        with res.db.transaction() as session:
+            chunk = list(
+                session.scalars(
+                    _succeeded(filt)
+                    .where(EmailMessage.id > after)
+                    .order_by(EmailMessage.id)
+                    .limit(batch)
+                )
+            )
+            if not chunk:
+                break
+            cpu, model = runs.reopen_to_reprocess(
+                session, chunk, reprocess_id, keep_documents=step is Step.CLASSIFY
+            )
+        after = chunk[-1]
+        _logged(f"reprocess_{reprocess_id}", user, cpu + model)
+        enqueued += len(enqueue(cpu, TaskName.PROCESS_EMAIL, lane)) if cpu else 0
+        enqueued += len(enqueue(model, TaskName.CLASSIFY_EMAIL, lane)) if model else 0
+    return Reprocessed(emails, model_calls, reprocess_id, enqueued)
+
+
+def _succeeded(filt: EmailFilter) -> Select[Any]:
+    """The emails `filt` finds whose run succeeded, by id. The filter's conditions on a run are
+    EXISTS over `pipeline_run`; the run read here is an alias, so that they stay its own."""
+    run = aliased(PipelineRun)
+    return (
+        select(EmailMessage.id)
+        .join(run, run.email_id == EmailMessage.id)
+        .where(*filt.where(), run.status == RunStatus.SUCCEEDED)
+    )
 
 
 def switch_model_calls(

@@ -34,8 +34,9 @@ One reporter sends them for the whole fleet: the `Reporter` of the beat that hol
 (mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
 runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
 A report is one reading of Redis, one transaction of two indexed range reads in the database
-(the failed runs, the attempts that ended) and one batched PutMetricData, whatever the fleet's
-size. The sweeper reads the same backlog for its own report,
+(the failed runs, the attempts that ended), one that keeps each lane's depth and oldest job for
+the console's charts (`queue_sample`, a day of them) and one batched PutMetricData, whatever the
+fleet's size. The sweeper reads the same backlog for its own report,
 and sends nothing.
 
 One small interface with two sinks: CloudWatch when `MAILPIPE_METRICS_NAMESPACE` is set, the log
@@ -51,10 +52,10 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, insert, select
 
 from mailpipe.broker.layout import queue_stats
 from mailpipe.broker.queues import Lane, Stage, lane_of, stage_queue
@@ -62,7 +63,14 @@ from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_versions, live_workers
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
-from mailpipe.storage.models import AttemptOutcome, PipelineRun, RunAttempt, RunStatus
+from mailpipe.storage.models import (
+    AttemptOutcome,
+    PipelineRun,
+    QueueSample,
+    RunAttempt,
+    RunStatus,
+    table,
+)
 
 log = logging.getLogger("mailpipe.operations.metrics")
 
@@ -88,6 +96,9 @@ JOB_COUNT_NAMES = ("JobsSucceeded", "JobsFailed", "JobsRetried", "JobsDeferred")
 # Outcomes written by a later claim: their ended_at is when the loss was noticed, so their
 # duration says nothing of the job's.
 UNTIMED_OUTCOMES = frozenset({AttemptOutcome.LOST, AttemptOutcome.CUT_OFF})
+
+# How long the lanes' samples are kept: the console draws at most a day of them.
+SAMPLES_KEPT = timedelta(days=1)
 
 # JobDuration's values are rounded to steps of a twentieth of a decade from 1 ms (each value
 # within 6 % of the duration): 150 steps, the most distinct values CloudWatch takes for one
@@ -352,6 +363,10 @@ def collect(res: Resources) -> list[BacklogMetrics]:
             replace(read_backlog(res, queue, measured_at, lanes), held=stage in paused)
             for queue in lanes
         )
+    try:
+        keep_samples(res, readings)
+    except Exception:
+        log.warning("could not keep the lanes' samples for the console", exc_info=True)
     email, *others = readings
     counted = res.redis.getdel(redis_keys.deferrals_counter())
     try:
@@ -434,6 +449,28 @@ def read_backlog(
         deferred_jobs=int(deferred),
         measured_at=now,
     )
+
+
+def keep_samples(res: Resources, readings: Sequence[BacklogMetrics]) -> None:
+    """Each lane's depth and oldest job of one report as a `queue_sample` row, for the console's
+    charts (mailpipe.operations.activity), and the samples older than SAMPLES_KEPT deleted, in
+    one transaction: the table holds a day of reports (a row per lane each)."""
+    with res.db.transaction() as session:
+        session.execute(
+            insert(table(QueueSample)),
+            [
+                {
+                    "measured_at": _naive_utc(reading.measured_at),
+                    "queue": reading.queue_dimension,
+                    "lane": reading.lane.value,
+                    "depth": reading.queue_depth,
+                    "oldest_age_s": reading.oldest_job_age_s,
+                }
+                for reading in readings
+            ],
+        )
+        oldest_kept = _naive_utc(min(r.measured_at for r in readings)) - SAMPLES_KEPT
+        session.execute(delete(QueueSample).where(QueueSample.measured_at < oldest_kept))
 
 
 def claim_window(res: Resources, lookback: float) -> Window | None:

@@ -27,6 +27,7 @@ from mailpipe.storage.models import (
     EmailMessage,
     EmailOrigin,
     PipelineRun,
+    Reprocess,
     RunAttempt,
     RunStatus,
     SweepReport,
@@ -35,16 +36,20 @@ from mailpipe.storage.models import (
 
 @dataclass(frozen=True)
 class FailedFilter:
-    """Which failed runs to list or act on; dismissed runs are never among them."""
+    """Which failed runs to list or act on: those on the failed list, or with `dismissed` those
+    an operator dismissed instead."""
 
     error_class: str | None = None
     stage: Stage | None = None  # CPU: failed before its documents were stored; MODEL: after
     since: datetime | None = None  # closed_at >= since (naive UTC)
     until: datetime | None = None  # closed_at < until (naive UTC)
+    dismissed: bool = False
 
     def where(self) -> list[ColumnElement[bool]]:
         """The conditions on `pipeline_run` of the runs this filter lists."""
-        conditions = [PipelineRun.status == RunStatus.FAILED, PipelineRun.dismissed_at.is_(None)]
+        dismissed_at = PipelineRun.dismissed_at
+        listed = dismissed_at.is_not(None) if self.dismissed else dismissed_at.is_(None)
+        conditions = [PipelineRun.status == RunStatus.FAILED, listed]
         if self.error_class is not None:
             conditions.append(PipelineRun.error_class == self.error_class)
         if self.stage is Stage.CPU:
@@ -94,6 +99,7 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
         last_sweep = session.scalars(
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
+        reprocessing = reprocesses(session)
     settings = res.settings
     # Each stage's live lane under the stage's role, its bulk lane after it.
     names = {
@@ -137,7 +143,36 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
         "model_calls": model_calls,
         "paused": paused,
         "last_sweep": _sweep_dict(last_sweep),
+        "reprocesses": reprocessing,
     }
+
+
+def reprocesses(session: Session, latest: int = 3) -> list[dict[str, Any]]:
+    """The latest reprocesses, newest first, with their progress: runs done (succeeded or
+    duplicate), failed, and left (open: queued, running or retrying)."""
+    found = session.scalars(select(Reprocess).order_by(Reprocess.id.desc()).limit(latest)).all()
+    counts: dict[int | None, dict[RunStatus, int]] = {r.id: {} for r in found}
+    for reprocess_id, status, n in session.execute(
+        select(PipelineRun.reprocess_id, PipelineRun.status, func.count())
+        .where(PipelineRun.reprocess_id.in_(list(counts)))
+        .group_by(PipelineRun.reprocess_id, PipelineRun.status)
+    ):
+        counts[reprocess_id][status] = n
+    return [
+        {
+            "id": r.id,
+            "created_at": _iso(r.created_at),
+            "created_by": r.created_by,
+            "from": r.from_step,
+            "lane": r.lane,
+            "emails": r.emails,
+            "done": counts[r.id].get(RunStatus.SUCCEEDED, 0)
+            + counts[r.id].get(RunStatus.DUPLICATE, 0),
+            "failed": counts[r.id].get(RunStatus.FAILED, 0),
+            "left": counts[r.id].get(RunStatus.OPEN, 0),
+        }
+        for r in found
+    ]
 
 
 # Exact counts where an operator acts on the figure; each has a partial index, so that the count
@@ -204,6 +239,7 @@ def failed_page(
             PipelineRun.converted_at,
             PipelineRun.error_class,
             PipelineRun.error,
+            PipelineRun.dismissed_at,
             EmailMessage.needs_review,
             EmailMessage.lane,
         )
@@ -222,6 +258,7 @@ def failed_page(
             "error": _shown(row.error),
             "needs_review": row.needs_review,
             "lane": row.lane,
+            "dismissed_at": _iso(row.dismissed_at),
         }
         for row in session.execute(query)
     ]

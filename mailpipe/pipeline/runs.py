@@ -49,6 +49,7 @@ from mailpipe.storage.models import (
     AttemptOutcome,
     EmailMessage,
     ErrorClass,
+    ModelInput,
     PipelineRun,
     RunAttempt,
     RunStatus,
@@ -556,6 +557,16 @@ def reopen(session: Session, email_id: int) -> bool:
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.FAILED:
         return False
+    _reopen(run)
+    # A manual retry runs the whole job again, the CPU stage included.
+    run.converted_at = None
+    emails.clear_review(session, [email_id])
+    return True
+
+
+def _reopen(run: PipelineRun) -> None:
+    """Open a locked run that ended, with a fresh attempt budget, no error, and no answer that
+    counts: its model stage calls the model again."""
     run.status = RunStatus.OPEN
     run.error = None
     run.error_class = None
@@ -566,11 +577,7 @@ def reopen(session: Session, email_id: int) -> bool:
     run.classified_at = None
     # Asked for by its id, a dismissed run is taken back onto the failed list should it fail again.
     run.dismissed_at = None
-    # A manual retry runs the whole job again, the CPU stage included.
-    run.converted_at = None
     run.closed_at = None
-    emails.clear_review(session, [email_id])
-    return True
 
 
 def reopen_failed(
@@ -594,6 +601,55 @@ def reopen_failed(
         if status is RunStatus.FAILED and reopen(session, email_id)
     ]
     return reopened, statuses
+
+
+def undismiss(session: Session, email_ids: list[int]) -> list[int]:
+    """Take the operator's dismiss back from the dismissed runs among `email_ids`: each is on
+    the failed list again, as it was. Returns the emails taken back."""
+    return sorted(
+        session.scalars(
+            update(PipelineRun)
+            .where(
+                PipelineRun.email_id.in_(email_ids),
+                PipelineRun.status == RunStatus.FAILED,
+                PipelineRun.dismissed_at.is_not(None),
+            )
+            .values(dismissed_at=None)
+            .returning(PipelineRun.email_id)
+        )
+    )
+
+
+def reopen_to_reprocess(
+    session: Session, email_ids: list[int], reprocess_id: int, *, keep_documents: bool
+) -> tuple[list[int], list[int]]:
+    """Reopen the succeeded runs among `email_ids` for an operator's reprocess `reprocess_id`,
+    with a fresh attempt budget, locked so that none changes meanwhile. `keep_documents`: a run
+    whose documents and model input are stored goes on from its model stage; any other runs its
+    CPU stage again. The classification and labels stay until the new answer replaces them; the
+    runs' claims go on growing, so no delivery of before is taken for a new one. Returns the
+    emails whose CPU stage runs next, and those whose model stage does."""
+    runs = session.scalars(
+        select(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.SUCCEEDED)
+        .order_by(PipelineRun.email_id)
+        .with_for_update()
+    ).all()
+    with_input = set(
+        session.scalars(
+            select(ModelInput.email_id).where(ModelInput.email_id.in_([r.email_id for r in runs]))
+        )
+    )
+    cpu: list[int] = []
+    model: list[int] = []
+    for run in runs:
+        from_model = keep_documents and run.converted_at is not None and run.email_id in with_input
+        _reopen(run)
+        run.reprocess_id = reprocess_id
+        if not from_model:
+            run.converted_at = None
+        (model if from_model else cpu).append(run.email_id)
+    return cpu, model
 
 
 def _locked_run(session: Session, email_id: int) -> PipelineRun:

@@ -22,6 +22,9 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    column,
+    func,
+    literal_column,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -110,6 +113,20 @@ def _enum(cls: type[enum.Enum], name: str) -> Enum:
     )
 
 
+def subject_words(subject: Any) -> Any:
+    """The subject's words as the search matches them and their index holds them (PostgreSQL's
+    full text in its `simple` configuration: lowercase words, none stemmed or left out)."""
+    return func.to_tsvector(literal_column("'simple'::regconfig"), subject)
+
+
+def sender_words(sender: Any) -> Any:
+    """The sender's words likewise, and once more with each address cut at its @ (and its
+    brackets blanked, which the parser would read as a markup tag), so that its domain and its
+    local part are words as well as the whole address."""
+    split = func.translate(sender, literal_column("'@<>'"), literal_column("'   '"))
+    return subject_words(sender.concat(literal_column("' '")).concat(split))
+
+
 class EmailMessage(Base):
     __tablename__ = "email_message"
 
@@ -145,6 +162,27 @@ class EmailMessage(Base):
             postgresql_where=text("needs_review"),
             sqlite_where=text("needs_review"),
         ),
+        # The search's filters (docs/decisions/search-indexes.md): a received time range (with
+        # the ids, which a range's search reads from the index alone), the bulk lane, and the
+        # words of the subject and the sender (PostgreSQL only: a search on SQLite reads the
+        # columns).
+        Index("ix_email_message_received_at", "received_at", "id"),
+        Index(
+            "ix_email_message_bulk",
+            "id",
+            postgresql_where=text("lane = 'bulk'"),
+            sqlite_where=text("lane = 'bulk'"),
+        ),
+        Index(
+            "ix_email_message_subject_words",
+            subject_words(column("subject")),
+            postgresql_using="gin",
+        ).ddl_if(dialect="postgresql"),
+        Index(
+            "ix_email_message_sender_words",
+            sender_words(column("sender")),
+            postgresql_using="gin",
+        ).ddl_if(dialect="postgresql"),
     )
 
 
@@ -160,6 +198,16 @@ class EmailOrigin(Base):
         ForeignKey("email_message.id", use_alter=True, name="fk_email_origin_first_email")
     )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (
+        # The search by Message-ID: the origins with it, then their first emails and copies.
+        Index(
+            "ix_email_origin_message_id",
+            "message_id",
+            postgresql_where=text("message_id IS NOT NULL"),
+            sqlite_where=text("message_id IS NOT NULL"),
+        ),
+    )
 
 
 # The failed runs the failed list shows: an operator dismissed none of them.
@@ -205,8 +253,18 @@ class PipelineRun(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     closed_at: Mapped[datetime | None]
+    # The operator's reprocess that last reopened the run (`Reprocess`), for its progress.
+    reprocess_id: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
+        # A reprocess's progress: its runs by status.
+        Index(
+            "ix_pipeline_run_reprocess",
+            "reprocess_id",
+            "status",
+            postgresql_where=text("reprocess_id IS NOT NULL"),
+            sqlite_where=text("reprocess_id IS NOT NULL"),
+        ),
         # The sweeper's candidates: open runs only, in id order (keyset batches).
         Index(
             "ix_pipeline_run_open",
@@ -244,6 +302,21 @@ class PipelineRun(Base):
             "id",
             postgresql_where=text(_LISTED),
             sqlite_where=text(_LISTED),
+        ),
+        # The search by run state and by error class, newest email first.
+        Index("ix_pipeline_run_status", "status", "email_id"),
+        Index(
+            "ix_pipeline_run_dismissed",
+            "email_id",
+            postgresql_where=text("dismissed_at IS NOT NULL"),
+            sqlite_where=text("dismissed_at IS NOT NULL"),
+        ),
+        Index(
+            "ix_pipeline_run_error_class",
+            "error_class",
+            "email_id",
+            postgresql_where=text("error_class IS NOT NULL"),
+            sqlite_where=text("error_class IS NOT NULL"),
         ),
     )
 
@@ -304,7 +377,11 @@ class EmailLabel(Base):
     confidence: Mapped[float | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
-    __table_args__ = (UniqueConstraint("email_id", "label"),)
+    __table_args__ = (
+        UniqueConstraint("email_id", "label"),
+        # The search by label, newest email first.
+        Index("ix_email_label_label", "label", "email_id"),
+    )
 
 
 class Classification(Base):
@@ -337,6 +414,21 @@ class ModelInput(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class Reprocess(Base):
+    """An operator's re-run of ended emails from one step (`mailpipe reprocess`): what it took,
+    by whom, and how many; its runs name it (`PipelineRun.reprocess_id`)."""
+
+    __tablename__ = "reprocess"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(128))
+    from_step: Mapped[str] = mapped_column(String(16))  # classify, documents or parse
+    lane: Mapped[str] = mapped_column(String(8))
+    search: Mapped[dict[str, Any]] = mapped_column(JSON)  # the filter, as the search's fields
+    emails: Mapped[int]
+
+
 class RuntimeFlag(Base):
     """Durable runtime switches (model calls on/off) that workers read at job time."""
 
@@ -361,6 +453,22 @@ class SweepReport(Base):
     marked_for_review: Mapped[int] = mapped_column(default=0)
     queue_depth: Mapped[int | None]
     backlog_per_task: Mapped[float | None]
+
+
+class QueueSample(Base):
+    """One lane's depth and oldest job as a metrics report read them, for the console's charts
+    (mailpipe.operations.activity): a row per lane per report, kept a day."""
+
+    __tablename__ = "queue_sample"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    measured_at: Mapped[datetime]
+    queue: Mapped[str] = mapped_column(String(255))  # the stage's queue (`Queue` dimension)
+    lane: Mapped[str] = mapped_column(String(8))
+    depth: Mapped[int]
+    oldest_age_s: Mapped[float]
+
+    __table_args__ = (Index("ix_queue_sample_measured_at", "measured_at"),)
 
 
 class HealthCheck(Base):

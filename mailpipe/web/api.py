@@ -3,11 +3,15 @@ as the pages are. Its errors are JSON too (`errors.as_json`, given to its Mount)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from mailpipe.operations.status import fleet_status, job_state
+from mailpipe.operations.activity import fleet_activity
+from mailpipe.operations.search import BadSearch, find, read_search
+from mailpipe.operations.status import failed_page, fleet_status, job_state, review_page
 from mailpipe.web import params
 
 
@@ -25,3 +29,49 @@ def job(request: Request) -> Response:
 def queues(request: Request) -> Response:
     """What the overview shows: queues, workers, switches, runs by status."""
     return JSONResponse(fleet_status(request.app.state.resources))
+
+
+def activity(request: Request) -> Response:
+    """What the overview's charts draw (`activity.Activity.as_json`): `?window=hour` (a bucket a
+    minute, the default) or `day` (a bucket a quarter hour)."""
+    window = params.window(request.query_params)
+    with request.app.state.resources.db.session() as session:
+        return JSONResponse(fleet_activity(session, window).as_json())
+
+
+def search(request: Request) -> Response:
+    """The search page's emails, a page of 50 at a time: `rows`, newest first, and `next_before`,
+    the `before` of the next page (null on the last)."""
+    try:
+        filt, before = read_search(request.query_params)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    with request.app.state.resources.db.session() as session:
+        found = find(session, filt, before)
+    return JSONResponse(found.as_json())
+
+
+def failed(request: Request) -> Response:
+    """The failed list, as `mailpipe failed --json`: `?error_class`, `stage`, `since`, `until`,
+    `view=dismissed`, `page` (50 a page)."""
+    filt, problems = params.failed_filter(request.query_params)
+    if problems:
+        raise HTTPException(400, "; ".join(problems))
+    page = params.page_number(request.query_params)
+    with request.app.state.resources.db.session() as session:
+        return JSONResponse(failed_page(session, filt, page).as_json())
+
+
+def review(request: Request) -> Response:
+    """The review list, as `mailpipe review --json`: `?page` (50 a page)."""
+    page = params.page_number(request.query_params)
+    with request.app.state.resources.db.session() as session:
+        return JSONResponse(review_page(session, page).as_json())
+
+
+# The API's description (OpenAPI 3.1), shipped with the package; a test holds it to the routes.
+OPENAPI = Path(__file__).with_name("openapi.yaml")
+
+
+def openapi(request: Request) -> Response:
+    return PlainTextResponse(OPENAPI.read_text(), media_type="application/yaml")

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.authentication import AuthenticationBackend
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
@@ -27,8 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
-from mailpipe.web import api, errors, forms, pages
-from mailpipe.web.auth import BasicAuth, accounts, secret_of
+from mailpipe.web import api, api_actions, errors, forms, pages
+from mailpipe.web.auth import BasicAuth, TokenOrBasicAuth, accounts, secret_of, tokens
 
 # Never framed (clickjacking an operator's button), nothing from elsewhere, no inline style or
 # script: should an email's text ever reach a page unescaped, the browser would run none of it.
@@ -43,8 +44,9 @@ SECURITY_HEADERS = [
 ]
 
 
-def healthz(request: Request) -> Response:
-    """No sign-in, no database: the process answers."""
+async def healthz(request: Request) -> Response:
+    """No sign-in, no database, no thread: the process's event loop answers, whatever the pages
+    and the sign-in's hash checks hold of the thread pool."""
     return PlainTextResponse("ok")
 
 
@@ -58,23 +60,47 @@ CONSOLE = [
     Route("/failed", forms.act_on_failed, methods=["POST"], name="act_on_failed"),
     Route("/review", pages.review, name="review"),
     Route("/review", forms.act_on_review, methods=["POST"], name="act_on_review"),
+    Route("/search", pages.search, name="search"),
     Route("/emails/{email_id}", pages.email, name="email"),
     Route("/emails/{email_id}/lane", forms.move_to_lane, methods=["POST"], name="move_to_lane"),
+    Route("/emails/{email_id}/act", forms.act_on_email, methods=["POST"], name="act_on_email"),
     Mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static"),
 ]
 # Under /api/ (route names "api:job", "api:queues"): sign-in refused in JSON, as its errors.
 API = [
+    Route("/openapi.yaml", api.openapi, name="openapi"),
     Route("/jobs/{email_id}", api.job, name="job"),
     Route("/queues", api.queues, name="queues"),
+    Route("/activity", api.activity, name="activity"),
+    Route("/search", api.search, name="search"),
+    Route("/failed", api.failed, name="failed"),
+    Route("/review", api.review, name="review"),
+    Route(
+        "/emails/{email_id}/{action}",
+        api_actions.act_on_email,
+        methods=["POST"],
+        name="act_on_email",
+    ),
+    Route("/reprocess", api_actions.reprocess, methods=["POST"], name="reprocess"),
+    Route(
+        "/stages/{stage}/{do}",
+        api_actions.pause_or_resume,
+        methods=["POST"],
+        name="pause_or_resume",
+    ),
+    Route("/model-calls", api_actions.switch_model_calls, methods=["PUT"], name="model_calls"),
 ]
 
 
 def create_app(settings: Settings) -> Starlette:
     secret = secret_of(settings)
     sign_in = BasicAuth(accounts(settings), secret)
+    api_sign_in = TokenOrBasicAuth(sign_in, tokens(settings))
     app = Starlette(
         routes=[
-            Mount("/api", routes=API, name="api", middleware=_answered(errors.as_json, sign_in)),
+            Mount(
+                "/api", routes=API, name="api", middleware=_answered(errors.as_json, api_sign_in)
+            ),
             Mount("", routes=CONSOLE, middleware=_answered(errors.as_text, sign_in)),
         ],
         middleware=[Middleware(SecurityHeaders), *_loopback_names_only(settings)],
@@ -86,7 +112,7 @@ def create_app(settings: Settings) -> Starlette:
     return app
 
 
-def _answered(answer: errors.Answer, sign_in: BasicAuth) -> list[Middleware]:
+def _answered(answer: errors.Answer, sign_in: AuthenticationBackend) -> list[Middleware]:
     """Sign-in first, then the routes; a refusal of either answered by `answer`."""
     return [
         Middleware(AuthenticationMiddleware, backend=sign_in, on_error=errors.unauthorized(answer)),

@@ -18,13 +18,12 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from mailpipe.broker.queues import Lane, Stage
-from mailpipe.coordination import pauses
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
 from mailpipe.operations.status import FailedFilter, review_page
 from mailpipe.resources import Resources
 from mailpipe.web import params
-from mailpipe.web.auth import ACT, csrf_valid
+from mailpipe.web.auth import ACT, csrf_refusal
 
 log = logging.getLogger("mailpipe.web")
 
@@ -34,16 +33,32 @@ LOGGED_IDS = 200
 ACTIONS = {
     "retry": "retried",
     "dismiss": "dismissed",
+    "undo": "back on the failed list",
+    "undo-dismiss": "back on the failed list",
     "clear": "review mark cleared",
+    "clear-review": "review mark cleared",
+    "reprocess": "reprocessed",
 }
-_VERBS = ("retry-selected", "retry-matching", "dismiss-selected", "dismiss-matching")
+_VERBS = (
+    "retry-selected",
+    "retry-matching",
+    "dismiss-selected",
+    "dismiss-matching",
+    "undo-selected",
+)
 _COUNTS = ("done", "enqueued", "refused")
 
 
 async def switch_model_calls(request: Request) -> Response:
     form = await _action_form(request)
     on = _choice(form, "state", ("on", "off")) == "on"
-    await run_in_threadpool(_switch_model_calls, request.app.state.resources, on)
+    await run_in_threadpool(
+        actions.switch_model_calls,
+        request.app.state.resources,
+        on,
+        send_sweep=_send_sweep,
+        user=_who(request),
+    )
     _log_action(request, f"model calls {'on' if on else 'off'}", [])
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
@@ -51,13 +66,13 @@ async def switch_model_calls(request: Request) -> Response:
 async def pause_or_resume(request: Request) -> Response:
     form = await _action_form(request)
     stage = Stage(_choice(form, "stage", tuple(Stage)))
-    redis = request.app.state.resources.redis
+    res = request.app.state.resources
     if _choice(form, "do", ("pause", "resume")) == "pause":
         reason = str(form.get("reason") or "").strip() or "paused by an operator"
-        await run_in_threadpool(pauses.pause, redis, stage, reason[:200])
+        await run_in_threadpool(actions.pause, res, stage, reason[:200], user=_who(request))
         _log_action(request, f"pause {stage.value}", [])
     else:
-        await run_in_threadpool(pauses.resume, redis, stage)
+        await run_in_threadpool(actions.resume, res, stage, user=_who(request))
         _log_action(request, f"resume {stage.value}", [])
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
@@ -109,6 +124,46 @@ async def move_to_lane(request: Request) -> Response:
     return RedirectResponse(request.app.url_path_for("email", email_id=email_id), status_code=303)
 
 
+# What an email's page offers, by the form's `do`; each as its list pages and the CLI do it.
+EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "reprocess")
+
+
+async def act_on_email(request: Request) -> Response:
+    """One of EMAIL_ACTIONS on the email whose page posted it; back to that page, with what it
+    did."""
+    email_id = params.email_id(request)
+    form = await _action_form(request)
+    verb = _choice(form, "do", EMAIL_ACTIONS)
+    res, who = request.app.state.resources, _who(request)
+    if verb == "reprocess":
+        step = actions.Step(_choice(form, "from", tuple(actions.Step)))
+        lane = Lane(_choice(form, "lane", tuple(Lane)))
+        done = await run_in_threadpool(_reprocess_one, res, email_id, step, lane, who)
+    elif verb == "undo-dismiss":
+        done = await run_in_threadpool(actions.undo_dismiss, res, [email_id], user=who)
+    elif verb == "clear-review":
+        done = await run_in_threadpool(actions.clear_review, res, [email_id], user=who)
+    else:
+        done = await run_in_threadpool(_act, res, verb, request.user.username, [email_id])
+    _log_action(request, f"{verb} on its page", done.done)
+    counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
+    path = request.app.url_path_for("email", email_id=email_id)
+    return RedirectResponse(f"{path}?{params.query({}, action=verb, **counts)}", status_code=303)
+
+
+def _reprocess_one(
+    res: Resources, email_id: int, step: actions.Step, lane: Lane, who: str
+) -> actions.Done:
+    from mailpipe.operations.search import EmailFilter
+
+    done = actions.reprocess(
+        res, EmailFilter(email_id=email_id), step, lane=lane, enqueue=sender(res), user=who
+    )
+    if not done.emails:
+        return actions.Done([], refused={email_id: "its run has not succeeded"})
+    return actions.Done([email_id], done.enqueued)
+
+
 def notice(query: Mapping[str, str]) -> str | None:
     """An action's result, as the redirect after it carries it: counts, never text."""
     verb = ACTIONS.get(query.get("action", ""))
@@ -119,7 +174,7 @@ def notice(query: Mapping[str, str]) -> str | None:
     except ValueError:
         return None
     parts = [f"{done} {verb}"]
-    if query.get("action") == "retry":
+    if query.get("action") in ("retry", "reprocess"):
         parts.append(f"{enqueued} jobs sent")
     if refused:
         parts.append(f"{refused} refused (not in a state for it)")
@@ -131,10 +186,9 @@ async def _action_form(request: Request) -> FormData:
     if ACT not in request.auth.scopes:
         raise HTTPException(403, "viewers read; only an operator can act")
     form = await request.form()
-    token = form.get("csrf_token")
-    secret = request.app.state.secret
-    if not isinstance(token, str) or not csrf_valid(secret, request.user.username, token):
-        raise HTTPException(403, "the form's token is missing or wrong: reload the page")
+    refused = csrf_refusal(request.app.state.secret, request.user.username, form.get("csrf_token"))
+    if refused is not None:
+        raise HTTPException(403, refused)
     return form
 
 
@@ -146,24 +200,23 @@ def _choice(form: FormData, name: str, allowed: Sequence[str]) -> str:
 
 
 def _selected(form: FormData) -> list[int]:
-    try:
-        return [int(str(value)) for value in form.getlist("email_id")]
-    except ValueError:
-        raise HTTPException(400, "an email id is a whole number") from None
+    return [
+        params.whole_number(str(value), "an email id", params.MAX_ID)
+        for value in form.getlist("email_id")
+    ]
 
 
-def _switch_model_calls(res: Resources, on: bool) -> None:
-    """As `mailpipe model-calls on|off`: the flag, then a sweep so that waiting runs go on now."""
-    from mailpipe.storage import flags
+def _send_sweep() -> None:
+    # Imported here: the task module loads the pipeline's parsers and classifiers, which the
+    # console has no other use for (tests/unit/test_layers.py).
+    from mailpipe.app.tasks import sweep
 
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, on)
-    if on:
-        # Imported here: the task module loads the pipeline's parsers and classifiers, which
-        # the console has no other use for (tests/unit/test_layers.py).
-        from mailpipe.app.tasks import sweep
+    sweep.apply_async()
 
-        sweep.apply_async()
+
+def _who(request: Request) -> str:
+    """The user as the actions' audit lines name a console user."""
+    return f"web:{request.user.username}"
 
 
 def _act(
@@ -183,6 +236,8 @@ def _act(
     if verb == "dismiss":
         return actions.dismiss(res, email_ids, filt, user=who)
     assert email_ids is not None
+    if verb == "undo":
+        return actions.undo_dismiss(res, email_ids, user=who)
     return actions.clear_review(res, email_ids, user=who)
 
 

@@ -14,10 +14,13 @@ import jinja2
 from starlette.datastructures import URLPath
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from mailpipe.broker.queues import Stage
+from mailpipe.broker.queues import Lane, Stage
+from mailpipe.operations.actions import Step
+from mailpipe.operations.activity import fleet_activity
+from mailpipe.operations.search import FIELDS, STATES, BadSearch, Found, find, read_search
 from mailpipe.operations.status import (
     email_detail,
     error_classes,
@@ -26,7 +29,7 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.web import forms, params
+from mailpipe.web import charts, forms, params
 from mailpipe.web.auth import ACT, csrf_token
 
 PER_PAGE = 50
@@ -51,8 +54,16 @@ def _url_path_for(context: dict[str, Any], name: str, /, **path_params: Any) -> 
 
 
 def overview(request: Request) -> Response:
+    res = request.app.state.resources
+    window = params.window(request.query_params)
+    with res.db.session() as session:
+        activity = fleet_activity(session, window)
     return _render(
-        request, "overview.html", status=fleet_status(request.app.state.resources, estimates=True)
+        request,
+        "overview.html",
+        status=fleet_status(res, estimates=True),
+        activity=activity,
+        activity_panels=charts.panels(activity),
     )
 
 
@@ -82,6 +93,45 @@ def review(request: Request) -> Response:
     return _render(request, "review.html", listed=listed, query=lambda **c: params.query({}, **c))
 
 
+def search(request: Request) -> Response:
+    """The search page, and the search box's answer: an email id goes to the email's page."""
+    res = request.app.state.resources
+    try:
+        filt, before = read_search(request.query_params)
+    except BadSearch as exc:
+        # The form as it was sent, with what to correct.
+        sent = {name: request.query_params.get(name, "") for name in FIELDS}
+        return _search_page(request, sent, None, [str(exc)])
+    if filt.email_id is not None:
+        return RedirectResponse(request.app.url_path_for("email", email_id=filt.email_id), 303)
+    with res.db.session() as session:
+        found = find(session, filt, before, PER_PAGE)
+    return _search_page(request, filt.fields(), found, [], header_note=filt.reads_headers)
+
+
+def _search_page(
+    request: Request,
+    fields: dict[str, str],
+    found: Found | None,
+    problems: list[str],
+    header_note: bool = False,
+) -> Response:
+    return _render(
+        request,
+        "search.html",
+        status_code=400 if problems else 200,
+        found=found,
+        filters=fields,
+        problems=problems,
+        header_note=header_note,
+        paged=bool(request.query_params.get("before")),
+        states=STATES,
+        lanes=[lane.value for lane in Lane],
+        labels=request.app.state.resources.settings.labels,
+        query=lambda **changes: params.query(fields, **changes),
+    )
+
+
 def email(request: Request) -> Response:
     email_id = params.email_id(request)
     res = request.app.state.resources
@@ -90,7 +140,7 @@ def email(request: Request) -> Response:
         state = job_state(res, session, email_id) if detail is not None else None
     if detail is None or state is None:
         raise HTTPException(404, f"no email with id {email_id}")
-    return _render(request, "email.html", email=detail, state=state)
+    return _render(request, "email.html", email=detail, state=state, steps=[s.value for s in Step])
 
 
 def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:

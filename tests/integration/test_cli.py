@@ -20,7 +20,7 @@ import click
 import psycopg
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from mailpipe.broker import layout
 from mailpipe.broker.queues import control_queue
@@ -37,6 +37,7 @@ from mailpipe.storage.migrate import MIGRATIONS
 from mailpipe.storage.models import EmailMessage as EmailRow
 from mailpipe.storage.models import PipelineRun
 from tests.conftest import PG_ADMIN_URL, RUN_ID
+from tests.support.searched import store_searched
 from tests.support.services import Database
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -54,6 +55,11 @@ def mailpipe(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Comp
         cwd=cwd,
         timeout=300,
     )
+
+
+def errors(run: subprocess.CompletedProcess[str]) -> list[str]:
+    """The lines of stderr but the actions' audit lines."""
+    return [line for line in run.stderr.splitlines() if "mailpipe.operations.actions]" not in line]
 
 
 def one_error_line(run: subprocess.CompletedProcess[str]) -> str:
@@ -203,6 +209,7 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
             "error",
             "needs_review",
             "lane",
+            "dismissed_at",
         }
         assert row["attempts"] == 1 and "not an email" in row["error"]
         assert (row["stage"], row["needs_review"]) == ("cpu", False)
@@ -244,7 +251,7 @@ def test_retry_names_the_ids_it_cannot_retry_and_retries_the_rest(res) -> None: 
     assert run.returncode == 3
     assert run.stdout.strip() == "reopened 1, enqueued 1"
     assert "Traceback" not in run.stderr
-    assert run.stderr.splitlines() == [
+    assert errors(run) == [
         f"email {done}: not retried, its run is succeeded",
         f"email {idle}: not retried, it has no run",
         "email 424242: not retried, it has no run",
@@ -495,7 +502,7 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
     one = mailpipe("dismiss", str(first), "424242")
     assert one.returncode == 3
     assert one.stdout.strip() == "dismissed 1"
-    assert one.stderr.splitlines() == ["email 424242: not dismissed, it has no run"]
+    assert errors(one) == ["email 424242: not dismissed, it has no run"]
     rest = mailpipe("dismiss", "--all", "--error-class", "Stalled")
     assert (rest.returncode, rest.stdout.strip()) == (0, "dismissed 1")
     assert statuses(res) == {first: "failed", second: "failed", kept: "failed"}
@@ -505,6 +512,16 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
     assert json.loads(mailpipe("review", "--json").stdout)["total"] == 0
     assert mailpipe("failed", "--retry-all").stdout.strip() == "reopened 1, enqueued 1"
     assert statuses(res) == {first: "failed", second: "failed", kept: "open"}
+
+    dismissed = json.loads(mailpipe("failed", "--dismissed", "--json").stdout)["rows"]
+    assert [row["email_id"] for row in dismissed] == [second, first]
+    assert all(row["dismissed_at"] is not None for row in dismissed)
+    undone = mailpipe("dismiss", "--undo", str(second), str(kept))
+    assert (undone.returncode, undone.stdout.strip()) == (3, "back on the failed list: 1")
+    assert errors(undone) == [f"email {kept}: not taken back, its run is open"]
+    assert f"undo_dismiss by cli:{getpass.getuser()}: 1 email(s): {second}" in undone.stderr
+    listed = json.loads(mailpipe("failed", "--json").stdout)["rows"]
+    assert [row["email_id"] for row in listed] == [second]
 
     shown = json.loads(mailpipe("show", str(first)).stdout)
     assert shown["dismissed_at"] is not None
@@ -521,3 +538,96 @@ def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]
     data = json.loads(mailpipe("status", "--json").stdout)
     assert set(data["queues"]) == {"email", "email.bulk", "model", "model.bulk", "control"}
     assert data["workers"] == []
+
+
+def test_find_prints_the_emails_it_finds_newest_first(res) -> None:  # type: ignore[no-untyped-def]
+    ids = store_searched(res)
+    with res.db.transaction() as session:
+        session.execute(
+            update(EmailRow)
+            .where(EmailRow.id == ids["lunch"])
+            .values(subject="[bold red]Lunch[/] on Friday?")
+        )
+    table = mailpipe("find", "--sender", "corp.example", "--review", COLUMNS="200")
+    assert table.returncode == 0, table.stderr
+    assert "emails found: 1, newest first" in table.stdout
+    assert "Security alert: a new sign-in" in table.stdout and "BlobMissing" in table.stdout
+    # A subject's markup is the sender's text: printed as it is.
+    lunch = mailpipe("find", "carol@corp.example", COLUMNS="200")
+    assert "[bold red]Lunch[/] on Friday?" in lunch.stdout
+
+    found = mailpipe("find", "--subject", "invoice", "--json")
+    assert found.returncode == 0, found.stderr
+    answer = json.loads(found.stdout)
+    assert [row["email_id"] for row in answer["rows"]] == [
+        ids["overdue"],
+        ids["copy"],
+        ids["invoice"],
+    ]
+    assert answer["next_before"] is None
+    by_id = json.loads(mailpipe("find", str(ids["alert"]), "--json").stdout)
+    assert [row["email_id"] for row in by_id["rows"]] == [ids["alert"]]
+    marked = json.loads(mailpipe("find", "--no-review", "--lane", "bulk", "--json").stdout)
+    assert [row["email_id"] for row in marked["rows"]] == [ids["newsletter"]]
+
+    none = mailpipe("find", "--message-id", "<nobody@nowhere.example>")
+    assert (none.returncode, none.stderr) == (0, "")
+    assert none.stdout.strip() == (
+        "no email found (Message-ID, sender and subject find only emails a job has read)"
+    )
+    assert mailpipe("find", "--state", "open", "--label", "spam").stdout.strip() == "no email found"
+
+
+def test_find_pages_with_before(res) -> None:  # type: ignore[no-untyped-def]
+    ids = store_emails(res, [message(n).as_bytes() for n in range(60)])
+    first = mailpipe("find")
+    assert first.returncode == 0, first.stderr
+    assert f"more: the same filters with --before {ids[10]}" in first.stdout
+    rest = json.loads(mailpipe("find", "--before", str(ids[10]), "--json").stdout)
+    assert [row["email_id"] for row in rest["rows"]] == list(reversed(ids[:10]))
+    assert rest["next_before"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (("--since", "yesterday"), "since is a date or a date and time"),
+        (("--state", "lost"), "state is one of no_run, open, succeeded, duplicate, failed"),
+        (("--lane", "fast"), "lane is one of live, bulk"),
+        (("--sender", "a\x1b[2Jb"), "sender is text without control characters"),
+        (("--before", "99999999999999999999"), "before is a whole number from 1 to"),
+        (("--subject", "?!"), "subject has a word (a letter or a digit)"),
+        (("--since", "2026-02-01", "--until", "2026-01-01"), "since is earlier than until"),
+    ],
+)
+def test_find_refuses_bad_input_in_one_line_with_exit_2(
+    args: tuple[str, ...], reason: str, services: None
+) -> None:
+    run = mailpipe("find", *args)
+    assert run.returncode == 2
+    line = one_error_line(run)
+    assert line.startswith("Error: ") and reason in line, line
+    assert run.stdout == ""
+
+
+def test_reprocess_by_filter_says_what_it_takes_then_takes_it_once(res) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+
+    model_calls(res, True)
+    ids = store_emails(res, [INVOICE, PLAIN])
+    assert [job.process_email(res, i).kind.value for i in ids] == ["succeeded"] * 2
+    assert mailpipe("reprocess", "--from", "classify").returncode == 2  # no filter
+    dry = mailpipe("reprocess", "--label", "invoice", "--from", "classify", "--dry-run")
+    assert dry.stdout.strip() == (
+        "2 succeeded emails match, from classify, in the bulk lane: 0 model calls"
+    )
+    assert statuses(res) == dict.fromkeys(ids, "succeeded")
+    done = mailpipe("reprocess", "--label", "invoice", "--from", "parse", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].endswith("reopened 2, enqueued 2")
+    assert statuses(res) == dict.fromkeys(ids, "open")
+    assert f"_from_parse by cli:{getpass.getuser()}" in done.stderr
+    again = mailpipe("reprocess", "--label", "invoice", "--from", "parse", "--yes")
+    assert again.stdout.strip().startswith("0 succeeded emails match")
+    [progress] = json.loads(mailpipe("status", "--json").stdout)["reprocesses"]
+    assert (progress["emails"], progress["left"], progress["lane"]) == (2, 2, "bulk")

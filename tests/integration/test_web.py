@@ -3,8 +3,11 @@ over the test's database and Redis.
 
 - Who may do what: no credentials or a wrong password is 401 with a basic-auth challenge; a
   viewer reads and is refused every action (403); an operator's action needs the form's CSRF
-  token (403 without it, or with another user's); a right one acts, through the same code as the
-  CLI, and is logged with its user and emails.
+  token (403 without it, with another user's or with an expired one); a right one acts, through
+  the same code as the CLI, and is logged with its user and emails. How sign-in is bounded:
+  tests/integration/test_web_signin.py.
+- /healthz answers while every thread of the pool waits on the database.
+- A number or a byte a page or the API cannot read is a 400 that says so, never a 500.
 - Pages escape what the emails hold, and no email content reaches the console's log.
 - The API answers each state of a job as the database and the broker hold it: `queued` and
   `running` seen on a real worker whose job is held in its steps (tests/support/faults.py).
@@ -17,13 +20,17 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import requests
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select, text, update
 
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
@@ -31,14 +38,17 @@ from mailpipe.coordination import pauses
 from mailpipe.pipeline import emails, runs
 from mailpipe.storage import flags
 from mailpipe.storage.keys import raw_email_key
-from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, utcnow
+from mailpipe.storage.models import EmailMessage, PipelineRun, RunAttempt, RunStatus, utcnow
+from mailpipe.web.auth import CSRF_MAX_AGE, csrf_token
 from tests.support.console import OPERATOR, OPERATOR_ARGON2, VIEWER, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
+from tests.support.searched import store_searched
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 HOSTILE = "<script>alert('subject')</script>"
+SECRET = "the console's CSRF key in these tests, 32 bytes or more"
 
 
 def email(tag: str) -> bytes:
@@ -103,7 +113,16 @@ def console(res, tmp_path: Path) -> Iterator[Callable[..., ConsoleProcess]]:  # 
 def test_signing_in(console) -> None:  # type: ignore[no-untyped-def]
     web = console()
     assert requests.get(f"{web.url}/healthz", timeout=5).status_code == 200
-    for path in ("/", "/failed", "/review", "/emails/1", "/api/queues", "/api/jobs/1"):
+    for path in (
+        "/",
+        "/failed",
+        "/review",
+        "/search",
+        "/emails/1",
+        "/api/queues",
+        "/api/jobs/1",
+        "/api/search",
+    ):
         refused = requests.get(f"{web.url}{path}", timeout=5)
         assert refused.status_code == 401, path
         assert refused.headers["WWW-Authenticate"].startswith('Basic realm="mailpipe"')
@@ -123,10 +142,9 @@ def test_signing_in(console) -> None:  # type: ignore[no-untyped-def]
 
 def test_actions_need_an_operator_and_the_form_s_token(res, console) -> None:  # type: ignore[no-untyped-def]
     email_id = failed_run(res)
-    web = console()
+    web = console({**os.environ, "MAILPIPE_WEB_SECRET": SECRET})
     viewer_token = web.csrf(VIEWER)
-    operator_token = web.csrf(OPERATOR)
-    assert viewer_token != operator_token
+    assert viewer_token != web.csrf(OPERATOR)
     retry = {"do": "retry-selected", "email_id": str(email_id)}
 
     def post(auth: tuple[str, str], form: dict[str, str]) -> requests.Response:
@@ -135,11 +153,18 @@ def test_actions_need_an_operator_and_the_form_s_token(res, console) -> None:  #
         )
 
     assert post(VIEWER, {**retry, "csrf_token": viewer_token}).status_code == 403
-    assert post(OPERATOR, retry).status_code == 403
-    assert post(OPERATOR, {**retry, "csrf_token": viewer_token}).status_code == 403
-    assert post(OPERATOR, {**retry, "csrf_token": "0" * 64}).status_code == 403
+    for token, refused in (
+        (None, "the form has no token"),
+        (viewer_token, "the form's token is another user's"),
+        ("0" * 64, "the form's token is wrong"),
+        (expired_token(web.env, OPERATOR[0]), "the form's token has expired"),
+    ):
+        answer = post(OPERATOR, {**retry, "csrf_token": token} if token else retry)
+        assert answer.status_code == 403, token
+        assert answer.text.startswith(f"403: {refused}"), answer.text
     assert run_status(res, email_id) == "failed"
 
+    operator_token = web.csrf(OPERATOR)  # a fresh one, from the page reloaded
     done = post(OPERATOR, {**retry, "csrf_token": operator_token})
     assert done.status_code == 303
     assert done.headers["location"] == "/failed?action=retry&done=1&enqueued=1&refused=0"
@@ -171,6 +196,14 @@ def test_actions_need_an_operator_and_the_form_s_token(res, console) -> None:  #
     assert "ops: pause model" in log and "ops: resume model" in log
     assert f"ops: model calls {state}" in log
     assert "viewer:" not in log  # refused actions did nothing
+
+
+def expired_token(env: dict[str, str], user: str) -> str:
+    """`user`'s CSRF token under the console's secret, made a little longer ago than a token
+    lasts."""
+    made = time.time() - CSRF_MAX_AGE - 60
+    with mock.patch("time.time", return_value=made):
+        return csrf_token(env["MAILPIPE_WEB_SECRET"].encode(), user)
 
 
 def test_a_console_without_users_serves_loopback_names_only(res, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -219,6 +252,42 @@ def test_web_refuses_every_interface_without_users(tmp_path) -> None:  # type: i
     assert "MAILPIPE_WEB_OPERATORS" in lines[0]
 
 
+def test_healthz_answers_while_every_thread_waits_on_the_database(res, console) -> None:  # type: ignore[no-untyped-def]
+    """/healthz runs on the event loop: pages that hold every thread of the pool, waiting on a
+    locked table, do not hold it up (a health check that fails so has the task replaced)."""
+    web = console()
+    threads = ThreadPoolExecutor(50)
+    try:
+        with res.db.transaction() as session:
+            session.execute(text("LOCK TABLE pipeline_run IN ACCESS EXCLUSIVE MODE"))
+            pages = [
+                threads.submit(requests.get, f"{web.url}/failed", auth=VIEWER, timeout=60)
+                for _ in range(50)  # more than the pool's 40 threads
+            ]
+            wait_for(lambda: waiting_on_a_lock(res) >= 4, 30, "the pages' connections to wait")
+            try:
+                healthz = requests.get(f"{web.url}/healthz", timeout=5)
+            except requests.Timeout:
+                pytest.fail("/healthz waited for a thread")
+            assert healthz.status_code == 200
+            assert not any(page.done() for page in pages)
+        assert [page.result().status_code for page in pages] == [200] * 50
+    finally:
+        threads.shutdown()
+
+
+def waiting_on_a_lock(res) -> int:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        return int(
+            session.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                )
+            )
+        )
+
+
 # --- what the pages show -----------------------------------------------------------------------
 
 
@@ -243,7 +312,7 @@ def test_pages_take_their_style_and_script_from_the_console_alone(console) -> No
     """No inline style or script, which the Content-Security-Policy would block: the console's
     own files, served as what they are."""
     web = console()
-    for path in ("/", "/failed", "/review"):
+    for path in ("/", "/failed", "/review", "/search?state=failed"):
         page = requests.get(f"{web.url}{path}", auth=OPERATOR, timeout=10)
         assert page.status_code == 200, path
         policy = page.headers["content-security-policy"]
@@ -264,18 +333,32 @@ def test_pages_take_their_style_and_script_from_the_console_alone(console) -> No
 def test_the_api_answers_in_json_and_the_pages_in_text(res, console) -> None:  # type: ignore[no-untyped-def]
     """Each Mount answers its own refusals: JSON under /api/, a line of text on the pages."""
     web = console()
+    not_an_id = "an email id is a whole number from 1 to 9223372036854775807"
     for path, status, error in (
         ("/api/jobs/987654321", 404, "no email with id 987654321"),
-        ("/api/jobs/abc", 400, "an email id is a whole number"),
+        ("/api/jobs/abc", 400, not_an_id),
+        ("/api/jobs/99999999999999999999", 400, not_an_id),
+        ("/api/jobs/9223372036854775808", 400, not_an_id),
+        ("/api/jobs/-1", 400, not_an_id),
+        ("/api/jobs/%00", 400, not_an_id),
+        ("/api/jobs/%D9%A1", 400, not_an_id),  # an Arabic-Indic 1, which int() would take
         ("/api/no-such-thing", 404, "Not Found"),
     ):
         answer = requests.get(f"{web.url}{path}", auth=VIEWER, timeout=10)
         assert answer.status_code == status, path
         assert answer.headers["content-type"] == "application/json", path
         assert answer.json() == {"error": error}
+    not_a_page = "page is a whole number from 1 to 1000000000"
     for path, status, error, auth in (
         ("/emails/987654321", 404, "no email with id 987654321", VIEWER),
-        ("/emails/abc", 400, "an email id is a whole number", VIEWER),
+        ("/emails/abc", 400, not_an_id, VIEWER),
+        ("/emails/99999999999999999999", 400, not_an_id, VIEWER),
+        ("/emails/1%00", 400, not_an_id, VIEWER),
+        ("/failed?page=99999999999999999999", 400, not_a_page, VIEWER),
+        ("/failed?page=0", 400, not_a_page, VIEWER),
+        ("/failed?page=1e3", 400, not_a_page, VIEWER),
+        ("/review?page=99999999999999999999", 400, not_a_page, VIEWER),
+        ("/review?page=%00", 400, not_a_page, VIEWER),
         ("/no-such-page", 404, "Not Found", VIEWER),
         ("/failed", 401, "sign in as a viewer or an operator", None),
     ):
@@ -283,6 +366,21 @@ def test_the_api_answers_in_json_and_the_pages_in_text(res, console) -> None:  #
         assert answer.status_code == status, path
         assert answer.headers["content-type"] == "text/plain; charset=utf-8", path
         assert answer.text == f"{status}: {error}\n"
+    # A filter the failed list cannot read: the page, with the problem named, and 400.
+    for value in ("%00", "Blob%00Missing", "%FF", "%1B[31m"):
+        answer = requests.get(f"{web.url}/failed?error_class={value}", auth=VIEWER, timeout=10)
+        assert answer.status_code == 400, value
+        assert "error_class is text without control characters, in UTF-8" in answer.text
+    # And the same in an operator's form.
+    token = web.csrf(OPERATOR)
+    for form in (
+        {"do": "retry-selected", "email_id": "99999999999999999999"},
+        {"do": "dismiss-matching", "error_class": "\x00"},
+    ):
+        answer = requests.post(
+            f"{web.url}/failed", data={**form, "csrf_token": token}, auth=OPERATOR, timeout=10
+        )
+        assert answer.status_code == 400, form
 
 
 # --- the job status API on a real worker -------------------------------------------------------
@@ -374,3 +472,207 @@ def test_the_api_answers_each_state_as_the_fleet_holds_it(res, fleet, console) -
     assert queues["runs"]["failed"] == 1 and queues["runs"]["duplicate"] == 1
     assert queues["estimated"] == []
     assert [w["hostname"] for w in queues["workers"]] == ["web-api@localhost"]
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+
+def test_every_page_has_the_search_box_and_an_id_in_it_opens_the_email(res, console) -> None:  # type: ignore[no-untyped-def]
+    ids = store_searched(res)
+    web = console()
+    box = '<form class="search" method="get" action="/search" role="search">'
+    for path in ("/", "/failed", "/review", "/search", f"/emails/{ids['alert']}"):
+        page = requests.get(f"{web.url}{path}", auth=VIEWER, timeout=10)
+        assert page.status_code == 200, path
+        assert box in page.text and '<input type="search" name="q"' in page.text, path
+    typed = requests.get(
+        f"{web.url}/search",
+        params={"q": f" {ids['alert']} "},
+        auth=VIEWER,
+        timeout=10,
+        allow_redirects=False,
+    )
+    assert typed.status_code == 303
+    assert typed.headers["location"] == f"/emails/{ids['alert']}"
+
+
+def test_the_search_page_and_the_api_find_the_same_emails(res, console) -> None:  # type: ignore[no-untyped-def]
+    ids = store_searched(res)
+    web = console()
+    for query, names in (
+        ({"sender": "billing@", "state": "dismissed"}, ["overdue"]),
+        ({"q": "<INV-0142@acme.example>"}, ["copy", "invoice"]),
+        ({"label": "invoice"}, ["overdue", "invoice"]),
+    ):
+        expected = [ids[name] for name in names]
+        answer = requests.get(f"{web.url}/api/search", params=query, auth=VIEWER, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert [row["email_id"] for row in answer.json()["rows"]] == expected
+        assert answer.json()["next_before"] is None
+        page = requests.get(f"{web.url}/search", params=query, auth=VIEWER, timeout=10)
+        assert page.status_code == 200, page.text
+        linked = re.findall(r'<td><a href="/emails/(\d+)">', page.text)
+        assert [int(email_id) for email_id in linked] == expected, query
+    page = requests.get(
+        f"{web.url}/search", params={"q": "nothing-like-it"}, auth=VIEWER, timeout=10
+    )
+    assert "No email found." in page.text
+    # What the box read is shown in the form's field it stands for.
+    assert 'name="subject" value="nothing-like-it"' in page.text
+
+
+def test_a_bad_search_is_a_400_with_the_reason_in_one_line(console) -> None:  # type: ignore[no-untyped-def]
+    web = console()
+    for query, reason in (
+        ({"since": "last tuesday"}, "since is a date or a date and time"),
+        (
+            {"state": "lost"},
+            "state is one of no_run, open, succeeded, duplicate, failed, dismissed",
+        ),
+        ({"sender": "a\x00b@x"}, "sender is text without control characters"),
+        ({"before": "9" * 30}, "before is a whole number from 1 to 9223372036854775807"),
+        ({"q": "99999999999999999999"}, "an email id is a whole number"),
+        ({"colour": "red"}, "unknown filter colour"),
+    ):
+        answer = requests.get(f"{web.url}/api/search", params=query, auth=VIEWER, timeout=10)
+        assert answer.status_code == 400, query
+        assert answer.headers["content-type"] == "application/json"
+        error = answer.json()["error"]
+        assert reason in error and "\n" not in error, error
+        page = requests.get(f"{web.url}/search", params=query, auth=VIEWER, timeout=10)
+        assert page.status_code == 400, query
+        [problem] = re.findall(r'<p class="problem">([^<]*)</p>', page.text)
+        assert reason in problem, problem
+
+
+def test_the_results_escape_what_emails_hold(res, console) -> None:  # type: ignore[no-untyped-def]
+    ids = store_searched(res)
+    with res.db.transaction() as session:
+        session.execute(
+            update(EmailMessage)
+            .where(EmailMessage.id == ids["lunch"])
+            .values(subject=f"Lunch {HOSTILE}", sender=f"{HOSTILE} <x@corp.example>")
+        )
+    web = console()
+    page = requests.get(f"{web.url}/search", params={"subject": "lunch"}, auth=VIEWER, timeout=10)
+    assert page.status_code == 200
+    assert f'<a href="/emails/{ids["lunch"]}">' in page.text
+    assert "<script>alert" not in page.text
+    assert page.text.count("&lt;script&gt;alert(") == 2
+    assert "alert('subject')" not in web.output()
+
+
+# --- acting where the operator stands ---------------------------------------------------------
+
+
+def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) -> None:  # type: ignore[no-untyped-def]
+    failed = failed_run(res)
+    with res.db.transaction() as session:
+        emails.mark_for_review(session, [failed], "looked odd")
+    [succeeded] = store_emails(res, [email("succeeded")])
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, [succeeded])
+        run = session.scalars(select(PipelineRun).where(PipelineRun.email_id == succeeded)).one()
+        run.status, run.closed_at = RunStatus.SUCCEEDED, utcnow()
+    web = console()
+    token = web.csrf(OPERATOR)
+
+    def offered(email_id: int) -> set[str]:
+        page = requests.get(f"{web.url}/emails/{email_id}", auth=OPERATOR, timeout=10).text
+        return set(re.findall(r'<button name="do" value="([a-z-]+)"', page))
+
+    def act(email_id: int, **form: str) -> str:
+        answer = requests.post(
+            f"{web.url}/emails/{email_id}/act",
+            data={**form, "csrf_token": token},
+            auth=OPERATOR,
+            allow_redirects=False,
+            timeout=10,
+        )
+        assert answer.status_code == 303, answer.text
+        return str(answer.headers["location"])
+
+    assert offered(failed) == {"retry", "dismiss", "clear-review"}
+    assert offered(succeeded) == {"reprocess"}
+    viewer_page = requests.get(f"{web.url}/emails/{failed}", auth=VIEWER, timeout=10).text
+    assert 'name="do"' not in viewer_page  # a viewer reads
+
+    assert (
+        act(failed, do="dismiss") == f"/emails/{failed}?action=dismiss&done=1&enqueued=0&refused=0"
+    )
+    assert offered(failed) == {"retry", "undo-dismiss"}  # the dismiss took the review mark too
+    dismissed_view = requests.get(f"{web.url}/failed?view=dismissed", auth=VIEWER, timeout=10)
+    assert f'href="/emails/{failed}"' in dismissed_view.text
+    assert (
+        f'href="/emails/{failed}"'
+        not in requests.get(f"{web.url}/failed", auth=VIEWER, timeout=10).text
+    )
+    act(failed, do="undo-dismiss")
+    assert offered(failed) == {"retry", "dismiss"}
+    assert (
+        f'href="/emails/{failed}"'
+        in requests.get(f"{web.url}/failed", auth=VIEWER, timeout=10).text
+    )
+
+    done = act(succeeded, do="reprocess", **{"from": "parse", "lane": "bulk"})
+    assert done == f"/emails/{succeeded}?action=reprocess&done=1&enqueued=1&refused=0"
+    assert run_status(res, succeeded) == "open"
+    page = requests.get(f"{web.url}{done}", auth=OPERATOR, timeout=10).text
+    assert "1 reprocessed, 1 jobs sent" in page
+    # Its run is open now: reprocessing it again takes nothing.
+    again = act(succeeded, do="reprocess", **{"from": "parse", "lane": "bulk"})
+    assert again.endswith("done=0&enqueued=0&refused=1")
+    log = web.output()
+    assert f"reprocess on its page, 1 emails [{succeeded}]" in log
+    assert "dismiss by web:" in log and "undo_dismiss by web:" in log
+
+
+# --- the overview's activity charts -------------------------------------------------------------
+
+
+def test_the_overview_draws_what_the_activity_api_gives(res, console) -> None:  # type: ignore[no-untyped-def]
+    """The overview's charts and `/api/activity` read one function: the attempts that just
+    ended are in both, over the hour and the day; another window is a 400 in each one's format;
+    the charts carry no inline style."""
+    email_id = failed_run(res)
+    with res.db.transaction() as session:
+        run_id = session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id))
+        ended = utcnow()
+        session.execute(
+            insert(RunAttempt),
+            [
+                {
+                    "run_id": run_id,
+                    "email_id": email_id,
+                    "stage": stage,
+                    "attempt": 1,
+                    "started_at": ended - timedelta(seconds=2),
+                    "ended_at": ended,
+                    "outcome": outcome,
+                }
+                for stage, outcome in [("cpu", "succeeded")] * 3 + [("model", "failed")]
+            ],
+        )
+    web = console()
+    for window, buckets in (("hour", 60), ("day", 96)):
+        given = requests.get(
+            f"{web.url}/api/activity", params={"window": window}, auth=VIEWER, timeout=10
+        ).json()
+        assert (given["window"], len(given["times"])) == (window, buckets)
+        cpu, model = given["stages"]["cpu"], given["stages"]["model"]
+        assert sum(cpu["jobs"]["succeeded"]) == 3 and sum(model["jobs"]["failed"]) == 1
+        assert [p for p in cpu["p50_s"] if p is not None] == [2.0]
+        page = requests.get(f"{web.url}/", params={"window": window}, auth=VIEWER, timeout=10)
+        assert page.status_code == 200
+        assert "<span><b>3</b> succeeded</span>" in page.text
+        assert re.search(rf'class="here" aria-current="page">Last {window}<', page.text)
+        assert page.text.count("<svg ") == 6  # per stage its attempts and durations; the lanes'
+        assert not re.search(r"\s(style|on[a-z]+)=", page.text)
+    unnamed = requests.get(f"{web.url}/api/activity", auth=VIEWER, timeout=10).json()
+    assert unnamed["window"] == "hour"  # unless told otherwise
+    overview = requests.get(f"{web.url}/", auth=VIEWER, timeout=10).text
+    assert 'class="here" aria-current="page">Last hour<' in overview
+    refused = requests.get(f"{web.url}/api/activity?window=week", auth=VIEWER, timeout=10)
+    assert (refused.status_code, refused.json()) == (400, {"error": "window is hour or day"})
+    refused = requests.get(f"{web.url}/?window=week", auth=VIEWER, timeout=10)
+    assert (refused.status_code, refused.text) == (400, "400: window is hour or day\n")

@@ -3,25 +3,30 @@ Playwright, over `mailpipe web` and a real worker.
 
 An operator signs in (basic auth), finds the email whose raw bytes were missing in the failed
 list, opens its page and reads its attempt history; the blob is put back, the operator ticks the
-email and presses "Retry selected", and watches its page until the run has succeeded. Each page
-is saved as console-*.png in the test's folder, or with MAILPIPE_SCREENSHOTS=docs/img where
-docs/operations.md shows them (how those pictures are made).
+email and presses "Retry selected", and watches its page until the run has succeeded; then finds
+an invoice by its Message-ID in the search box, both invoices by their sender, and opens one from
+the results. The overview charts the jobs just run, and the queues as beat's metrics report
+read them. Each page is saved as console-*.png in the test's folder, or with
+MAILPIPE_SCREENSHOTS=docs/img where docs/operations.md shows them (how those pictures are made).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+from functools import partial
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import ConsoleMessage, expect, sync_playwright
-from sqlalchemy import insert
+from playwright.sync_api import ConsoleMessage, Page, expect, sync_playwright
+from sqlalchemy import func, insert, select
 
 from mailpipe.cli.ingest import store_emails
+from mailpipe.operations.activity import KINDS, OUTCOMES
 from mailpipe.pipeline import emails
 from mailpipe.storage.keys import raw_email_key
-from mailpipe.storage.models import EmailMessage, utcnow
+from mailpipe.storage.models import EmailMessage, QueueSample, RunAttempt, utcnow
 from tests.conftest import CHROMIUM
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
@@ -66,11 +71,13 @@ def store_without_blob(res, raw: bytes) -> tuple[int, str]:  # type: ignore[no-u
 
 
 def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    f: Fleet = fleet()
+    f: Fleet = fleet(MAILPIPE_METRICS_INTERVAL="1")
     f.worker("console")
+    f.beat()  # its metrics report writes the lanes' samples the overview draws
     web = ConsoleProcess({**f.env, **users_env()}, tmp_path / "web.log")
     try:
-        delivered = store_emails(res, [email(*mail) for mail in MAIL])
+        raws = [email(*mail) for mail in MAIL]
+        delivered = store_emails(res, raws)
         raw = email("billing@shop.example", "Invoice 2026-0190", "The invoice: amount due 40 EUR.")
         missing, key = store_without_blob(res, raw)
         f.enqueue([*delivered, missing])
@@ -81,13 +88,25 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
                 session, [delivered[1]], "the model named a label out of the list"
             )
         shots = Path(os.environ.get("MAILPIPE_SCREENSHOTS") or tmp_path)
-        _drive(web, missing, shots, put_back=lambda: res.blobs.put(key, raw))
+        invoice_id = re.search(rb"Message-ID: (<[^>]+>)", raws[0])
+        assert invoice_id is not None
+        search = partial(_search, invoice=delivered[0], invoice_id=invoice_id[1].decode())
+        wait_for(lambda: _samples(res) >= 8, 30, "two metrics reports, a sample per lane each")
+        activity = partial(_activity, attempts=_cpu_attempts_by_minute(res), shots=shots)
+        _drive(
+            web,
+            missing,
+            shots,
+            put_back=lambda: res.blobs.put(key, raw),
+            search=search,
+            activity=activity,
+        )
     finally:
         web.stop()
     assert "ops: retry selected in the failed list, 1 emails" in web.output()
 
 
-def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back) -> None:  # type: ignore[no-untyped-def]
+def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back, search, activity) -> None:  # type: ignore[no-untyped-def]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
         try:
@@ -108,6 +127,7 @@ def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back) -> None:  #
             expect(page.get_by_role("heading", name="Overview")).to_be_visible()
             expect(page.locator("header")).to_have_css("background-color", "rgb(29, 35, 48)")
             expect(page.get_by_text("console@localhost")).to_be_visible()  # the live worker
+            activity(page)
             page.screenshot(path=shots / "console-overview.png", full_page=True)
 
             page.get_by_role("link", name="Failed", exact=True).click()
@@ -146,6 +166,93 @@ def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back) -> None:  #
             assert page.locator("#history tr").count() - 1 > first_attempts
             expect(page.locator("#history")).to_contain_text("succeeded")
             page.screenshot(path=shots / "console-email.png", full_page=True)
+            search(page, retried=missing, shots=shots)
             assert blocked == []
         finally:
             browser.close()
+
+
+def _search(page: Page, invoice: int, invoice_id: str, retried: int, shots: Path) -> None:
+    """The operator finds the first invoice by its Message-ID, then both invoices by their
+    sender (the retried one too, now that its job has read it), and opens one from the results;
+    an id typed in the box opens its email at once."""
+    box = page.get_by_role("searchbox", name="search emails")
+    box.fill(invoice_id.upper())
+    box.press("Enter")
+    expect(page.get_by_role("heading", name="Search")).to_be_visible()
+    results = page.locator("#results tr")
+    expect(results).to_have_count(2)  # the heading and the one email
+    expect(page.locator("#results")).to_contain_text("Invoice 2026-0142")
+
+    box.fill("billing@")
+    box.press("Enter")
+    expect(results).to_have_count(3)
+    expect(results.nth(1)).to_contain_text("Invoice 2026-0190")  # the newest first
+    expect(results.nth(1)).to_contain_text("succeeded")
+    expect(results.nth(2)).to_contain_text("billing@acme.example")
+    page.get_by_label("state").select_option("succeeded")
+    page.get_by_role("button", name="Search").click()
+    expect(page.get_by_label("sender")).to_have_value("billing@")
+    expect(results).to_have_count(3)
+    page.screenshot(path=shots / "console-search.png", full_page=True)
+
+    page.get_by_role("link", name=str(invoice), exact=True).click()
+    expect(page.get_by_role("heading", name=f"Email {invoice}")).to_be_visible()
+    expect(page.locator("#state")).to_have_text("succeeded")
+
+    box.fill(str(retried))
+    box.press("Enter")
+    expect(page.get_by_role("heading", name=f"Email {retried}")).to_be_visible()
+
+
+def _samples(res) -> int:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        return session.scalar(select(func.count()).select_from(QueueSample)) or 0
+
+
+def _cpu_attempts_by_minute(res) -> dict[str, dict[str, int]]:  # type: ignore[no-untyped-def]
+    """The CPU stage's attempts of the hour by the minute they ended in (HH:MM, UTC), by kind."""
+    kind_of = {outcome: kind for kind, outcomes in OUTCOMES.items() for outcome in outcomes}
+    found: dict[str, dict[str, int]] = {}
+    with res.db.session() as session:
+        for outcome, ended_at in session.execute(
+            select(RunAttempt.outcome, RunAttempt.ended_at).where(RunAttempt.stage == "cpu")
+        ):
+            minute = found.setdefault(ended_at.strftime("%H:%M"), dict.fromkeys(KINDS, 0))
+            minute[kind_of[outcome]] += 1
+    return found
+
+
+def _activity(page: Page, attempts: dict[str, dict[str, int]], shots: Path) -> None:
+    """The overview charts the jobs just run: the CPU stage's totals over the hour above its
+    charts, each minute's succeeded attempts in the table beside them (opened with no script)
+    and in the titles of the bars; the queues as the metrics report read them; and the last
+    day, a link away, with the same totals."""
+    cpu = page.locator("#activity-cpu")
+    totals = {kind: sum(minute[kind] for minute in attempts.values()) for kind in KINDS}
+    assert totals["succeeded"] > 0, attempts
+
+    def shows_the_totals() -> None:
+        for kind, n in totals.items():
+            expect(cpu.locator(".summary span", has_text=kind)).to_have_text(f"{n:,} {kind}")
+
+    shows_the_totals()
+    expect(cpu.locator("svg")).to_have_count(2)  # attempts a minute, durations
+    cpu.get_by_text("The figures").click()
+    for minute, kinds in attempts.items():
+        row = cpu.locator("tr", has=page.get_by_role("cell", name=minute, exact=True))
+        expect(row.locator("td").nth(1)).to_have_text(str(kinds["succeeded"]))
+        if kinds["succeeded"]:
+            bar = cpu.locator("svg g.column > title", has_text=f"{minute}: {kinds['succeeded']} ")
+            expect(bar).to_have_count(1)
+    cpu.get_by_text("The figures").click()  # closed again for the screenshot
+    queues = page.locator("#activity-queues")
+    expect(queues.locator(".summary span", has_text="mailpipe.bulk")).to_contain_text("waiting")
+    expect(queues.locator("svg polyline").first).to_be_attached()
+
+    page.get_by_role("link", name="Last day").click()
+    expect(page.get_by_role("link", name="Last day")).to_have_attribute("aria-current", "page")
+    shows_the_totals()
+    page.get_by_role("link", name="Last hour").click()
+    expect(page.get_by_role("link", name="Last hour")).to_have_attribute("aria-current", "page")
+    page.locator(".panels").screenshot(path=shots / "console-activity.png")

@@ -91,6 +91,8 @@ EXPECTED = {
         "storage",
         "broker",
         "coordination",
+        # The search reads a Message-ID as the parser does (mail.headers).
+        "mail",
         "resources",
         "pipeline",
         "operations",

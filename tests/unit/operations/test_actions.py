@@ -117,6 +117,21 @@ def test_dismiss_keeps_the_run_failed_and_takes_it_off_both_lists(res) -> None: 
     assert (again.done, again.refused) == ([], {marked: "its run is dismissed already"})
 
 
+def test_a_dismiss_is_listed_apart_and_can_be_taken_back(res) -> None:  # type: ignore[no-untyped-def]
+    dismissed, kept = add_failed(res, 1), add_failed(res, 2)
+    actions.dismiss(res, [dismissed], user=USER)
+    with res.db.session() as session:
+        view = failed_page(session, FailedFilter(dismissed=True)).rows
+    assert [row["email_id"] for row in view] == [dismissed] and view[0]["dismissed_at"]
+    done = actions.undo_dismiss(res, [dismissed, kept], user=USER)
+    assert (done.done, done.refused) == ([dismissed], {kept: "its run is failed"})
+    assert run_rows(res) == {dismissed: ("failed", False), kept: ("failed", False)}
+    with res.db.session() as session:
+        assert failed_page(session, FailedFilter(dismissed=True)).rows == []
+        listed = [row["email_id"] for row in failed_page(session, FailedFilter()).rows]
+    assert listed == [kept, dismissed]
+
+
 def test_dismiss_all_with_a_filter_in_batches(res) -> None:  # type: ignore[no-untyped-def]
     stalled = [add_failed(res, minutes, "Stalled") for minutes in range(3)]
     other = add_failed(res, 5, "InputRejected")

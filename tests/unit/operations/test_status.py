@@ -57,6 +57,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error": "InputRejected: failed",
             "needs_review": False,
             "lane": "live",
+            "dismissed_at": None,
         },
         {
             "email_id": old,
@@ -67,6 +68,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error": "BlobMissing: failed",
             "needs_review": True,
             "lane": "bulk",
+            "dismissed_at": None,
         },
     ]
 

@@ -28,7 +28,9 @@ FORBIDDEN = {
 ADD_CONSTRAINT = re.compile(r"\bALTER\s+TABLE\s+(\w+)\s+ADD\s+CONSTRAINT\b")
 ADD_COLUMN = re.compile(r"\bADD\s+COLUMN\b")
 CREATE_TABLE = re.compile(r"\bCREATE\s+TABLE\s+(\w+)")
-CREATE_INDEX = re.compile(r"\bCREATE\s+(?:UNIQUE\s+)?INDEX\s+(CONCURRENTLY\s+)?\S+\s+ON\s+(\w+)")
+CREATE_INDEX = re.compile(
+    r"\bCREATE\s+(?:UNIQUE\s+)?INDEX\s+(CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?\S+\s+ON\s+(\w+)"
+)
 
 # Released while every deploy stopped the old workers first; none of them drops or tightens.
 BEFORE_THE_RULE = {
@@ -88,6 +90,7 @@ def test_a_migration_only_adds(down: str, up: str) -> None:
         ("ALTER TABLE email_message ALTER COLUMN size TYPE INTEGER", "tightens a column"),
         ("ALTER TABLE email_message ADD COLUMN tenant VARCHAR(8) NOT NULL", "without a default"),
         ("CREATE INDEX ix_run_lane ON pipeline_run (lane)", "in place"),
+        ("CREATE INDEX IF NOT EXISTS ix_run_lane ON pipeline_run (lane)", "in place"),
         ("ALTER TABLE email_message ADD CONSTRAINT ck_size CHECK (size > 0)", "constraint"),
     ],
 )
@@ -104,5 +107,6 @@ def test_what_only_adds_passes() -> None:
             "ALTER TABLE email_message ADD COLUMN lane VARCHAR(8) DEFAULT 'live' NOT NULL",
             "ALTER TABLE email_message ADD COLUMN note TEXT",
             "CREATE INDEX CONCURRENTLY ix_run_lane ON pipeline_run (lane)",
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_run_label ON pipeline_run (label)",
         ]
     )

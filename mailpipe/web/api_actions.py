@@ -1,0 +1,165 @@
+"""The write API: what an operator does from the console, for machines. Each action is a POST
+(or a PUT for the switch) with a JSON body, done through `mailpipe.operations.actions` as the
+pages' forms and the CLI do it, and answered with what it did as JSON.
+
+A JSON body is the API's defence against a forged request: a page of another site can post a
+form or plain text to the console with the browser's stored credentials, but not
+`application/json` without the console's consent (CORS), which it never gives. So the API needs
+no CSRF token; a body of any other type is refused (415).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mailpipe.broker.queues import Lane, Stage
+from mailpipe.enqueue import sender
+from mailpipe.operations import actions
+from mailpipe.operations.search import BadSearch, EmailFilter, read_search
+from mailpipe.web import params
+from mailpipe.web.auth import ACT
+
+# The actions on one email, by the last part of their path.
+EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "lane", "reprocess")
+
+
+async def act_on_email(request: Request) -> Response:
+    """POST /api/emails/{email_id}/{action}: one of EMAIL_ACTIONS; `lane` takes {"lane": ...},
+    `reprocess` {"from": ..., "lane": ...} (the bulk lane by default)."""
+    email_id = params.email_id(request)
+    action = request.path_params["action"]
+    if action not in EMAIL_ACTIONS:
+        raise HTTPException(404, f"no action {action!r}: one of {', '.join(EMAIL_ACTIONS)}")
+    body = await _body(request)
+    res, who = request.app.state.resources, _who(request)
+    ids = [email_id]
+    if action == "retry":
+        done = await run_in_threadpool(actions.retry, res, ids, enqueue=sender(res), user=who)
+    elif action == "dismiss":
+        done = await run_in_threadpool(actions.dismiss, res, ids, user=who)
+    elif action == "undo-dismiss":
+        done = await run_in_threadpool(actions.undo_dismiss, res, ids, user=who)
+    elif action == "clear-review":
+        done = await run_in_threadpool(actions.clear_review, res, ids, user=who)
+    elif action == "lane":
+        lane = _choice(body, "lane", Lane)
+        done = await run_in_threadpool(actions.move, res, ids, Lane(lane), user=who)
+    else:
+        return await _reprocess(request, body, EmailFilter(email_id=email_id))
+    return JSONResponse({"done": done.done, "enqueued": done.enqueued, "refused": done.refused})
+
+
+async def reprocess(request: Request) -> Response:
+    """POST /api/reprocess: the emails the search's fields find ({"label": "invoice", ...}, as
+    GET /api/search takes them), from {"from": ...}, in {"lane": ...} (bulk by default); with
+    {"dry_run": true}, how many it would take and the model calls that costs."""
+    body = await _body(request)
+    fields = {k: str(v) for k, v in body.items() if k not in ("from", "lane", "dry_run")}
+    try:
+        filt, _ = read_search(fields)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    if filt == EmailFilter():
+        raise HTTPException(400, "a reprocess needs a filter: every email is not a filter")
+    return await _reprocess(request, body, filt)
+
+
+async def _reprocess(request: Request, body: dict[str, Any], filt: EmailFilter) -> Response:
+    step = actions.Step(_choice(body, "from", actions.Step))
+    lane = Lane(_choice({"lane": Lane.BULK.value, **body}, "lane", Lane))
+    dry_run = body.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise HTTPException(400, "dry_run is true or false")
+    res = request.app.state.resources
+    done = await run_in_threadpool(
+        lambda: actions.reprocess(
+            res, filt, step, lane=lane, enqueue=sender(res), user=_who(request), dry_run=dry_run
+        )
+    )
+    return JSONResponse(
+        {
+            "emails": done.emails,
+            "model_calls": done.model_calls,
+            "reprocess_id": done.reprocess_id,
+            "enqueued": done.enqueued,
+        }
+    )
+
+
+async def pause_or_resume(request: Request) -> Response:
+    """POST /api/stages/{stage}/pause ({"reason": ...}) or /resume."""
+    stage = Stage(_path_choice(request, "stage", Stage))
+    do = _path_choice(request, "do", ("pause", "resume"))
+    body = await _body(request)
+    res, who = request.app.state.resources, _who(request)
+    if do == "pause":
+        reason = str(body.get("reason") or "paused by an operator")[:200]
+        held = await run_in_threadpool(actions.pause, res, stage, reason, user=who)
+        return JSONResponse({"stage": stage.value, "paused": True, "by": held.by})
+    ended = await run_in_threadpool(actions.resume, res, stage, user=who)
+    return JSONResponse({"stage": stage.value, "paused": False, "was_paused": ended})
+
+
+async def switch_model_calls(request: Request) -> Response:
+    """PUT /api/model-calls {"on": true|false}; on sends a sweep, as the overview's switch does."""
+    body = await _body(request)
+    on = body.get("on")
+    if not isinstance(on, bool):
+        raise HTTPException(400, "on is true or false")
+    send_sweep: Callable[[], None] = _send_sweep
+    await run_in_threadpool(
+        actions.switch_model_calls,
+        request.app.state.resources,
+        on,
+        send_sweep=send_sweep,
+        user=_who(request),
+    )
+    return JSONResponse({"model_calls": on})
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, once its caller is known to be an operator."""
+    if ACT not in request.auth.scopes:
+        raise HTTPException(403, "viewers read; only an operator can act")
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise HTTPException(415, "an action's body is JSON (Content-Type: application/json)")
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise HTTPException(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise HTTPException(400, "the body is a JSON object")
+    return body
+
+
+def _choice(body: dict[str, Any], name: str, allowed: Any) -> str:
+    value = body.get(name)
+    if value not in tuple(allowed):
+        raise HTTPException(400, f"{name} is one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _path_choice(request: Request, name: str, allowed: Any) -> str:
+    value = request.path_params[name]
+    if value not in tuple(allowed):
+        raise HTTPException(404, f"{name} is one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _who(request: Request) -> str:
+    return f"api:{request.user.username}"
+
+
+def _send_sweep() -> None:
+    # Imported here, as the forms do: the task module loads the pipeline.
+    from mailpipe.app.tasks import sweep
+
+    sweep.apply_async()

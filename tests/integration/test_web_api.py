@@ -1,0 +1,115 @@
+"""The console's write API on a real `mailpipe web`: JSON in and out, an operator's actions
+through the same room as the forms and the CLI, a viewer refused, any body but JSON refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import requests
+import yaml
+
+from mailpipe.broker.queues import Stage
+from mailpipe.coordination import pauses
+from mailpipe.storage import flags
+from tests.integration.test_web import console, failed_run, run_status  # noqa: F401 (fixture)
+from tests.support.console import OPERATOR, VIEWER
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
+
+def test_an_operator_acts_through_the_api_and_a_viewer_is_refused(res, console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    failed = failed_run(res)
+    web = console()
+    api = f"{web.url}/api"
+
+    def post(path: str, body: object, auth: tuple[str, str] = OPERATOR) -> requests.Response:
+        return requests.post(f"{api}{path}", json=body, auth=auth, timeout=10)
+
+    listed = requests.get(f"{api}/failed", auth=VIEWER, timeout=10).json()
+    assert [row["email_id"] for row in listed["rows"]] == [failed]
+    assert post(f"/emails/{failed}/retry", {}, VIEWER).status_code == 403
+    as_form = requests.post(f"{api}/emails/{failed}/retry", data={}, auth=OPERATOR, timeout=10)
+    assert (as_form.status_code, as_form.json()) == (
+        415,
+        {"error": "an action's body is JSON (Content-Type: application/json)"},
+    )
+    assert run_status(res, failed) == "failed"
+
+    done = post(f"/emails/{failed}/retry", {})
+    assert (done.status_code, done.json()) == (
+        200,
+        {"done": [failed], "enqueued": 1, "refused": {}},
+    )
+    assert run_status(res, failed) == "open"
+    again = post(f"/emails/{failed}/retry", {}).json()
+    assert again == {"done": [], "enqueued": 0, "refused": {str(failed): "its run is open"}}
+
+    paused = post("/stages/model/pause", {"reason": "provider maintenance"})
+    assert paused.json() == {"stage": "model", "paused": True, "by": "operator"}
+    assert pauses.paused(res.redis)[Stage.MODEL].error == "provider maintenance"
+    assert post("/stages/model/resume", {}).json()["was_paused"] is True
+    assert pauses.paused(res.redis) == {}
+    assert post("/stages/model/stop", {}).status_code == 404
+
+    switched = requests.put(f"{api}/model-calls", json={"on": False}, auth=OPERATOR, timeout=10)
+    assert switched.json() == {"model_calls": False}
+    with res.db.session() as session:
+        assert not flags.model_calls_enabled(session)
+    refused = requests.put(f"{api}/model-calls", json={"on": "yes"}, auth=OPERATOR, timeout=10)
+    assert refused.status_code == 400
+
+    dry = post("/reprocess", {"state": "succeeded", "from": "classify", "dry_run": True})
+    assert dry.json() == {"emails": 0, "model_calls": 0, "reprocess_id": None, "enqueued": 0}
+    assert post("/reprocess", {"from": "classify"}).status_code == 400  # no filter: refused
+    log = web.output()
+    assert "retry by api:" in log and "pause_model by api:" in log
+
+
+def test_the_api_serves_its_description(console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    web = console()
+    answer = requests.get(f"{web.url}/api/openapi.yaml", auth=VIEWER, timeout=10)
+    assert answer.status_code == 200
+    assert yaml.safe_load(answer.text)["openapi"] == "3.1.0"
+
+
+def test_machines_sign_in_with_a_bearer_token_of_their_role(res, console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    made = {}
+    for name, role in (("ci-bot", "operator"), ("dashboard", "viewer")):
+        run = subprocess.run(
+            [sys.executable, "-m", "mailpipe.cli.main", "web-token", name, "--role", role],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        token = run.stdout.split("it is not kept): ")[1].split()[0]
+        entry = run.stdout.split("MAILPIPE_WEB_TOKENS entry: ")[1].strip()
+        made[role] = (token, entry)
+    failed = failed_run(res)
+    web = console({**os.environ, "MAILPIPE_WEB_TOKENS": ",".join(e for _, e in made.values())})
+    api = f"{web.url}/api"
+
+    def call(method: str, path: str, token: str, **kwargs: object) -> requests.Response:
+        headers = {"Authorization": f"Bearer {token}"}
+        return requests.request(method, f"{api}{path}", headers=headers, timeout=10, **kwargs)  # type: ignore[arg-type]
+
+    operator, viewer = made["operator"][0], made["viewer"][0]
+    assert call("GET", f"/search?q={failed}", viewer).json()["rows"][0]["email_id"] == failed
+    assert call("POST", f"/emails/{failed}/retry", viewer, json={}).status_code == 403
+    assert call("POST", "/stages/cpu/pause", viewer, json={}).status_code == 403
+    wrong = call("GET", "/queues", "not-a-token")
+    assert wrong.status_code == 401 and "error" in wrong.json()
+    retried = call("POST", f"/emails/{failed}/retry", operator, json={})
+    assert retried.json() == {"done": [failed], "enqueued": 1, "refused": {}}
+    assert call("POST", "/stages/cpu/pause", operator, json={}).json()["paused"] is True
+    assert call("POST", "/stages/cpu/resume", operator, json={}).json()["was_paused"] is True
+    # The token is the API's: the pages sign in with a password.
+    assert (
+        requests.get(
+            f"{web.url}/failed", headers={"Authorization": f"Bearer {operator}"}, timeout=10
+        ).status_code
+        == 401
+    )
+    assert "retry by api:token:ci-bot" in web.output()

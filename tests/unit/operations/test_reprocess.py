@@ -1,0 +1,154 @@
+"""Reprocess on real PostgreSQL and Redis: succeeded emails a filter finds run again from the
+step asked for, in the bulk lane, their answer kept until the new one replaces it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from sqlalchemy import select
+
+from mailpipe.broker.queues import Lane, TaskName
+from mailpipe.cli.ingest import store_emails
+from mailpipe.enqueue import sender
+from mailpipe.operations import actions
+from mailpipe.operations.actions import Step
+from mailpipe.operations.search import EmailFilter
+from mailpipe.operations.status import reprocesses
+from mailpipe.pipeline import job, runs
+from mailpipe.pipeline.outcome import Kind
+from mailpipe.resources import Resources
+from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
+from tests.unit.pipeline.test_job import INVOICE, PLAIN, RemoteRules, model_calls
+
+pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
+
+USER = "test:operator"
+OTHER = b"From: someone@else.example\r\nSubject: lunch\r\nMessage-ID: <l1@else>\r\n\r\nNoon?\r\n"
+
+
+class Sent:
+    """An enqueue that records what it was asked to send."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], TaskName, Lane]] = []
+
+    def __call__(self, ids: Sequence[int], task: TaskName, lane: Lane) -> list[int]:
+        self.calls.append((list(ids), task, lane))
+        return list(ids)
+
+
+def labels(res: Resources, email_id: int) -> set[str]:
+    with res.db.session() as session:
+        return set(session.scalars(select(EmailLabel.label).where(EmailLabel.email_id == email_id)))
+
+
+def status_of(res: Resources, email_id: int) -> RunStatus:
+    with res.db.session() as session:
+        return session.scalars(
+            select(PipelineRun.status).where(PipelineRun.email_id == email_id)
+        ).one()
+
+
+def test_a_dry_run_counts_the_emails_and_the_model_calls_and_changes_nothing(res) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, True)
+    invoices = store_emails(res, [INVOICE, PLAIN])
+    [other] = store_emails(res, [OTHER])
+    assert {job.process_email(res, i).kind for i in [*invoices, other]} == {Kind.SUCCEEDED}
+    sent = Sent()
+    by_label = EmailFilter(label="invoice")
+    planned = actions.reprocess(res, by_label, Step.CLASSIFY, enqueue=sent, user=USER, dry_run=True)
+    assert (planned.emails, planned.model_calls, planned.reprocess_id) == (2, 0, None)  # rules
+    remote = Resources(res.settings)
+    remote.__dict__["classifier"] = RemoteRules(res.classifier)
+    paid = actions.reprocess(remote, by_label, Step.PARSE, enqueue=sent, user=USER, dry_run=True)
+    assert (paid.emails, paid.model_calls) == (2, 2)
+    assert sent.calls == [] and reprocesses_of(res) == []
+    assert {status_of(res, i) for i in [*invoices, other]} == {RunStatus.SUCCEEDED}
+
+
+def reprocesses_of(res: Resources) -> list[dict[str, object]]:
+    with res.db.session() as session:
+        return reprocesses(session)
+
+
+def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res) -> None:  # type: ignore[no-untyped-def]
+    remote = Resources(res.settings)
+    remote.__dict__["classifier"] = RemoteRules(res.classifier)
+    model_calls(res, True)
+    invoices = store_emails(res, [INVOICE, PLAIN])
+    [other] = store_emails(res, [OTHER])
+    for email_id in [*invoices, other]:
+        assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
+        assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
+    sent = Sent()
+
+    done = actions.reprocess(
+        remote, EmailFilter(label="invoice"), Step.CLASSIFY, enqueue=sent, user=USER
+    )
+
+    assert (done.emails, done.model_calls, done.enqueued) == (2, 2, 2)
+    # Their documents and the model's input are stored: the model stage alone, in bulk.
+    assert sent.calls == [(sorted(invoices), TaskName.CLASSIFY_EMAIL, Lane.BULK)]
+    assert [status_of(res, i) for i in invoices] == [RunStatus.OPEN] * 2
+    assert status_of(res, other) is RunStatus.SUCCEEDED
+    # The answer stays until the new one replaces it.
+    assert all(labels(res, i) == {"invoice"} for i in invoices)
+    [progress] = reprocesses_of(res)
+    assert {k: progress[k] for k in ("id", "from", "lane", "emails", "done", "failed", "left")} == {
+        "id": done.reprocess_id,
+        "from": "classify",
+        "lane": "bulk",
+        "emails": 2,
+        "done": 0,
+        "failed": 0,
+        "left": 2,
+    }
+    # The same filter again finds nothing to take: the runs are open already.
+    again = actions.reprocess(
+        remote, EmailFilter(label="invoice"), Step.CLASSIFY, enqueue=sent, user=USER
+    )
+    assert (again.emails, again.reprocess_id, len(sent.calls)) == (0, None, 1)
+
+    calls = remote.classifier.calls
+    assert [job.classify_email(remote, i).kind for i in invoices] == [Kind.SUCCEEDED] * 2
+    assert remote.classifier.calls == calls + 2
+    assert all(labels(res, i) == {"invoice"} for i in invoices)
+    [progress] = reprocesses_of(res)
+    assert (progress["done"], progress["left"]) == (2, 0)
+
+
+def test_reprocess_from_parse_runs_the_cpu_stage_and_enqueues_each_job_once(res) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, True)
+    invoices = store_emails(res, [INVOICE, PLAIN])
+    assert [job.process_email(res, i).kind for i in invoices] == [Kind.SUCCEEDED] * 2
+
+    done = actions.reprocess(
+        res, EmailFilter(label="invoice"), Step.PARSE, enqueue=sender(res), user=USER, batch=1
+    )
+
+    assert (done.emails, done.enqueued) == (2, 2)
+    with res.db.session() as session:
+        converted = session.scalars(
+            select(PipelineRun.converted_at).where(PipelineRun.email_id.in_(invoices))
+        ).all()
+    assert converted == [None, None]
+    assert [job.process_email(res, i, lane=Lane.BULK).kind for i in invoices] == [
+        Kind.SUCCEEDED
+    ] * 2
+    assert all(labels(res, i) == {"invoice"} for i in invoices)
+
+
+def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None:  # type: ignore[no-untyped-def]
+    """The batch is read before its transaction locks the runs: one that changed meanwhile (a
+    retry reopened it, a sweep failed it) is passed over."""
+    model_calls(res, True)
+    succeeded, still_open = store_emails(res, [INVOICE, PLAIN])
+    assert job.process_email(res, succeeded).kind is Kind.SUCCEEDED
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, [still_open])
+        reopened = runs.reopen_to_reprocess(
+            session, [succeeded, still_open], 1, keep_documents=True
+        )
+    assert reopened == ([succeeded], [])  # rules answered in the CPU stage: it runs again
+    assert status_of(res, still_open) is RunStatus.OPEN
