@@ -20,6 +20,7 @@ from starlette.responses import RedirectResponse, Response
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
+from mailpipe.operations.search import FIELDS, BadSearch
 from mailpipe.operations.status import FailedFilter, review_page
 from mailpipe.resources import Resources
 from mailpipe.web import params
@@ -38,6 +39,7 @@ ACTIONS = {
     "clear": "review mark cleared",
     "clear-review": "review mark cleared",
     "reprocess": "reprocessed",
+    "reprocess-plan": "would be reprocessed",
 }
 _VERBS = (
     "retry-selected",
@@ -47,6 +49,8 @@ _VERBS = (
     "undo-selected",
 )
 _COUNTS = ("done", "enqueued", "refused")
+# What the redirect after an action adds to a page's query, for its notice alone.
+NOTICE_KEYS = ("action", *_COUNTS, "calls")
 
 
 async def switch_model_calls(request: Request) -> Response:
@@ -151,6 +155,38 @@ async def act_on_email(request: Request) -> Response:
     return RedirectResponse(f"{path}?{params.query({}, action=verb, **counts)}", status_code=303)
 
 
+async def reprocess_matching(request: Request) -> Response:
+    """The search page's reprocess: its filter's succeeded emails, from the step chosen; `plan`
+    says how many and the model calls they cost, `reprocess` takes them. Back to the search,
+    with what it did."""
+    from mailpipe.operations.search import EmailFilter, read_search
+
+    form = await _action_form(request)
+    fields = {name: str(form.get(name) or "") for name in FIELDS}
+    try:
+        filt, _ = read_search(fields)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    if filt == EmailFilter():
+        raise HTTPException(400, "a reprocess needs a filter: every email is not a filter")
+    step = actions.Step(_choice(form, "from", tuple(actions.Step)))
+    # `lane` is the search's filter; the jobs' lane is `in_lane`.
+    lane = Lane(_choice(form, "in_lane", tuple(Lane)))
+    plan = _choice(form, "do", ("plan", "reprocess")) == "plan"
+    res = request.app.state.resources
+    done = await run_in_threadpool(
+        lambda: actions.reprocess(
+            res, filt, step, lane=lane, enqueue=sender(res), user=_who(request), dry_run=plan
+        )
+    )
+    if not plan:
+        _log_action(request, f"reprocess from {step.value}", [], fields)
+    counts = {"done": done.emails, "enqueued": done.enqueued, "calls": done.model_calls}
+    action = "reprocess-plan" if plan else "reprocess"
+    path = request.app.url_path_for("search")
+    return RedirectResponse(f"{path}?{params.query(fields, action=action, **counts)}", 303)
+
+
 def _reprocess_one(
     res: Resources, email_id: int, step: actions.Step, lane: Lane, who: str
 ) -> actions.Done:
@@ -174,6 +210,9 @@ def notice(query: Mapping[str, str]) -> str | None:
     except ValueError:
         return None
     parts = [f"{done} {verb}"]
+    if query.get("action") == "reprocess-plan":
+        calls = query.get("calls", "0")
+        return f"{done} {verb}, at {int(calls) if calls.isdigit() else 0} model calls"
     if query.get("action") in ("retry", "reprocess"):
         parts.append(f"{enqueued} jobs sent")
     if refused:

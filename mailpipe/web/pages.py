@@ -96,8 +96,9 @@ def review(request: Request) -> Response:
 def search(request: Request) -> Response:
     """The search page, and the search box's answer: an email id goes to the email's page."""
     res = request.app.state.resources
+    asked = {k: v for k, v in request.query_params.items() if k not in forms.NOTICE_KEYS}
     try:
-        filt, before = read_search(request.query_params)
+        filt, before = read_search(asked)
     except BadSearch as exc:
         # The form as it was sent, with what to correct.
         sent = {name: request.query_params.get(name, "") for name in FIELDS}
@@ -124,6 +125,7 @@ def _search_page(
         filters=fields,
         problems=problems,
         header_note=header_note,
+        steps=[step.value for step in Step],
         paged=bool(request.query_params.get("before")),
         states=STATES,
         lanes=[lane.value for lane in Lane],

@@ -35,7 +35,7 @@ from sqlalchemy import insert, select, text, update
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
-from mailpipe.pipeline import emails, runs
+from mailpipe.pipeline import emails, job, runs
 from mailpipe.storage import flags
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunAttempt, RunStatus, utcnow
@@ -676,3 +676,44 @@ def test_the_overview_draws_what_the_activity_api_gives(res, console) -> None:  
     assert (refused.status_code, refused.json()) == (400, {"error": "window is hour or day"})
     refused = requests.get(f"{web.url}/?window=week", auth=VIEWER, timeout=10)
     assert (refused.status_code, refused.text) == (400, "400: window is hour or day\n")
+
+
+def test_a_search_s_succeeded_emails_are_reprocessed_from_its_page(res, console) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+
+    model_calls(res, True)
+    ids = store_emails(res, [INVOICE, PLAIN])
+    assert [job.process_email(res, i).kind.value for i in ids] == ["succeeded"] * 2
+    web = console()
+    token = web.csrf(OPERATOR)
+    page = requests.get(f"{web.url}/search?label=invoice", auth=OPERATOR, timeout=10).text
+    assert 'id="reprocess"' in page
+    viewer = requests.get(f"{web.url}/search?label=invoice", auth=VIEWER, timeout=10).text
+    assert 'id="reprocess"' not in viewer
+
+    def post(do: str) -> str:
+        answer = requests.post(
+            f"{web.url}/reprocess",
+            data={
+                "label": "invoice",
+                "from": "classify",
+                "in_lane": "bulk",
+                "do": do,
+                "csrf_token": token,
+            },
+            auth=OPERATOR,
+            allow_redirects=False,
+            timeout=10,
+        )
+        assert answer.status_code == 303, answer.text
+        shown = requests.get(f"{web.url}{answer.headers['location']}", auth=OPERATOR, timeout=10)
+        assert shown.status_code == 200, shown.text
+        return shown.text
+
+    assert "2 would be reprocessed, at 0 model calls" in post("plan")
+    assert [run_status(res, i) for i in ids] == ["succeeded"] * 2
+    assert "2 reprocessed, 2 jobs sent" in post("reprocess")
+    assert [run_status(res, i) for i in ids] == ["open"] * 2
+    overview = requests.get(f"{web.url}/", auth=VIEWER, timeout=10).text
+    assert 'id="reprocesses"' in overview
+    assert "0 reprocessed" in post("reprocess")  # open already: nothing taken twice
