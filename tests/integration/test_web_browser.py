@@ -5,8 +5,10 @@ An operator signs in (basic auth), finds the email whose raw bytes were missing 
 list, opens its page and reads its attempt history; the blob is put back, the operator ticks the
 email and presses "Retry selected", and watches its page until the run has succeeded; then finds
 an invoice by its Message-ID in the search box, both invoices by their sender, and opens one from
-the results. The overview charts the jobs just run, and the queues as beat's metrics report
-read them. Each page is saved as console-*.png in the test's folder, or with
+the results; dismisses a failed run from its email's page, finds it in the dismissed view and
+takes the dismiss back; and reprocesses the 100 invoices by their label, a plan of what that
+takes first, watching the overview until every one is done. The overview charts the jobs just
+run, and the queues as beat's metrics report read them. Each page is saved as console-*.png in the test's folder, or with
 MAILPIPE_SCREENSHOTS=docs/img where docs/operations.md shows them (how those pictures are made).
 """
 
@@ -34,6 +36,8 @@ from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
+# The invoices a reprocess takes: the backfill's, the first of MAIL and the retried one.
+REPROCESSED = 100
 MAIL = [
     (
         "billing@acme.example",
@@ -78,11 +82,23 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
     try:
         raws = [email(*mail) for mail in MAIL]
         delivered = store_emails(res, raws)
+        # A backfill the operator reprocesses by its label.
+        backfill = store_emails(
+            res,
+            [
+                email(f"ap{n}@supplier.example", f"Invoice B-{n:03}", "The invoice, payment due.")
+                for n in range(REPROCESSED - 2)
+            ],
+        )
+        f.enqueue(backfill)
         raw = email("billing@shop.example", "Invoice 2026-0190", "The invoice: amount due 40 EUR.")
         missing, key = store_without_blob(res, raw)
-        f.enqueue([*delivered, missing])
-        closed = wait_until_closed(res, [*delivered, missing])
-        assert closed == {**dict.fromkeys(delivered, "succeeded"), missing: "failed"}
+        gone, _ = store_without_blob(res, email("ops@corp.example", "Weekly report", "Attached."))
+        f.enqueue([*delivered, missing, gone])
+        closed = wait_until_closed(res, [*delivered, missing, gone])
+        failed = {missing: "failed", gone: "failed"}
+        assert closed == {**dict.fromkeys(delivered, "succeeded"), **failed}
+        assert set(wait_until_closed(res, backfill).values()) == {"succeeded"}
         with res.db.transaction() as session:
             emails.mark_for_review(
                 session, [delivered[1]], "the model named a label out of the list"
@@ -97,6 +113,7 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
             web,
             missing,
             shots,
+            dismiss_and_undo=partial(_dismiss_and_undo, web=web, email_id=gone),
             put_back=lambda: res.blobs.put(key, raw),
             search=search,
             activity=activity,
@@ -106,7 +123,9 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
     assert "ops: retry selected in the failed list, 1 emails" in web.output()
 
 
-def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back, search, activity) -> None:  # type: ignore[no-untyped-def]
+def _drive(
+    web: ConsoleProcess, missing: int, shots: Path, put_back, search, activity, dismiss_and_undo
+) -> None:  # type: ignore[no-untyped-def]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
         try:
@@ -167,6 +186,8 @@ def _drive(web: ConsoleProcess, missing: int, shots: Path, put_back, search, act
             expect(page.locator("#history")).to_contain_text("succeeded")
             page.screenshot(path=shots / "console-email.png", full_page=True)
             search(page, retried=missing, shots=shots)
+            dismiss_and_undo(page)
+            _reprocess(page, web, shots)
             assert blocked == []
         finally:
             browser.close()
@@ -256,3 +277,44 @@ def _activity(page: Page, attempts: dict[str, dict[str, int]], shots: Path) -> N
     page.get_by_role("link", name="Last hour").click()
     expect(page.get_by_role("link", name="Last hour")).to_have_attribute("aria-current", "page")
     page.locator(".panels").screenshot(path=shots / "console-activity.png")
+
+
+def _dismiss_and_undo(page: Page, web: ConsoleProcess, email_id: int) -> None:
+    """The operator dismisses a run from its email's page, finds it in the failed list's
+    dismissed view, and takes the dismiss back from there."""
+    page.goto(f"{web.url}/emails/{email_id}")
+    page.get_by_role("button", name="Dismiss", exact=True).click()
+    expect(page.get_by_role("status")).to_have_text("1 dismissed")
+    page.get_by_role("link", name="Failed", exact=True).click()
+    expect(page.locator(f'a[href="/emails/{email_id}"]')).to_have_count(0)
+    page.get_by_role("link", name="dismissed", exact=True).click()
+    expect(page.get_by_role("heading", name="Dismissed runs")).to_be_visible()
+    page.get_by_label(f"select email {email_id}").check()
+    page.get_by_role("button", name="Undo dismiss of selected").click()
+    expect(page.get_by_role("status")).to_have_text("1 back on the failed list")
+    page.get_by_role("link", name="on the list", exact=True).click()
+    expect(page.locator(f'a[href="/emails/{email_id}"]')).to_have_count(1)
+
+
+def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
+    """The operator searches the invoices by their label, asks what reprocessing them takes,
+    reprocesses them in the bulk lane and watches the overview until every one is done."""
+    page.goto(f"{web.url}/search?label=invoice&state=succeeded")
+    page.get_by_role("button", name="How many, and what it costs").click()
+    expect(page.get_by_role("status")).to_have_text(
+        f"{REPROCESSED} would be reprocessed, at 0 model calls"
+    )
+    page.get_by_label("reprocess from").select_option("documents")
+    page.get_by_role("button", name="Reprocess", exact=True).click()
+    expect(page.get_by_role("status")).to_have_text(
+        f"{REPROCESSED} reprocessed, {REPROCESSED} jobs sent"
+    )
+
+    def all_done() -> bool:
+        page.goto(f"{web.url}/")  # a new load each time: a fragment alone would not reload
+        cells = page.locator("#reprocesses + table tr").nth(1).locator("td")
+        return cells.nth(6).inner_text() == str(REPROCESSED) and cells.nth(8).inner_text() == "0"
+
+    wait_for(all_done, 120, "the reprocess to reach every email", every=1.0)
+    page.locator("#reprocesses").scroll_into_view_if_needed()
+    page.screenshot(path=shots / "console-reprocess.png", full_page=True)
