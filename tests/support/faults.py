@@ -208,11 +208,10 @@ def _die_after_answer(redis: Redis, email_id: int) -> None:
 
 job._store_classification = _store_classification_with_faults
 
-_real_claim_attempt = runs.claim_attempt
 
-
-def _claim_attempt_with_faults(session, email_id: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-    result = _real_claim_attempt(session, email_id, *args, **kwargs)
+def _held_by_a_claim_fault(session, email_id: int) -> None:  # type: ignore[no-untyped-def]
+    """Hold the claim's transaction open while the email's claim fault says so: the run's row
+    written and locked, not yet committed."""
     from mailpipe.resources import get_resources
 
     redis = get_resources().redis
@@ -220,14 +219,27 @@ def _claim_attempt_with_faults(session, email_id: int, *args: object, **kwargs: 
     fault = redis.hgetall(key)
     if fault and int(fault[b"left"]) > 0:
         redis.hincrby(key, "left", -1)
-        session.flush()  # the run's row is written and locked, not yet committed
+        session.flush()
         redis.hincrby(key, "held", 1)
         while not redis.delete(claim_release_key(email_id)):  # each release lets one claim go
             time.sleep(0.1)
-    return result
 
 
-runs.claim_attempt = _claim_attempt_with_faults
+def _with_claim_fault(claim):  # type: ignore[no-untyped-def]
+    """A claim (`runs.claim_if_ready`, `runs.claim_attempt`) that meets the email's claim fault
+    once it has counted, or decided: one that counted nothing (None) goes on to the next."""
+
+    def claim_with_faults(session, email_id: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        result = claim(session, email_id, *args, **kwargs)
+        if result is not None:
+            _held_by_a_claim_fault(session, email_id)
+        return result
+
+    return claim_with_faults
+
+
+runs.claim_if_ready = _with_claim_fault(runs.claim_if_ready)
+runs.claim_attempt = _with_claim_fault(runs.claim_attempt)
 
 _real_follow = EmailJobTask.follow
 
