@@ -238,7 +238,10 @@ def _with_claim_fault(claim):  # type: ignore[no-untyped-def]
     return claim_with_faults
 
 
-runs.claim_if_ready = _with_claim_fault(runs.claim_if_ready)
+# The previous release's worker (tests/integration/test_rolling_deploy.py) loads these faults
+# too, and its claims are `claim_attempt` alone.
+if hasattr(runs, "claim_if_ready"):
+    runs.claim_if_ready = _with_claim_fault(runs.claim_if_ready)
 runs.claim_attempt = _with_claim_fault(runs.claim_attempt)
 
 _real_follow = EmailJobTask.follow
