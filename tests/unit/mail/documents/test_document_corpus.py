@@ -94,16 +94,17 @@ def test_corpus_file_converts_or_fails_with_a_reason(path: Path, converted) -> N
 def test_pypdf_s_warnings_about_a_document_are_debug_lines_without_its_content(
     converted,
 ) -> None:
-    """The GeoTopo PDF's Type 1 fonts make pypdf warn over a thousand times, each warning with
-    a dump of a font dictionary: what reaches the process's handlers (the root logger's, as a
-    worker has them) is DEBUG lines of mailpipe's, none carrying the dump."""
+    """The GeoTopo PDF's Type 1 fonts make pypdf warn over a thousand times with some releases
+    of fontTools (and not at all with others), each warning with a dump of a font dictionary:
+    what reaches the process's handlers (the root logger's, as a worker has them) is at most
+    DEBUG lines of mailpipe's, none carrying the dump. The handler itself is tested with a
+    warning of its own in test_document_formats."""
     [path] = [p for p in CORPUS if p.name == "GeoTopo-komprimiert.pdf"]
     conversion = converted(path)
     assert conversion.document.status == "converted"
     seen = conversion.logged
     assert [r.name for r in seen if r.name.startswith("pypdf")] == []
     reported = [r.getMessage() for r in seen if r.name == "mailpipe.mail.documents.pdf"]
-    assert len(reported) > 100
-    assert {r.levelno for r in seen if r.name == "mailpipe.mail.documents.pdf"} == {logging.DEBUG}
+    assert {r.levelno for r in seen if r.name == "mailpipe.mail.documents.pdf"} <= {logging.DEBUG}
     assert all(m.startswith("pypdf warning at pypdf.") for m in reported)
     assert not any("Font" in m or "fontTools" in m for m in reported)

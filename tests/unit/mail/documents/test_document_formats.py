@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import replace
 
 import pytest
@@ -52,6 +53,33 @@ def test_pdf_inside_octet_stream_is_read_as_pdf(convert, limits) -> None:
     assert document.status == "converted"
     assert document.page_count == 2
     assert "page 1" in document.text and "page 2" in document.text
+
+
+def test_a_pypdf_warning_is_a_debug_line_of_mailpipe_s_without_its_text() -> None:
+    """pypdf warns with a dump of the document's objects: what reaches the process's handlers
+    (the root logger's, as a worker has them) is a DEBUG line naming where pypdf reported it,
+    and nothing of the dump."""
+    import mailpipe.mail.documents.pdf  # noqa: F401 (installs the handler)
+
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root, handler = logging.getLogger(), Keep()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        logging.getLogger("pypdf._cmap").warning("Advanced encoding /Font dump: %s", "secret")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert [(r.name, r.levelno) for r in seen] == [("mailpipe.mail.documents.pdf", logging.DEBUG)]
+    [message] = [r.getMessage() for r in seen]
+    assert message.startswith("pypdf warning at pypdf._cmap:")
+    assert "secret" not in message and "Font" not in message
 
 
 def test_docx_paragraphs_and_tables_in_order(convert, limits) -> None:
