@@ -176,6 +176,11 @@ class Settings(BaseSettings):
     max_sweeps: int = Field(3, ge=1)
     beat_lock_timeout: int = Field(60, ge=5)
 
+    # Housekeeping (mailpipe.operations.housekeeping), by beat's lock holder.
+    housekeeping_interval: float = Field(3600.0, gt=0)  # seconds between passes
+    keep_attempts_days: float = Field(30.0, gt=0)  # closed runs' attempts, sweep reports
+    housekeeping_batch: int = Field(1000, ge=1, le=100_000)  # rows per transaction
+
     # Metrics.
     metrics_namespace: str | None = None  # unset: metrics go to the log
     metrics_interval: float = Field(60.0, gt=0)  # seconds between the fleet's reports (beat)

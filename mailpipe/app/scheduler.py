@@ -7,10 +7,12 @@ holder being killed. The lock is redis-py's `Lock`, a key with a TTL, so a Redis
 beat to ask holds it. celery-redbeat was the alternative; it keeps the schedule itself in Redis,
 which this Redis (no persistence, flushed in chaos tests) would lose.
 
-The lock holder also reports the fleet's metrics every `MAILPIPE_METRICS_INTERVAL` seconds, from
-this process, which runs no jobs, on a thread of the report's own
-(`mailpipe.operations.metrics.Reporter`): a report never waits behind busy workers, and a slow
-CloudWatch never delays a tick. A standby reports nothing, so the fleet has one report per interval.
+The lock holder also reports the fleet's metrics every `MAILPIPE_METRICS_INTERVAL` seconds, and
+prunes what only grows every `MAILPIPE_HOUSEKEEPING_INTERVAL` (mailpipe.operations.housekeeping),
+from this process, which runs no jobs, each on a thread of its own
+(`mailpipe.operations.periodic.Periodic`): a report never waits behind busy workers, and a slow
+CloudWatch or a long pass never delays a tick. A standby does neither, so the fleet has one report
+per interval and one housekeeper.
 
 Each tick whose lock check reached Redis, holding the lock or standing by, touches
 `MAILPIPE_BEAT_HEALTH_FILE`: the ECS health check tests that file's age (deploy/README.md). A tick
@@ -30,7 +32,8 @@ from redis.exceptions import LockError, LockNotOwnedError
 from mailpipe.broker.queues import control_queue, job_queues
 from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import declare_queue
-from mailpipe.operations import metrics
+from mailpipe.operations import housekeeping, metrics
+from mailpipe.operations.periodic import Periodic
 from mailpipe.resources import get_resources
 from mailpipe.settings import get_settings
 
@@ -54,8 +57,12 @@ class LockedScheduler(PersistentScheduler):
         self._active = False
         self._health_file: Path = settings.beat_health_file
         self._health_file_failed = False
-        self._reporter = metrics.Reporter(
-            get_resources(), metrics.make_sink(settings), settings.metrics_interval
+        res, sink = get_resources(), metrics.make_sink(settings)
+        self._reporter = Periodic(
+            "metrics report", lambda: metrics.report(res, sink), settings.metrics_interval
+        )
+        self._housekeeper = Periodic(
+            "housekeeping", lambda: housekeeping.prune(res), settings.housekeeping_interval
         )
         super().__init__(*args, **kwargs)
 
@@ -65,7 +72,8 @@ class LockedScheduler(PersistentScheduler):
             return check_every
         self._declare_queues()
         next_report = self._reporter.tick()
-        return min(super().tick(*args, **kwargs), check_every, next_report)
+        next_pass = self._housekeeper.tick()
+        return min(super().tick(*args, **kwargs), check_every, next_report, next_pass)
 
     def close(self) -> None:
         try:

@@ -60,6 +60,11 @@ def stage_queue(stage: Stage, settings: Settings, lane: Lane = Lane.LIVE) -> str
     return queue if lane is Lane.LIVE else f"{queue}.{lane}"
 
 
+def stage_of(queue: str) -> Stage:
+    """The stage whose jobs `queue` (a lane of a stage's queue, `stage_queue`) carries."""
+    return Stage.MODEL if queue.removesuffix(f".{Lane.BULK}").endswith(".model") else Stage.CPU
+
+
 def lane_of(queue: str) -> Lane:
     """The lane whose jobs `queue` carries: the control queue is live (never behind bulk)."""
     return Lane.BULK if queue.endswith(f".{Lane.BULK}") else Lane.LIVE

@@ -722,6 +722,17 @@ def sweep() -> None:
 
 
 @main.command()
+def housekeeping() -> None:
+    """Run one housekeeping pass now, in this process, and print what it deleted (JSON): what
+    beat's lock holder does every MAILPIPE_HOUSEKEEPING_INTERVAL seconds."""
+    from dataclasses import asdict
+
+    from mailpipe.operations.housekeeping import prune
+
+    click.echo(json.dumps(asdict(prune(_migrated()))))
+
+
+@main.command()
 @click.argument("lane", type=_LANES)
 @click.argument("email_ids", nargs=-1, type=int, required=True)
 def lane(lane: str, email_ids: tuple[int, ...]) -> None:
@@ -736,8 +747,13 @@ def lane(lane: str, email_ids: tuple[int, ...]) -> None:
 
 @main.command()
 @click.argument("email_id", type=int)
-def show(email_id: int) -> None:
-    """An email's run, documents, labels, classification and history, as JSON."""
+@click.option(
+    "--history-before",
+    type=click.IntRange(min=1),
+    help="The attempts before this one (a page's `older_history`); the last 50 without it.",
+)
+def show(email_id: int, history_before: int | None) -> None:
+    """An email's run, documents, labels, classification and last 50 attempts, as JSON."""
     from mailpipe.operations.status import email_detail
 
     with _migrated().db.session() as session:

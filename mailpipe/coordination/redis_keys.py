@@ -43,6 +43,12 @@ def deferrals_counter() -> str:
     return key("metrics:deferrals")
 
 
+def lane_deferrals() -> str:
+    """Deferrals since the last metrics report, a field per lane of each stage's queue (the
+    stage's `JobsDeferred` and the console's charts)."""
+    return key("metrics:lane-deferrals")
+
+
 def workers() -> str:
     """Sorted set: live worker processes, scored by their last heartbeat (Redis's clock)."""
     return key("workers")

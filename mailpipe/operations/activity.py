@@ -2,7 +2,8 @@
 last hour (a bucket a minute) or the last day (a bucket a quarter of an hour),
 
 - each stage's attempts by what they came to, as the metrics report counts them
-  (`metrics.JOB_COUNTS`: succeeded, failed, retried, deferred), from `run_attempt`;
+  (`metrics.JOB_COUNTS`: succeeded, failed, retried), from `run_attempt`, and its deferrals,
+  which count up on one row of the history, from the lanes' samples (each report's count);
 - the p50 and p90 duration (ended_at - started_at) of the attempts that succeeded;
 - each lane's depth and oldest job, the most of the metrics report's readings in the bucket
   (`queue_sample`, which the report writes: mailpipe.operations.metrics.keep_samples).
@@ -36,7 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import array
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.queues import Lane, Stage
+from mailpipe.broker.queues import Lane, Stage, stage_of
 from mailpipe.operations.metrics import JOB_COUNT_NAMES, JOB_COUNTS, UNTIMED_OUTCOMES
 from mailpipe.storage.models import QueueSample, RunAttempt, utcnow
 
@@ -98,6 +99,7 @@ class LaneSeries:
     lane: str
     depth: list[int | None]
     oldest_age_s: list[float | None]
+    deferred: list[int]  # the lane's deferrals the bucket's reports counted
 
     @property
     def name(self) -> str:
@@ -158,12 +160,13 @@ class Activity:
 def fleet_activity(session: Session, window: Window, now: datetime | None = None) -> Activity:
     """The fleet over `window`, its last bucket the one `now` (naive UTC) is in."""
     start = window.start(now or utcnow())
-    return Activity(
-        window=window,
-        start=start,
-        stages=_stages(session, window, start),
-        lanes=_lanes(session, window, start),
-    )
+    stages = _stages(session, window, start)
+    lanes = _lanes(session, window, start)
+    for lane in lanes:
+        deferred = stages[stage_of(lane.queue)].jobs["deferred"]
+        for i, count in enumerate(lane.deferred):
+            deferred[i] += count
+    return Activity(window=window, start=start, stages=stages, lanes=lanes)
 
 
 def _stages(session: Session, window: Window, start: datetime) -> dict[Stage, StageSeries]:
@@ -173,7 +176,12 @@ def _stages(session: Session, window: Window, start: datetime) -> dict[Stage, St
     attempts' times are read and their percentiles taken here, the same way."""
     postgresql = session.get_bind().dialect.name == "postgresql"
     timed = RunAttempt.outcome.in_(TIMED) & RunAttempt.started_at.is_not(None)
-    in_window = (RunAttempt.ended_at >= start, RunAttempt.ended_at < start + window.span)
+    in_window = (
+        RunAttempt.ended_at >= start,
+        RunAttempt.ended_at < start + window.span,
+        # A deferral's row counts up in place: deferrals come from the lanes' samples.
+        RunAttempt.deferrals.is_(None),
+    )
     bucket = _bucket(postgresql, RunAttempt.ended_at, start, window).label("bucket")
     seconds = func.date_part("epoch", RunAttempt.ended_at - RunAttempt.started_at, type_=Float)
     attempts = (
@@ -239,6 +247,7 @@ def _lanes(session: Session, window: Window, start: datetime) -> list[LaneSeries
             _bucket(postgresql, QueueSample.measured_at, start, window).label("bucket"),
             QueueSample.depth,
             QueueSample.oldest_age_s,
+            QueueSample.deferred,
         )
         .where(QueueSample.measured_at >= start, QueueSample.measured_at < start + window.span)
         .subquery()
@@ -249,13 +258,16 @@ def _lanes(session: Session, window: Window, start: datetime) -> list[LaneSeries
         samples.c.bucket,
         func.max(samples.c.depth),
         func.max(samples.c.oldest_age_s),
+        func.coalesce(func.sum(samples.c.deferred), 0),
     ).group_by(samples.c.queue, samples.c.lane, samples.c.bucket)
     n = window.buckets
     lanes: dict[tuple[str, str], LaneSeries] = {}
-    for queue, lane, bucket_of, depth, oldest in session.execute(grouped):
-        found = lanes.setdefault((queue, lane), LaneSeries(queue, lane, [None] * n, [None] * n))
+    for queue, lane, bucket_of, depth, oldest, deferred in session.execute(grouped):
+        found = lanes.setdefault(
+            (queue, lane), LaneSeries(queue, lane, [None] * n, [None] * n, [0] * n)
+        )
         i = _index(bucket_of, start, window)
-        found.depth[i], found.oldest_age_s[i] = depth, oldest
+        found.depth[i], found.oldest_age_s[i], found.deferred[i] = depth, oldest, deferred
     # Each stage's queue in turn, its live lane first.
     return [lanes[key] for key in sorted(lanes, key=lambda k: (k[0], k[1] != Lane.LIVE))]
 

@@ -25,12 +25,14 @@ With the email queue's dimension only:
 Per stage (dimension `Stage`: `cpu`, `model`):
 
 - `StagePaused`: 1 while the stage is paused (mailpipe.coordination.pauses), else 0;
-- `JobsSucceeded`, `JobsFailed`, `JobsRetried`, `JobsDeferred`: the stage's attempts that ended
-  since the previous report (`run_attempt` rows), by what they came to (`JOB_COUNTS`);
+- `JobsSucceeded`, `JobsFailed`, `JobsRetried`: the stage's attempts that ended since the
+  previous report (`run_attempt` rows), by what they came to (`JOB_COUNTS`); `JobsDeferred`: its
+  jobs' deferrals, counted per lane in Redis as they happen, since a deferral counts up on one
+  row of the history instead of writing a row each;
 - `JobDuration`: how long each of those attempts ran, as a distribution (`Values` and `Counts`)
   from which CloudWatch computes percentiles.
 
-One reporter sends them for the whole fleet: the `Reporter` of the beat that holds the beat lock
+One reporter sends them for the whole fleet: the beat that holds the beat lock
 (mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
 runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
 A report is one reading of Redis, one transaction of two indexed range reads in the database
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,10 +56,11 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from redis import RedisError
 from sqlalchemy import delete, func, insert, select
 
 from mailpipe.broker.layout import queue_stats
-from mailpipe.broker.queues import Lane, Stage, lane_of, stage_queue
+from mailpipe.broker.queues import Lane, Stage, lane_of, stage_of, stage_queue
 from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_versions, live_workers
 from mailpipe.resources import Resources
@@ -140,6 +142,24 @@ class Window:
     failed_runs: int
     stage_jobs: Mapping[Stage, StageJobs]
 
+    def with_deferrals(self, readings: Iterable[BacklogMetrics]) -> Window:
+        """The window with each lane's deferrals (which write no row each) added to its
+        stage's JobsDeferred."""
+        added: Counter[Stage] = Counter()
+        for reading in readings:
+            added[stage_of(reading.queue)] += reading.lane_deferrals
+        jobs = {
+            stage: replace(
+                found,
+                counts={
+                    **found.counts,
+                    "JobsDeferred": found.counts["JobsDeferred"] + added[stage],
+                },
+            )
+            for stage, found in self.stage_jobs.items()
+        }
+        return replace(self, stage_jobs=jobs)
+
 
 @dataclass(frozen=True)
 class BacklogMetrics:
@@ -151,6 +171,8 @@ class BacklogMetrics:
     # Runs failed since the last report; None when another reporter counted this window.
     failed_runs: int | None = None
     deferrals: int | None = None
+    # This lane's deferrals since the report before.
+    lane_deferrals: int = 0
     # The stages paused now; None on the readings that do not carry the fleet's figures.
     paused_stages: frozenset[Stage] | None = None
     # Live worker processes per release, on the reading that carries the fleet's figures.
@@ -356,11 +378,16 @@ def collect(res: Resources) -> list[BacklogMetrics]:
                 pause.dependency or "a dependency",
                 pause.error,
             )
+    lane_deferrals = take_lane_deferrals(res)
     readings: list[BacklogMetrics] = []
     for stage in Stage:
         lanes = [stage_queue(stage, settings, lane) for lane in Lane]
         readings.extend(
-            replace(read_backlog(res, queue, measured_at, lanes), held=stage in paused)
+            replace(
+                read_backlog(res, queue, measured_at, lanes),
+                held=stage in paused,
+                lane_deferrals=lane_deferrals.get(queue, 0),
+            )
             for queue in lanes
         )
     try:
@@ -375,6 +402,8 @@ def collect(res: Resources) -> list[BacklogMetrics]:
         log.warning("could not count failed runs and ended jobs", exc_info=True)
         window = None
     deferrals = int(counted) if counted is not None else None
+    if window is not None:
+        window = window.with_deferrals(readings)
     return [
         replace(
             email,
@@ -388,41 +417,11 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     ]
 
 
-class Reporter:
-    """The fleet's report every `interval` seconds, each on a thread of its own: a slow
-    CloudWatch or database never delays the caller (beat's ticks), and at most one report is in
-    flight. A report still running when the next is due costs that one, with a warning."""
-
-    def __init__(self, res: Resources, sink: MetricsSink, interval: float) -> None:
-        self._res = res
-        self._sink = sink
-        self._interval = interval
-        self._due = -float("inf")  # the first report at once
-        self._thread: threading.Thread | None = None
-
-    def tick(self) -> float:
-        """Start the report that is due, if any; the seconds until the next one is due."""
-        now = time.monotonic()
-        if now >= self._due:
-            # On the beat of the interval; from now if a whole interval was missed (the first
-            # report, a standby that has just taken the lock).
-            next_due = self._due + self._interval
-            self._due = next_due if next_due > now else now + self._interval
-            if self._thread is not None and self._thread.is_alive():
-                log.warning("the previous metrics report is still running: this one is skipped")
-            else:
-                self._thread = threading.Thread(
-                    target=self._report, name="mailpipe-metrics", daemon=True
-                )
-                self._thread.start()
-        return self._due - now
-
-    def _report(self) -> None:
-        try:
-            self._sink.send(collect(self._res))
-        except Exception:
-            # Redis unreachable, mostly; the next report is a fresh reading.
-            log.warning("the metrics report failed, these figures are dropped", exc_info=True)
+def report(res: Resources, sink: MetricsSink) -> None:
+    """One report of the fleet's metrics (beat's lock holder runs it every interval,
+    mailpipe.app.scheduler); a report that fails drops its figures, the next is a fresh
+    reading."""
+    sink.send(collect(res))
 
 
 def read_backlog(
@@ -451,6 +450,20 @@ def read_backlog(
     )
 
 
+def take_lane_deferrals(res: Resources) -> dict[str, int]:
+    """Each lane's deferrals since the last report, taken: the next report counts from 0. The
+    queue's name -> deferrals; empty if Redis can't be read (those figures are lost)."""
+    pipe = res.redis.pipeline(transaction=True)
+    pipe.hgetall(redis_keys.lane_deferrals())
+    pipe.delete(redis_keys.lane_deferrals())
+    try:
+        counted, _ = pipe.execute()
+    except RedisError:
+        log.warning("could not read the lanes' deferrals; they are dropped", exc_info=True)
+        return {}
+    return {queue.decode(): int(count) for queue, count in counted.items()}
+
+
 def keep_samples(res: Resources, readings: Sequence[BacklogMetrics]) -> None:
     """Each lane's depth and oldest job of one report as a `queue_sample` row, for the console's
     charts (mailpipe.operations.activity), and the samples older than SAMPLES_KEPT deleted, in
@@ -465,6 +478,7 @@ def keep_samples(res: Resources, readings: Sequence[BacklogMetrics]) -> None:
                     "lane": reading.lane.value,
                     "depth": reading.queue_depth,
                     "oldest_age_s": reading.oldest_job_age_s,
+                    "deferred": reading.lane_deferrals,
                 }
                 for reading in readings
             ],
@@ -509,7 +523,13 @@ def claim_window(res: Resources, lookback: float) -> Window | None:
         attempts = session.execute(
             select(
                 RunAttempt.stage, RunAttempt.outcome, RunAttempt.started_at, RunAttempt.ended_at
-            ).where(RunAttempt.ended_at > since, RunAttempt.ended_at <= until)
+            ).where(
+                RunAttempt.ended_at > since,
+                RunAttempt.ended_at <= until,
+                # A deferral's row counts up in place: deferrals are counted in Redis
+                # (`with_deferrals`); a row without a count is one deferral of 0.2.0's.
+                RunAttempt.deferrals.is_(None),
+            )
         ).all()
     if not res.redis.eval(_ADVANCE_CURSOR, 1, key, cursor or b"", repr(end)):
         return None

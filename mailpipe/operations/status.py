@@ -313,9 +313,12 @@ def _page(rows: list[dict[str, Any]], page: int, per_page: int, total: int) -> P
     return Page(rows, page, max(1, math.ceil(total / per_page)), total)
 
 
-def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
+def email_detail(
+    session: Session, email_id: int, history_before: int | None = None
+) -> dict[str, Any] | None:
     """`mailpipe show` and the console's email page: the email's run, documents, labels,
-    classification, origin and the history of its attempts; None when there is no such email."""
+    classification, origin and a page of the history of its attempts (`history`, before
+    attempt `history_before`); None when there is no such email."""
     email = session.get(EmailMessage, email_id)
     if email is None:
         return None
@@ -395,33 +398,60 @@ def email_detail(session: Session, email_id: int) -> dict[str, Any] | None:
             "output_tokens": classification.output_tokens,
             "latency_ms": classification.latency_ms,
         },
-        "history": history(session, email_id),
+        **history(session, email_id, history_before),
     }
 
 
-def history(session: Session, email_id: int) -> list[dict[str, Any]]:
-    """The attempts of the email's run, of both stages, in the order they ended."""
-    attempts = session.scalars(
-        select(RunAttempt).where(RunAttempt.email_id == email_id).order_by(RunAttempt.id)
-    )
-    return [
-        {
-            "stage": row.stage,
-            "attempt": row.attempt,
-            "started_at": _iso(row.started_at),
-            "ended_at": _iso(row.ended_at),
-            "outcome": row.outcome,
-            "error_class": row.error_class,
-            "error": _shown(row.error),
-            "host": row.host,
-        }
-        for row in attempts
-    ]
+# The attempts a page of an email's history holds, the last ones first asked for.
+HISTORY_PAGE = 50
 
 
-def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any] | None:
+def history(
+    session: Session, email_id: int, before: int | None = None, limit: int = HISTORY_PAGE
+) -> dict[str, Any]:
+    """A page of the attempts of the email's run, of both stages: `history`, the last `limit`
+    that ended before attempt `before` (the last ones with None), in the order they ended; and
+    `older_history`, the `before` of the page before it (None on the first). A deferral's row
+    stands for `deferrals` deferrals in a row, the last one's time, error and host in its
+    other fields."""
+    statement = select(RunAttempt).where(RunAttempt.email_id == email_id)
+    if before is not None:
+        statement = statement.where(RunAttempt.id < before)
+    rows = session.scalars(statement.order_by(RunAttempt.id.desc()).limit(limit + 1)).all()
+    shown = list(reversed(rows[:limit]))
+    return {
+        "history": [
+            {
+                "id": row.id,
+                "stage": row.stage,
+                "attempt": row.attempt,
+                "started_at": _iso(row.started_at),
+                "ended_at": _iso(row.ended_at),
+                "outcome": row.outcome,
+                "deferrals": _deferrals(row),
+                "error_class": row.error_class,
+                "error": _shown(row.error),
+                "host": row.host,
+            }
+            for row in shown
+        ],
+        "older_history": shown[0].id if len(rows) > limit else None,
+    }
+
+
+def _deferrals(row: RunAttempt) -> int | None:
+    """A deferral's count: its row's, or 1 on a row of the release before (one per deferral)."""
+    if row.outcome != AttemptOutcome.DEFERRED:
+        return None
+    return row.deferrals or 1
+
+
+def job_state(
+    res: Resources, session: Session, email_id: int, history_before: int | None = None
+) -> dict[str, Any] | None:
     """The job status API (`GET /api/jobs/<email_id>`); None when there is no such email.
-    `state` and `waiting_for` are `_where_the_job_is`'s."""
+    `state` and `waiting_for` are `_where_the_job_is`'s; `history` is a page, as
+    `email_detail`'s."""
     email = session.execute(
         select(EmailMessage.needs_review, EmailMessage.created_at, EmailMessage.lane).where(
             EmailMessage.id == email_id
@@ -457,7 +487,7 @@ def job_state(res: Resources, session: Session, email_id: int) -> dict[str, Any]
         "needs_review": email.needs_review,
         "labels": list(labels),
         "updated_at": _iso(email.created_at if run is None else run.updated_at),
-        "history": history(session, email_id),
+        **history(session, email_id, history_before),
     }
 
 

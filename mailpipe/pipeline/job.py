@@ -597,6 +597,7 @@ def _deferral(
         pipe = res.redis.pipeline(transaction=False)
         pipe.zadd(redis_keys.deferred(queue), {str(email_id): now + delay})
         pipe.incr(redis_keys.deferrals_counter())
+        pipe.hincrby(redis_keys.lane_deferrals(), queue, 1)
         pipe.execute()
     except RedisError:
         log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, bindparam, case, insert, literal, select, update
+from sqlalchemy import ColumnElement, and_, bindparam, case, func, insert, literal, select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Stage
@@ -480,9 +480,35 @@ def give_back(
     rate-limited, an outage, model calls switched off). `error`, of `error_class`: why,
     for the attempt's row; the run's error stays as it was."""
     run = lock_current(session, email_id, token)
-    _record(session, run, _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error))
+    ended = _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error)
+    if not _count_on_last_deferral(session, run, ended):
+        _record(session, run, ended, deferrals=1)
     run.attempts = max(0, run.attempts - 1)
     run.attempt_started_at = None
+
+
+def _count_on_last_deferral(session: Session, run: PipelineRun, ended: _AttemptEnd) -> bool:
+    """Count a deferral on the run's last row when that row is a deferral of the same attempt
+    (deferred again before anything else happened to it), so that a run deferred for hours
+    keeps one row with a count, its last deferral's time, error and host; False if it is not."""
+    last = (
+        select(func.max(RunAttempt.id)).where(RunAttempt.email_id == run.email_id)
+    ).scalar_subquery()
+    counted = session.scalar(
+        update(RunAttempt)
+        .where(
+            RunAttempt.id == last,
+            RunAttempt.run_id == run.id,
+            RunAttempt.outcome == AttemptOutcome.DEFERRED.value,
+            RunAttempt.stage == _stage(run).value,
+            RunAttempt.attempt == run.attempts,
+            RunAttempt.deferrals.is_not(None),
+        )
+        .values(deferrals=RunAttempt.deferrals + 1, **_ended_row(ended))
+        .returning(RunAttempt.id)
+        .execution_options(synchronize_session=False)
+    )
+    return counted is not None
 
 
 def record_failed_attempt(
@@ -698,18 +724,24 @@ def _used_up(attempts: int, error: str | None) -> str:
     return f"gave up after {attempts} attempts: {error or 'no error recorded'}"
 
 
-def _record(session: Session, run: PipelineRun, ended: _AttemptEnd) -> None:
+def _record(
+    session: Session, run: PipelineRun, ended: _AttemptEnd, *, deferrals: int | None = None
+) -> None:
     """Write the row of the locked run's attempt that ends in this transaction; called while
     the run still holds the attempt (its number, when it started, its stage)."""
-    stage = Stage.CPU if run.converted_at is None else Stage.MODEL
     attempt = {
         "run_id": run.id,
         "email_id": run.email_id,
-        "stage": stage.value,
+        "stage": _stage(run).value,
         "attempt": run.attempts,
         "started_at": run.attempt_started_at,
+        "deferrals": deferrals,
     }
     session.execute(_RECORD, {**attempt, **_ended_row(ended)})
+
+
+def _stage(run: PipelineRun) -> Stage:
+    return Stage.CPU if run.converted_at is None else Stage.MODEL
 
 
 def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:

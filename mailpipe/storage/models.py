@@ -338,6 +338,9 @@ class RunAttempt(Base):
     error_class: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
     host: Mapped[str | None] = mapped_column(String(255))
+    # A deferral's row: the deferrals in a row it stands for, the last one's time, error and
+    # host in its other columns. NULL on other rows, and on a deferral written by 0.2.0.
+    deferrals: Mapped[int | None]
 
     __table_args__ = (
         # An email's history, in order.
@@ -467,6 +470,7 @@ class QueueSample(Base):
     lane: Mapped[str] = mapped_column(String(8))
     depth: Mapped[int]
     oldest_age_s: Mapped[float]
+    deferred: Mapped[int | None]  # the lane's deferrals since the report before
 
     __table_args__ = (Index("ix_queue_sample_measured_at", "measured_at"),)
 

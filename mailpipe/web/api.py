@@ -16,11 +16,13 @@ from mailpipe.web import params
 
 
 def job(request: Request) -> Response:
-    """`status.job_state` of one email: where its job is, its attempts, labels and history."""
+    """`status.job_state` of one email: where its job is, its attempts, labels and its last 50
+    attempts (`?history_before=` its `older_history` for those before)."""
     email_id = params.email_id(request)
+    before = params.history_before(request.query_params)
     res = request.app.state.resources
     with res.db.session() as session:
-        state = job_state(res, session, email_id)
+        state = job_state(res, session, email_id, before)
     if state is None:
         raise HTTPException(404, f"no email with id {email_id}")
     return JSONResponse(state)

@@ -136,9 +136,10 @@ def _search_page(
 
 def email(request: Request) -> Response:
     email_id = params.email_id(request)
+    before = params.history_before(request.query_params)
     res = request.app.state.resources
     with res.db.session() as session:
-        detail = email_detail(session, email_id)
+        detail = email_detail(session, email_id, before)
         state = job_state(res, session, email_id) if detail is not None else None
     if detail is None or state is None:
         raise HTTPException(404, f"no email with id {email_id}")

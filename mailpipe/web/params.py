@@ -33,6 +33,13 @@ def page_number(params: Mapping[str, str]) -> int:
     return whole_number(params.get("page") or "1", "page", MAX_PAGE)
 
 
+def history_before(params: Mapping[str, str]) -> int | None:
+    """The attempt an email's page of history ends before (its `older_history`), or None for
+    the last attempts."""
+    text = params.get("history_before")
+    return None if not text else whole_number(text, "history_before", MAX_ID)
+
+
 def whole_number(text: str, name: str, most: int) -> int:
     """`text` as a number from 1 to `most` in ASCII digits (int() would also take "+1", "1_0"
     and other scripts' digits), or a 400 that says so."""

@@ -717,3 +717,50 @@ def test_a_search_s_succeeded_emails_are_reprocessed_from_its_page(res, console)
     overview = requests.get(f"{web.url}/", auth=VIEWER, timeout=10).text
     assert 'id="reprocesses"' in overview
     assert "0 reprocessed" in post("reprocess")  # open already: nothing taken twice
+
+
+def test_an_email_page_counts_deferrals_and_pages_its_history(res, console) -> None:  # type: ignore[no-untyped-def]
+    """A run deferred a thousand times is one line of its history; past 50 attempts, the page
+    links to the ones before, and the API gives the same cursor."""
+    email_id = failed_run(res)
+    start = utcnow() - timedelta(hours=1)
+    with res.db.transaction() as session:
+        run_id = session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id))
+        rows: list[dict[str, Any]] = [
+            {
+                "run_id": run_id,
+                "email_id": email_id,
+                "stage": "cpu",
+                "attempt": 1,
+                "ended_at": start + timedelta(seconds=n),
+                "outcome": "retrying",
+                "error_class": "OperationalError",
+            }
+            for n in range(60)
+        ]
+        rows[-1] |= {"outcome": "deferred", "error_class": "RateLimited", "deferrals": 1000}
+        session.execute(insert(RunAttempt), rows)
+    web = console()
+    page = requests.get(f"{web.url}/emails/{email_id}", auth=VIEWER, timeout=10)
+    assert page.status_code == 200
+    assert re.search(
+        r"1000 times, last at <time [^>]+>[^<]+</time>, because RateLimited", page.text
+    )
+    assert page.text.count("<tr>") - page.text.count('id="history"') >= 50
+    older = re.search(r'id="older-history" href="([^"]+)"', page.text)
+    assert older is not None
+    before = requests.get(f"{web.url}{older.group(1)}", auth=VIEWER, timeout=10)
+    assert before.status_code == 200 and 'id="older-history"' not in before.text
+    api = requests.get(f"{web.url}/api/jobs/{email_id}", auth=VIEWER, timeout=10).json()
+    assert len(api["history"]) == 50 and api["history"][-1]["deferrals"] == 1000
+    rest = requests.get(
+        f"{web.url}/api/jobs/{email_id}",
+        params={"history_before": api["older_history"]},
+        auth=VIEWER,
+        timeout=10,
+    ).json()
+    assert (len(rest["history"]), rest["older_history"]) == (10, None)
+    refused = requests.get(
+        f"{web.url}/api/jobs/{email_id}?history_before=abc", auth=VIEWER, timeout=10
+    )
+    assert refused.status_code == 400

@@ -159,15 +159,18 @@ def test_an_email_s_detail_carries_its_history_in_order_and_its_dismissal(res) -
         (3, "failed"),
     ]
     assert detail["history"][0] == {
+        "id": detail["history"][0]["id"],
         "stage": "cpu",
         "attempt": 1,
         "started_at": T0.isoformat() + "Z",
         "ended_at": (T0 + timedelta(seconds=1)).isoformat() + "Z",
         "outcome": "retrying",
+        "deferrals": None,
         "error_class": "OperationalError",
         "error": "e",
         "host": "w1",
     }
+    assert detail["older_history"] is None
     assert detail["dismissed_at"] == (T0 + timedelta(minutes=1)).isoformat() + "Z"
     assert detail["run"]["error_class"] == "AttemptsUsedUp"
     assert (detail["origin"], detail["duplicate_of"]) == (None, None)

@@ -56,7 +56,7 @@ def test_a_lane_s_line_breaks_where_no_report_read_it() -> None:
     depth[10:13] = [4, 0, 2]
     depth[20] = 9
     age: list[float | None] = [None if d is None else float(d) * 10 for d in depth]
-    lane = LaneSeries("mailpipe", "bulk", depth, age)
+    lane = LaneSeries("mailpipe", "bulk", depth, age, [0] * len(depth))
     queues = panels(hour(stage(), [lane]))[-1]
     [line] = queues.charts[0].lines
     assert line.label == "mailpipe.bulk" and len(line.points) == 4
