@@ -53,6 +53,7 @@ class Resources:
                 pool_size=settings.db_pool_size,
             ),
             synchronous_commit=self.synchronous_commit,
+            transaction_pooling=settings.db_transaction_pooling,
         )
 
     @cached_property

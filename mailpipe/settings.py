@@ -137,6 +137,11 @@ class Settings(BaseSettings):
     # of it, and the next sweep re-adds those emails (docs/architecture.md). The CLI's writes
     # (stored emails, flags, reopened runs) always wait.
     worker_synchronous_commit: bool = False
+    # The database URL reaches PostgreSQL through a pooler in transaction mode (PgBouncer's
+    # pool_mode=transaction, RDS Proxy): no server-side prepared statements, and the statement
+    # timeout and commit mode set in each transaction instead of at connect (docs/scaling.md,
+    # "PostgreSQL connections"). Migrations (`mailpipe db upgrade`) connect to PostgreSQL itself.
+    db_transaction_pooling: bool = False
 
     # Workers.
     worker_concurrency: int = Field(2, ge=1)

@@ -58,7 +58,6 @@ class ConnectionLimits:
     def connect_args(self) -> dict[str, Any]:
         return {
             "connect_timeout": self.connect_timeout,
-            "options": f"-c statement_timeout={self.statement_timeout * 1000}",
             "keepalives": 1,
             "keepalives_idle": self.keepalives_idle,
             "keepalives_interval": max(1, self.keepalives_idle // 3),
@@ -69,11 +68,21 @@ class ConnectionLimits:
 
 
 def make_engine(
-    url: str, limits: ConnectionLimits | None = None, *, synchronous_commit: bool = True
+    url: str,
+    limits: ConnectionLimits | None = None,
+    *,
+    synchronous_commit: bool = True,
+    transaction_pooling: bool = False,
 ) -> Engine:
     """`synchronous_commit=False`: PostgreSQL answers a COMMIT before the commit is on disk
     (its `synchronous_commit = off`). A crash of the server, not of this process, can then undo
     the last fraction of a second of commits, never part of one; SQLite ignores it.
+
+    `transaction_pooling=True`: the URL reaches PostgreSQL through a pooler in transaction mode
+    (PgBouncer, RDS Proxy), which may run each transaction on another server connection. The
+    connections then keep no state of their own: no server-side prepared statements, and the
+    statement timeout and commit mode are set in each transaction (SET LOCAL, one round trip
+    more) instead of at connect, where PgBouncer refuses them.
 
     Statement parameters are left out of every error's message (`hide_parameters`): they hold
     the emails' subjects, senders and texts, and errors end up in logs and on runs."""
@@ -81,9 +90,14 @@ def make_engine(
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         limits = limits or ConnectionLimits()
-        connect_args = limits.connect_args()
+        settings = {"statement_timeout": str(limits.statement_timeout * 1000)}
         if not synchronous_commit:
-            connect_args["options"] += " -c synchronous_commit=off"
+            settings["synchronous_commit"] = "off"
+        connect_args = limits.connect_args()
+        if transaction_pooling:
+            connect_args["prepare_threshold"] = None
+        else:
+            connect_args["options"] = " ".join(f"-c {k}={v}" for k, v in settings.items())
         engine = create_engine(
             url,
             hide_parameters=True,
@@ -91,6 +105,9 @@ def make_engine(
             max_overflow=limits.pool_size,
             connect_args=connect_args,
         )
+        if transaction_pooling:
+            statement = "; ".join(f"SET LOCAL {k} = {v}" for k, v in settings.items())
+            event.listen(engine, "begin", partial(_set_local, statement))
         event.listen(engine, "checkin", _on_checkin)
         event.listen(engine, "checkout", partial(_ping_if_idle, engine.dialect))
         return engine
@@ -102,6 +119,10 @@ def make_engine(
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
     return engine
+
+
+def _set_local(statement: str, connection) -> None:
+    connection.exec_driver_sql(statement)
 
 
 def _on_checkin(_dbapi_connection, record) -> None:
@@ -155,11 +176,17 @@ class Database:
     """The process's engine and session factory, rebuilt after a fork."""
 
     def __init__(
-        self, url: str, limits: ConnectionLimits | None = None, *, synchronous_commit: bool = True
+        self,
+        url: str,
+        limits: ConnectionLimits | None = None,
+        *,
+        synchronous_commit: bool = True,
+        transaction_pooling: bool = False,
     ) -> None:
         self.url = url
         self.limits = limits
         self.synchronous_commit = synchronous_commit
+        self.transaction_pooling = transaction_pooling
         self._pid: int | None = None
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
@@ -172,7 +199,10 @@ class Database:
                 # parent's sockets.
                 self._engine.dispose(close=False)
             self._engine = make_engine(
-                self.url, self.limits, synchronous_commit=self.synchronous_commit
+                self.url,
+                self.limits,
+                synchronous_commit=self.synchronous_commit,
+                transaction_pooling=self.transaction_pooling,
             )
             self._sessions = sessionmaker(self._engine, expire_on_commit=False)
             self._pid = os.getpid()
