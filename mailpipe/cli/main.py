@@ -296,28 +296,27 @@ def _count(n: int, estimated: bool) -> str:
 
 
 _STAGES = click.Choice(["cpu", "model"])
-_TIME_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M"]
+# As the console's forms say it; `search.TIME_FORMAT` is the error's wording.
+_TIME = "an ISO 8601 date, or date and time: UTC unless it has an offset or Z"
 
 
 def _failed_filters(command: Any) -> Any:
-    """The options that choose failed runs, for listing and acting alike."""
+    """The options that choose failed runs, for listing and acting alike: text, read by
+    `search.read_failed` as the console's query is (`_failed_filter`)."""
     for option in reversed(
         (
             click.option("--error-class", metavar="NAME", help="Only runs failed with this class."),
             click.option(
                 "--stage",
-                type=_STAGES,
-                help="Only runs failed at this stage (cpu: before the documents were stored).",
+                metavar="STAGE",
+                help="Only runs failed at this stage: cpu (before the documents were stored) "
+                "or model.",
             ),
             click.option(
-                "--since",
-                type=click.DateTime(_TIME_FORMATS),
-                help="Only runs failed at or after this time (UTC, ISO).",
+                "--since", metavar="TIME", help=f"Only runs failed at or after this time ({_TIME})."
             ),
             click.option(
-                "--until",
-                type=click.DateTime(_TIME_FORMATS),
-                help="Only runs failed before this time (UTC, ISO).",
+                "--until", metavar="TIME", help=f"Only runs failed before this time ({_TIME})."
             ),
         )
     ):
@@ -325,15 +324,20 @@ def _failed_filters(command: Any) -> Any:
     return command
 
 
-def _filter(
-    ids: Sequence[int], error_class: str | None, stage: str | None, since: Any, until: Any
-) -> Any:
-    """The filter the options give; refused beside email ids, which name the runs already."""
-    from mailpipe.broker.queues import Stage
+def _failed_filter(ids: Sequence[int], options: dict[str, Any], dismissed: bool = False) -> Any:
+    """The filter the options give, or BadInput saying why not, in the console's words; refused
+    beside email ids, which name the runs already."""
+    from mailpipe.operations import search
     from mailpipe.operations.status import FailedFilter
 
-    filt = FailedFilter(error_class, None if stage is None else Stage(stage), since, until)
-    if ids and filt != FailedFilter():
+    given = {name: value for name, value in options.items() if value is not None}
+    if dismissed:
+        given["view"] = "dismissed"
+    try:
+        filt = search.read_failed(given)
+    except search.BadSearch as exc:
+        raise BadInput(str(exc)) from None
+    if ids and filt != FailedFilter(dismissed=filt.dismissed):
         raise BadInput("email ids name the runs: the filters go with --retry-all or --all")
     return filt
 
@@ -392,25 +396,20 @@ _PAGE = click.option(
 def failed(
     retry_ids: tuple[int, ...],
     retry_all: bool,
-    error_class: str | None,
-    stage: str | None,
-    since: Any,
-    until: Any,
     page: int,
     limit: int,
     as_json: bool,
     dismissed: bool,
+    **filters: str | None,
 ) -> None:
     """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them."""
-    from dataclasses import replace
-
     from mailpipe.operations.status import failed_page
 
     if retry_ids and retry_all:
         raise BadInput("--retry and --retry-all: one or the other")
     if dismissed and (retry_ids or retry_all):
         raise BadInput("--dismissed lists; retry a dismissed run with --retry EMAIL_ID")
-    filt = replace(_filter(retry_ids, error_class, stage, since, until), dismissed=dismissed)
+    filt = _failed_filter(retry_ids, filters, dismissed)
     res = _migrated()
     if retry_ids or retry_all:
         _retry(res, retry_ids or None, filt)
@@ -481,10 +480,7 @@ def dismiss(
     email_ids: tuple[int, ...],
     dismiss_all: bool,
     undo: bool,
-    error_class: str | None,
-    stage: str | None,
-    since: Any,
-    until: Any,
+    **filters: str | None,
 ) -> None:
     """Give up on failed runs: each stays failed, leaves the failed and review lists, and no
     retry-all or sweep takes it up again (`failed --retry EMAIL_ID` still does). `failed
@@ -495,8 +491,8 @@ def dismiss(
         raise BadInput("give EMAIL_ID... or --all (with filters), one or the other")
     if undo and dismiss_all:
         raise BadInput("--undo takes EMAIL_ID..., not --all")
+    filt = _failed_filter(email_ids, filters)
     res = _migrated()
-    filt = _filter(email_ids, error_class, stage, since, until)
     if undo:
         undone = actions.undo_dismiss(res, email_ids, user=_user())
         click.echo(f"back on the failed list: {len(undone.done)}")
@@ -564,10 +560,10 @@ def _email_filters(command: Any) -> Any:
                 help="Only emails whose subject holds each word (any case).",
             ),
             click.option(
-                "--since", metavar="TIME", help="Only emails received at or after this (UTC, ISO)."
+                "--since", metavar="TIME", help=f"Only emails received at or after this ({_TIME})."
             ),
             click.option(
-                "--until", metavar="TIME", help="Only emails received before this (UTC, ISO)."
+                "--until", metavar="TIME", help=f"Only emails received before this ({_TIME})."
             ),
             click.option(
                 "--state",
@@ -757,7 +753,7 @@ def show(email_id: int, history_before: int | None) -> None:
     from mailpipe.operations.status import email_detail
 
     with _migrated().db.session() as session:
-        detail = email_detail(session, email_id)
+        detail = email_detail(session, email_id, history_before)
     if detail is None:
         raise NotFound(f"no email with id {email_id}")
     click.echo(json.dumps(detail, indent=2))

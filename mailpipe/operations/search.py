@@ -1,7 +1,9 @@
 """The email search: `mailpipe find`, the console's search page and box, and `GET /api/search`.
 
 One parser, `read_search`, turns a mapping of strings (a query string, a form, the CLI's options)
-into an `EmailFilter` and a page's position, or refuses it with every problem in one line. One
+into an `EmailFilter` and a page's position, or refuses it with every problem in one line; its
+sibling `read_failed` reads the failed list's `FailedFilter` with the same values' rules, times and
+messages, so that `mailpipe failed`, `/failed` and `/api/failed` take the same strings. One
 function, `find`, answers a filter with a page of emails, the newest (highest id) first; the
 next page starts below the page's last id (keyset, so that every page costs what the first does).
 
@@ -33,8 +35,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, aliased
 
-from mailpipe.broker.queues import Lane
+from mailpipe.broker.queues import Lane, Stage
 from mailpipe.mail.headers import normalise_message_id
+from mailpipe.operations.status import FailedFilter
 from mailpipe.storage.models import (
     EmailLabel,
     EmailMessage,
@@ -66,19 +69,25 @@ FIELDS = (
     "review",
 )
 KEYS = ("q", *FIELDS, "before")
+# What the failed list's filter reads; `view=dismissed` lists the runs an operator dismissed. The
+# other keys of a query or form (its page, its token) are its face's to read.
+FAILED_FIELDS = ("error_class", "stage", "since", "until", "view")
 # Ids are PostgreSQL bigints: a number past them is refused here, not by the database.
 MAX_ID = 2**63 - 1
 # Longer than any header a search could match (a header line is at most 998 characters) and
 # than the columns (an error class and a label are at most 64).
 MAX_CHARS = {"message_id": 998, "sender": 998, "subject": 998, "error_class": 64, "label": 64}
 MAX_WORDS = 10
+# ISO 8601, as `datetime.fromisoformat` reads it; a time without an offset (or `Z`) is UTC, as
+# every time mailpipe stores is.
 TIME_FORMAT = "a date or a date and time, as 2026-01-31 or 2026-01-31T14:00 (UTC unless given)"
 _YES = ("yes", "true", "1", "on")
 _NO = ("no", "false", "0", "off")
 
 
 class BadSearch(ValueError):
-    """What in a search could not be read, every problem in one line."""
+    """What in a search, of the emails or of the failed list, could not be read, every problem
+    in one line."""
 
 
 @dataclass(frozen=True)
@@ -327,13 +336,21 @@ class _Reading:
         if not value:
             return None
         if _unreadable(value):
-            self.problems.append(f"{name} is text without control characters")
+            self.problems.append(f"{name} is text without control characters, in UTF-8")
             return None
         most = MAX_CHARS.get(name)
         if most is not None and len(value) > most:
             self.problems.append(f"{name} is at most {most} characters")
             return None
         return value
+
+    def in_order(self, since: datetime | None, until: datetime | None) -> None:
+        if since and until and since >= until:
+            self.problems.append("since is earlier than until")
+
+    def done(self) -> None:
+        if self.problems:
+            raise BadSearch("; ".join(self.problems))
 
 
 def read_search(values: Mapping[str, str]) -> tuple[EmailFilter, int | None]:
@@ -361,11 +378,44 @@ def read_search(values: Mapping[str, str]) -> tuple[EmailFilter, int | None]:
         review=_yes_or_no(given["review"], reading.problems),
     )
     before = _whole_number(given["before"], "before", reading.problems)
-    if filt.since and filt.until and filt.since >= filt.until:
-        reading.problems.append("since is earlier than until")
-    if reading.problems:
-        raise BadSearch("; ".join(reading.problems))
+    reading.in_order(filt.since, filt.until)
+    reading.done()
     return filt, before
+
+
+def read_failed(values: Mapping[str, str]) -> FailedFilter:
+    """The failed list's filter of a query string, a form or the CLI's options, each a string;
+    empty ones are left out, and so are the keys not in FAILED_FIELDS. Raises BadSearch naming
+    every problem."""
+    reading = _Reading(values)
+    given = {name: reading.text(name) for name in FAILED_FIELDS}
+    stage = _choice(
+        given["stage"], "stage", tuple(stage.value for stage in Stage), reading.problems
+    )
+    view = _choice(given["view"], "view", ("dismissed",), reading.problems)
+    filt = FailedFilter(
+        error_class=given["error_class"],
+        stage=None if stage is None else Stage(stage),
+        since=_time(given["since"], "since", reading.problems),
+        until=_time(given["until"], "until", reading.problems),
+        dismissed=view is not None,
+    )
+    reading.in_order(filt.since, filt.until)
+    reading.done()
+    return filt
+
+
+def failed_fields(filt: FailedFilter) -> dict[str, str]:
+    """The failed list's filter as its form and links carry it (FAILED_FIELDS, empty when
+    unset), which `read_failed` reads back."""
+    values = {
+        "error_class": filt.error_class,
+        "stage": None if filt.stage is None else filt.stage.value,
+        "since": _shown_time(filt.since),
+        "until": _shown_time(filt.until),
+        "view": "dismissed" if filt.dismissed else None,
+    }
+    return {name: value or "" for name, value in values.items()}
 
 
 def _box_fields(box: str, given: dict[str, str | None], problems: list[str]) -> dict[str, str]:
@@ -427,6 +477,8 @@ def _has_a_word(value: str, name: str, problems: list[str]) -> bool:
 
 
 def _time(value: str | None, name: str, problems: list[str]) -> datetime | None:
+    """`value` as naive UTC, as the database keeps times: one with an offset converted, one
+    without taken as UTC."""
     if value is None:
         return None
     try:

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mailpipe.operations.activity import fleet_activity
-from mailpipe.operations.search import BadSearch, find, read_search
+from mailpipe.operations.search import BadSearch, find, read_failed, read_search
 from mailpipe.operations.status import failed_page, fleet_status, job_state, review_page
 from mailpipe.web import params
 
@@ -56,9 +56,10 @@ def search(request: Request) -> Response:
 def failed(request: Request) -> Response:
     """The failed list, as `mailpipe failed --json`: `?error_class`, `stage`, `since`, `until`,
     `view=dismissed`, `page` (50 a page)."""
-    filt, problems = params.failed_filter(request.query_params)
-    if problems:
-        raise HTTPException(400, "; ".join(problems))
+    try:
+        filt = read_failed(request.query_params)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
     page = params.page_number(request.query_params)
     with request.app.state.resources.db.session() as session:
         return JSONResponse(failed_page(session, filt, page).as_json())

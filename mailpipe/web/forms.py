@@ -20,7 +20,7 @@ from starlette.responses import RedirectResponse, Response
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
-from mailpipe.operations.search import FIELDS, BadSearch
+from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed
 from mailpipe.operations.status import FailedFilter, review_page
 from mailpipe.resources import Resources
 from mailpipe.web import params
@@ -84,10 +84,11 @@ async def pause_or_resume(request: Request) -> Response:
 async def act_on_failed(request: Request) -> Response:
     form = await _action_form(request)
     verb, scope = _choice(form, "do", _VERBS).split("-")
-    fields = params.filter_fields(form)
-    filt, problems = params.failed_filter(form)
-    if problems:
-        raise HTTPException(400, "; ".join(problems))
+    try:
+        filt = read_failed(params.filter_fields(form))
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    fields = failed_fields(filt)
     res, user = request.app.state.resources, request.user.username
     if scope == "matching":
         done = await run_in_threadpool(_act, res, verb, user, None, filt)

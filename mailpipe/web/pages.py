@@ -20,8 +20,19 @@ from starlette.templating import Jinja2Templates
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.operations.actions import Step
 from mailpipe.operations.activity import fleet_activity
-from mailpipe.operations.search import FIELDS, STATES, BadSearch, Found, find, read_search
+from mailpipe.operations.search import (
+    FIELDS,
+    STATES,
+    BadSearch,
+    Found,
+    failed_fields,
+    find,
+    read_failed,
+    read_search,
+)
 from mailpipe.operations.status import (
+    FailedFilter,
+    Page,
     email_detail,
     error_classes,
     failed_page,
@@ -33,6 +44,7 @@ from mailpipe.web import charts, forms, params
 from mailpipe.web.auth import ACT, csrf_token
 
 PER_PAGE = 50
+NOTHING = Page([], 1, 1, 0)
 
 
 def templates() -> Jinja2Templates:
@@ -68,11 +80,17 @@ def overview(request: Request) -> Response:
 
 
 def failed(request: Request) -> Response:
-    filt, problems = params.failed_filter(request.query_params)
-    fields = params.filter_fields(request.query_params)
     page = params.page_number(request.query_params)
+    filt: FailedFilter | None = None
+    try:
+        filt = read_failed(request.query_params)
+        fields, problems = failed_fields(filt), []
+    except BadSearch as exc:
+        # The form as it was sent, with what to correct, and nothing listed: what the filters
+        # match is what "all matching" acts on.
+        fields, problems = params.filter_fields(request.query_params), [str(exc)]
     with request.app.state.resources.db.session() as session:
-        listed = failed_page(session, filt, page, PER_PAGE)
+        listed = NOTHING if filt is None else failed_page(session, filt, page, PER_PAGE)
         classes = error_classes(session)
     return _render(
         request,

@@ -3,22 +3,16 @@ Shared by the pages, their forms and the API."""
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from mailpipe.broker.queues import Stage
 from mailpipe.operations.activity import WINDOWS, Window
-from mailpipe.operations.status import FailedFilter
+from mailpipe.operations.search import FAILED_FIELDS
 
-FILTERS = ("error_class", "stage", "since", "until", "view")
-# The failed list's views: the runs on it, or those an operator dismissed.
-VIEWS = ("", "dismissed")
 # Ids are PostgreSQL bigints: a number past them is refused here, not by the database (a 500).
 MAX_ID = 2**63 - 1
 # A billion pages are 50 billion rows deep, past any list, and their offset fits a bigint.
@@ -50,51 +44,10 @@ def whole_number(text: str, name: str, most: int) -> int:
     raise HTTPException(400, f"{name} is a whole number from 1 to {most}")
 
 
-def unreadable(text: str) -> bool:
-    """Whether `text` holds a control character (NUL, which PostgreSQL's text refuses, among
-    them) or a byte that was not UTF-8 (decoded as U+FFFD)."""
-    return any(unicodedata.category(char) == "Cc" or char == "\ufffd" for char in text)
-
-
 def filter_fields(params: Mapping[str, Any]) -> dict[str, str]:
-    """The failed list's filters as the form and the links carry them."""
-    return {name: str(params.get(name) or "").strip() for name in FILTERS}
-
-
-def failed_filter(params: Mapping[str, Any]) -> tuple[FailedFilter, list[str]]:
-    """The FailedFilter of the query or form, and what in it could not be read."""
-    fields = filter_fields(params)
-    problems = []
-    error_class = fields["error_class"] or None
-    if error_class is not None and unreadable(error_class):
-        problems.append("error_class is text without control characters, in UTF-8")
-        error_class = None
-    stage = None
-    if fields["stage"]:
-        try:
-            stage = Stage(fields["stage"])
-        except ValueError:
-            problems.append("stage is cpu or model")
-    times: dict[str, datetime | None] = {}
-    for name in ("since", "until"):
-        try:
-            times[name] = datetime.fromisoformat(fields[name]) if fields[name] else None
-        except ValueError:
-            problems.append(f"{name} is a date and time, as 2025-01-31T14:00 (UTC)")
-            times[name] = None
-        if times[name] is not None and times[name].tzinfo is not None:  # type: ignore[union-attr]
-            problems.append(f"{name} is UTC, without an offset")
-            times[name] = None
-    if fields["view"] not in VIEWS:
-        problems.append("view is dismissed, or none for the failed list")
-    filt = FailedFilter(
-        error_class=error_class,
-        stage=stage,
-        since=times["since"],
-        until=times["until"],
-        dismissed=fields["view"] == "dismissed",
-    )
-    return filt, problems
+    """The failed list's filters as the query or form sent them (`search.read_failed` reads
+    them), for the form that shows them again."""
+    return {name: str(params.get(name) or "").strip() for name in FAILED_FIELDS}
 
 
 def query(fields: Mapping[str, str], **changes: Any) -> str:

@@ -19,11 +19,18 @@ from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
 from mailpipe.resources import Resources
-from mailpipe.storage.models import EmailMessage, PipelineRun
+from mailpipe.storage.models import (
+    Classification,
+    EmailLabel,
+    EmailMessage,
+    PipelineRun,
+    utcnow,
+)
 from tests.support.bedrock_server import (
     TimedBedrockServer,
     error,
     keyword_labels,
+    labels,
     unlimited_bedrock_env,
 )
 from tests.support.database import on_server
@@ -36,6 +43,7 @@ from tests.support.waits import holds_for, wait_for, wait_until_closed
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 120
+REPROCESSED = 30
 PROBE_INTERVAL_S = 1.0
 # The retry horizon with the suite's backoff (MAILPIPE_RETRY_BACKOFF_BASE 0.5, _MAX 4): the
 # three retries wait at most 0.5 + 1 + 2 s. Each outage outlasts it several times over.
@@ -163,6 +171,65 @@ def test_a_model_outage_fails_no_run_and_uses_no_attempt(res, fleet, tmp_path: P
     assert {run.attempts for run in runs(res, ids)} == {1}
     assert server.statuses().count(503) >= 3
     assert pause_of(f, "model") == {}
+
+
+def test_a_reprocess_during_a_model_outage_fails_nothing(res, fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Succeeded emails reprocessed from classify while the model is down: the model stage
+    pauses and their jobs wait, no run fails or spends an attempt on the outage, and once the
+    model is back each succeeds with the answer it gives now."""
+    server = TimedBedrockServer(default=keyword_labels)
+    server.start()
+    try:
+        f = fleet(**unlimited_bedrock_env(server, tmp_path), **FAST)
+        queue = f.env.get("MAILPIPE_QUEUE", res.settings.queue)
+        f.worker("cpu", "-Q", f"{queue},{queue}.control")
+        # Both lanes, as the model role consumes them: a reprocess is sent in the bulk one.
+        f.worker("model", "-P", "threads", "-c", "8", "-Q", f"{queue}.model,{queue}.model.bulk")
+        ids = store_emails(res, emails(REPROCESSED, "reprocess-outage"))
+        f.enqueue(ids)
+        assert set(wait_until_closed(res, ids).values()) == {"succeeded"}
+        assert labels_of(res, ids) == {frozenset({"invoice"})}
+
+        server.default = error("ServiceUnavailableException", 503, "The service is unavailable.")
+        asked_at = utcnow()
+        reprocessed = f.cli("reprocess", "--label", "invoice", "--from", "classify", "--yes")
+        assert f"reopened {REPROCESSED}, enqueued {REPROCESSED}" in reprocessed
+        wait_for(lambda: pause_of(f, "model"), 60, "the model stage to pause")
+        assert pause_of(f, "model")["dependency"] == "model"
+
+        def paused_and_waiting() -> bool:
+            return bool(pause_of(f, "model")) and {r.status.value for r in runs(res, ids)} == {
+                "open"
+            }
+
+        # Past the retry horizon: a job that counted the outage would have failed its run.
+        holds_for(paused_and_waiting, OUTAGE_S, "the model stage paused, every run open")
+
+        server.default = labels({"invoice": 0.9, "support": 0.8})
+        statuses = wait_until_closed(res, ids, timeout=120)
+    finally:
+        server.stop()
+    assert set(statuses.values()) == {"succeeded"}
+    assert {run.attempts for run in runs(res, ids)} == {1}
+    assert labels_of(res, ids) == {frozenset({"invoice", "support"})}
+    with res.db.session() as session:
+        answered = session.scalars(
+            select(Classification.created_at).where(Classification.email_id.in_(ids))
+        ).all()
+    assert len(answered) == REPROCESSED and min(answered) > asked_at
+    assert server.statuses().count(503) >= 3
+    assert pause_of(f, "model") == {}
+
+
+def labels_of(res: Resources, ids: list[int]) -> set[frozenset[str]]:
+    """The label sets the emails have, each set once."""
+    found: dict[int, set[str]] = {email_id: set() for email_id in ids}
+    with res.db.session() as session:
+        for email_id, label in session.execute(
+            select(EmailLabel.email_id, EmailLabel.label).where(EmailLabel.email_id.in_(ids))
+        ):
+            found[email_id].add(label)
+    return {frozenset(names) for names in found.values()}
 
 
 def test_a_database_outage_fails_no_run_and_uses_no_attempt(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -8,15 +8,22 @@ an invoice by its Message-ID in the search box, both invoices by their sender, a
 the results; dismisses a failed run from its email's page, finds it in the dismissed view and
 takes the dismiss back; and reprocesses the 100 invoices by their label, a plan of what that
 takes first, watching the overview until every one is done. The overview charts the jobs just
-run, and the queues as beat's metrics report read them. Each page is saved as console-*.png in the test's folder, or with
-MAILPIPE_SCREENSHOTS=docs/img where docs/operations.md shows them (how those pictures are made).
-"""
+run, and the queues as beat's metrics report read them. Each page is saved as console-*.png in
+the test's folder, or with MAILPIPE_SCREENSHOTS=docs/img where docs/operations.md shows them
+(how those pictures are made): the overview with its charts and the reprocess's progress, the
+charts alone, the failed list and its dismissed view, the review list, the retried email's page
+with its attempts and actions, the search's results and a reprocess's plan. The model stage is
+the Bedrock stand-in (tests/support/bedrock_server.py), and the charts also draw an hour before
+the test, written into the tables they read (`_the_hour_before`)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import random
 import re
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -28,8 +35,9 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.operations.activity import KINDS, OUTCOMES
 from mailpipe.pipeline import emails
 from mailpipe.storage.keys import raw_email_key
-from mailpipe.storage.models import EmailMessage, QueueSample, RunAttempt, utcnow
+from mailpipe.storage.models import EmailMessage, PipelineRun, QueueSample, RunAttempt, utcnow
 from tests.conftest import CHROMIUM
+from tests.support.bedrock_server import BedrockServer, keyword_labels, unlimited_bedrock_env
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
@@ -75,8 +83,13 @@ def store_without_blob(res, raw: bytes) -> tuple[int, str]:  # type: ignore[no-u
 
 
 def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    f: Fleet = fleet(MAILPIPE_METRICS_INTERVAL="1")
-    f.worker("console")
+    # As long as a short call takes, so that the charts' durations read as a model's.
+    model = BedrockServer(default=keyword_labels, delay=0.4).start()
+    f: Fleet = fleet(MAILPIPE_METRICS_INTERVAL="1", **unlimited_bedrock_env(model, tmp_path))
+    queue = f.env.get("MAILPIPE_QUEUE", res.settings.queue)
+    # The worker and model roles, each on both lanes.
+    f.worker("console", "-Q", f"{queue},{queue}.bulk,{queue}.control")
+    f.worker("model", "-P", "threads", "-c", "8", "-Q", f"{queue}.model,{queue}.model.bulk")
     f.beat()  # its metrics report writes the lanes' samples the overview draws
     web = ConsoleProcess({**f.env, **users_env()}, tmp_path / "web.log")
     try:
@@ -108,6 +121,7 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
         assert invoice_id is not None
         search = partial(_search, invoice=delivered[0], invoice_id=invoice_id[1].decode())
         wait_for(lambda: _samples(res) >= 8, 30, "two metrics reports, a sample per lane each")
+        _the_hour_before(res, backfill)
         activity = partial(_activity, attempts=_cpu_attempts_by_minute(res), shots=shots)
         _drive(
             web,
@@ -120,6 +134,7 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
         )
     finally:
         web.stop()
+        model.stop()
     assert "ops: retry selected in the failed list, 1 emails" in web.output()
 
 
@@ -147,7 +162,6 @@ def _drive(
             expect(page.locator("header")).to_have_css("background-color", "rgb(29, 35, 48)")
             expect(page.get_by_text("console@localhost")).to_be_visible()  # the live worker
             activity(page)
-            page.screenshot(path=shots / "console-overview.png", full_page=True)
 
             page.get_by_role("link", name="Failed", exact=True).click()
             row = page.locator("tr", has=page.locator(f'a[href="/emails/{missing}"]'))
@@ -184,9 +198,10 @@ def _drive(
             wait_for(succeeded, 60, "the email's page to show its run succeeded", every=0.5)
             assert page.locator("#history tr").count() - 1 > first_attempts
             expect(page.locator("#history")).to_contain_text("succeeded")
+            expect(page.get_by_role("button", name="Reprocess", exact=True)).to_be_visible()
             page.screenshot(path=shots / "console-email.png", full_page=True)
             search(page, retried=missing, shots=shots)
-            dismiss_and_undo(page)
+            dismiss_and_undo(page, shots=shots)
             _reprocess(page, web, shots)
             assert blocked == []
         finally:
@@ -224,6 +239,75 @@ def _search(page: Page, invoice: int, invoice_id: str, retried: int, shots: Path
     box.fill(str(retried))
     box.press("Enter")
     expect(page.get_by_role("heading", name=f"Email {retried}")).to_be_visible()
+
+
+def _the_hour_before(res, email_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """The fifty minutes before the test, so that the charts draw a fleet at work rather than
+    the one minute the test's own jobs take (the pictures in docs/operations.md): each stage's
+    attempts, as the workers write them, on the runs of `email_ids`; each lane's readings, as
+    the metrics report writes them, the model's throttled deferrals among them; and a backfill
+    in the bulk lane between 40 and 20 minutes ago."""
+    draw = random.Random(7)
+    now = utcnow()
+    with res.db.session() as session:
+        run_of = dict(
+            session.execute(
+                select(PipelineRun.email_id, PipelineRun.id).where(
+                    PipelineRun.email_id.in_(email_ids)
+                )
+            ).all()
+        )
+    attempts: list[dict[str, object]] = []
+    samples: list[dict[str, object]] = []
+    cpu, model = res.settings.queue, f"{res.settings.queue}.model"
+    for ago in range(50, 1, -1):
+        minute = now - timedelta(minutes=ago)
+        backfill = 20 <= ago <= 40
+        for n in range(int(30 + 10 * math.sin(ago / 5)) + (45 if backfill else 0)):
+            email_id = email_ids[n % len(email_ids)]
+            handed_off = minute + timedelta(seconds=draw.uniform(0, 55))
+            answered = handed_off + timedelta(seconds=draw.lognormvariate(math.log(0.45), 0.2))
+            cpu_failed = draw.random() < 0.02
+            for stage, ended, seconds, outcome in (
+                ("cpu", handed_off, draw.lognormvariate(math.log(0.05), 0.4), "handed_off"),
+                ("model", answered, (answered - handed_off).total_seconds(), "succeeded"),
+            ):
+                if stage == "model" and cpu_failed:
+                    continue
+                attempts.append(
+                    {
+                        "run_id": run_of[email_id],
+                        "email_id": email_id,
+                        "stage": stage,
+                        "attempt": 1,
+                        "started_at": ended - timedelta(seconds=seconds),
+                        "ended_at": ended,
+                        "outcome": "retrying" if cpu_failed else outcome,
+                        "error_class": "OperationalError" if cpu_failed else None,
+                        "host": f"{stage}-1",
+                    }
+                )
+        # The backfill drains while its oldest job waits longer and longer.
+        bulk, waited = ((ago - 19) * 60, (40 - ago) * 60 + 30.0) if backfill else (0, 0.0)
+        for queue, lane, depth, oldest, deferred in (
+            (cpu, "live", draw.randint(0, 12), draw.uniform(0, 3), 0),
+            (cpu, "bulk", bulk, waited, 0),
+            (model, "live", draw.randint(0, 6), draw.uniform(0, 2), 0),
+            (model, "bulk", bulk // 20, waited / 20, draw.choice((0, 0, 2, 5))),
+        ):
+            samples.append(
+                {
+                    "measured_at": minute + timedelta(seconds=30),
+                    "queue": queue,
+                    "lane": lane,
+                    "depth": depth,
+                    "oldest_age_s": oldest,
+                    "deferred": deferred,
+                }
+            )
+    with res.db.transaction() as session:
+        session.execute(insert(RunAttempt), attempts)
+        session.execute(insert(QueueSample), samples)
 
 
 def _samples(res) -> int:  # type: ignore[no-untyped-def]
@@ -279,7 +363,7 @@ def _activity(page: Page, attempts: dict[str, dict[str, int]], shots: Path) -> N
     page.locator(".panels").screenshot(path=shots / "console-activity.png")
 
 
-def _dismiss_and_undo(page: Page, web: ConsoleProcess, email_id: int) -> None:
+def _dismiss_and_undo(page: Page, web: ConsoleProcess, email_id: int, shots: Path) -> None:
     """The operator dismisses a run from its email's page, finds it in the failed list's
     dismissed view, and takes the dismiss back from there."""
     page.goto(f"{web.url}/emails/{email_id}")
@@ -289,6 +373,8 @@ def _dismiss_and_undo(page: Page, web: ConsoleProcess, email_id: int) -> None:
     expect(page.locator(f'a[href="/emails/{email_id}"]')).to_have_count(0)
     page.get_by_role("link", name="dismissed", exact=True).click()
     expect(page.get_by_role("heading", name="Dismissed runs")).to_be_visible()
+    expect(page.locator(f'a[href="/emails/{email_id}"]')).to_have_count(1)
+    page.screenshot(path=shots / "console-dismissed.png", full_page=True)
     page.get_by_label(f"select email {email_id}").check()
     page.get_by_role("button", name="Undo dismiss of selected").click()
     expect(page.get_by_role("status")).to_have_text("1 back on the failed list")
@@ -302,8 +388,9 @@ def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
     page.goto(f"{web.url}/search?label=invoice&state=succeeded")
     page.get_by_role("button", name="How many, and what it costs").click()
     expect(page.get_by_role("status")).to_have_text(
-        f"{REPROCESSED} would be reprocessed, at 0 model calls"
+        f"{REPROCESSED} would be reprocessed, at {REPROCESSED} model calls"
     )
+    page.screenshot(path=shots / "console-reprocess-plan.png")
     page.get_by_label("reprocess from").select_option("documents")
     page.get_by_role("button", name="Reprocess", exact=True).click()
     expect(page.get_by_role("status")).to_have_text(
@@ -316,5 +403,5 @@ def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
         return cells.nth(6).inner_text() == str(REPROCESSED) and cells.nth(8).inner_text() == "0"
 
     wait_for(all_done, 120, "the reprocess to reach every email", every=1.0)
-    page.locator("#reprocesses").scroll_into_view_if_needed()
-    page.screenshot(path=shots / "console-reprocess.png", full_page=True)
+    expect(page.locator("#activity-cpu svg")).to_have_count(2)
+    page.screenshot(path=shots / "console-overview.png", full_page=True)
