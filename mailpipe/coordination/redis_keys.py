@@ -128,3 +128,9 @@ def probe_lock(stage: str) -> str:
 def cut_off(email_id: int) -> str:
     """Set by a worker that began to shut down while the email's job was running in it."""
     return key(f"cutoff:{email_id}")
+
+
+def forgotten(email_id: int) -> str:
+    """Set by `mailpipe forget` before it deletes the email, for longer than any job of it can
+    still run: the fence a job in flight checks before it writes a blob."""
+    return key(f"forgotten:{email_id}")

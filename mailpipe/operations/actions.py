@@ -1,12 +1,14 @@
 """What an operator does, from `mailpipe` or the console: to failed runs, the review list and
-lanes, and to the fleet's switches (model calls, a stage's pause).
+lanes, to emails to forget, and to the fleet's switches (model calls, a stage's pause).
 
-Every write goes through mailpipe.pipeline.runs, in batches of one transaction each, so that
-acting on ten thousand runs never holds ten thousand row locks; a retry enqueues each batch's
-jobs after its commit, through the deduplicated enqueue it is handed (`mailpipe.enqueue.sender`:
-this layer never imports Celery). Nothing asked for is passed over without saying why
-(`Done.refused`), and each batch is logged with the action, the user and the email ids (ids
-only: never an email's content); a switch leaves one line with the action and the user.
+Every write goes through mailpipe.pipeline.runs (a forget's deletions through
+mailpipe.operations.erasure), in batches of one transaction each, so that acting on ten thousand
+runs never holds ten thousand row locks; a retry enqueues each batch's jobs after its commit,
+through the deduplicated enqueue it is handed (`mailpipe.enqueue.sender`: this layer never
+imports Celery). Nothing asked for is passed over without saying why (`Done.refused`), and each
+batch is logged with the action, the user and the email ids (ids only: never an email's
+content); a switch leaves one line with the action and the user, a forgotten email one line with
+its id and the SHA-256 of its Message-ID.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.coordination import pauses
+from mailpipe.operations import erasure
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
 from mailpipe.operations.sweeper import Enqueue, in_lanes
@@ -301,6 +304,90 @@ def _succeeded(filt: EmailFilter) -> Select[Any]:
     )
 
 
+@dataclass(frozen=True)
+class Forgotten:
+    email_ids: list[int]  # the emails forgotten (a dry run: those it would forget)
+    rows: dict[str, int]  # rows deleted per table (a dry run: that it would delete)
+    blobs: int  # raw emails and document texts
+    redis: int  # keys and sorted-set members kept by email id
+    handed_on: int  # origins passed to their next copy
+    refused: dict[int, str] = field(default_factory=dict)  # email id -> why not
+    dry_run: bool = False
+
+
+def forget(
+    res: Resources,
+    email_ids: Sequence[int] | None = None,
+    filt: EmailFilter | None = None,
+    *,
+    user: str,
+    dry_run: bool = False,
+    batch: int = BATCH,
+) -> Forgotten:
+    """Erase emails everywhere (`mailpipe.operations.erasure`): `email_ids`, or every email that
+    `filt` finds (a Message-ID, a sender's address: only emails whose From holds it whole). Their
+    rows, blobs and Redis state go, their origins pass to their next copy, their jobs in flight
+    are fenced off; in batches, each in a few short transactions. Each email leaves one audit
+    line: who, the email id and the SHA-256 of its Message-ID ("none" without one), nothing of
+    its content. `dry_run`: what it would delete, changing nothing."""
+    if (email_ids is None) == (filt is None):
+        raise ValueError("either email ids or a filter")
+    if batch < 1:
+        raise ValueError(f"batch size {batch}: must be at least 1")
+    chosen, refused = _to_forget(res, email_ids, filt, batch)
+    if dry_run:
+        tally = erasure.plan(res, chosen, set(chosen), batch)
+        return Forgotten(
+            chosen,
+            dict(tally.rows),
+            tally.blobs,
+            tally.redis,
+            tally.handed_on,
+            refused,
+            dry_run=True,
+        )
+    # Without the fence, a job in flight could write a blob after the email's were deleted.
+    res.redis.ping()
+    done: list[int] = []
+    tally = erasure.Tally()
+    for start in range(0, len(chosen), batch):
+        erased = erasure.erase(res, chosen[start : start + batch])
+        for email_id in erased.email_ids:
+            _audited(
+                "forget",
+                user,
+                email_id=email_id,
+                message_id_sha256=erased.message_ids.get(email_id) or "none",
+            )
+        done.extend(erased.email_ids)
+        tally.add(erased.tally)
+    refused.update(dict.fromkeys(sorted(set(chosen) - set(done)), "no such email"))
+    return Forgotten(done, dict(tally.rows), tally.blobs, tally.redis, tally.handed_on, refused)
+
+
+def _to_forget(
+    res: Resources, email_ids: Sequence[int] | None, filt: EmailFilter | None, batch: int
+) -> tuple[list[int], dict[int, str]]:
+    """The emails to forget, in id order, and why not for the ids asked for that name none."""
+    with res.db.session() as session:
+        if email_ids is not None:
+            asked = sorted(set(email_ids))
+            found = [
+                i
+                for start in range(0, len(asked), batch)
+                for i in erasure.existing(session, asked[start : start + batch])
+            ]
+            return found, dict.fromkeys(sorted(set(asked) - set(found)), "no such email")
+        assert filt is not None
+        found, after = [], 0
+        while True:
+            chunk, last = erasure.chosen(session, filt, after, batch)
+            if last is None:
+                return found, {}
+            found.extend(chunk)
+            after = last
+
+
 def switch_model_calls(
     res: Resources, on: bool, *, send_sweep: Callable[[], object], user: str
 ) -> None:
@@ -336,8 +423,9 @@ def _not_marked(session: Session, email_ids: list[int]) -> dict[int, str]:
     return {i: "not on the review list" if i in known else "no such email" for i in email_ids}
 
 
-def _audited(action: str, user: str) -> None:
-    log.info("%s by %s", action, user, extra={"action": action, "user": user})
+def _audited(action: str, user: str, **fields: object) -> None:
+    shown = "".join(f" {name}={value}" for name, value in fields.items())
+    log.info("%s by %s%s", action, user, shown, extra={"action": action, "user": user, **fields})
 
 
 def _logged(action: str, user: str, email_ids: list[int]) -> None:

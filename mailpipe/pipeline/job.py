@@ -33,7 +33,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from redis import RedisError
@@ -42,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
-from mailpipe.coordination import leases, pauses, redis_keys, shutdowns
+from mailpipe.coordination import forgotten, leases, pauses, redis_keys, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import (
@@ -183,6 +184,9 @@ def run_claimed(
     settings = res.settings
     try:
         claim = once_more_if_disconnected(lambda: _claim(res, email_id, stage, cut_off))
+    except runs.Superseded as exc:  # the run was deleted under the claim
+        log.warning("%s; this delivery stops without writing", exc)
+        return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
         outage = _outage(res, exc)
         if outage is not None:
@@ -243,7 +247,8 @@ def _claim(
         # which waits out its backoff before the next one.
         return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
     if claim.reason is runs.Refusal.NO_EMAIL:
-        return Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
+        gone = _if_forgotten(res, email_id)
+        return gone or Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
     if claim.reason is runs.Refusal.NOT_CONVERTED:
         return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
     return Outcome(Kind.CLOSED)
@@ -292,11 +297,13 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
             link_to_origin(session, email_id, parsed, origin)
 
     documents = convert_documents(parsed, settings)
+    if documents and forgotten.fenced(res.redis, email_id):
+        raise runs.Superseded(f"email {email_id}: it is being forgotten")
     rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
     email_text = email_for_classifier(
         parsed, texts_for_classifier(documents), settings.classifier_text_budget
     )
-    with res.db.transaction() as session:
+    with _blobs_unless_forgotten(res, email_id, rows), res.db.transaction() as session:
         if not parsed.attachments:
             to_link = _origin_unless_copy(session, email_id, token, parsed, defects)
             if to_link is None:
@@ -338,6 +345,37 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
     if classified_here:
         return Outcome(Kind.SUCCEEDED)
     return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
+
+
+@contextmanager
+def _blobs_unless_forgotten(res: Resources, email_id: int, rows: list[dict]) -> Iterator[None]:
+    """Around the transaction that stores the rows of the document texts written to blobs
+    before it: when it fails and the email is being forgotten, those blobs are deleted too, as
+    `mailpipe forget` may have deleted the email's blobs before they were written."""
+    try:
+        yield
+    except Exception:
+        keys = [row["text_blob_key"] for row in rows if row["text_blob_key"]]
+        if keys and _if_forgotten(res, email_id) is not None:
+            try:
+                for key in keys:
+                    res.blobs.delete(key)
+            except Exception:
+                log.exception(
+                    "email %s: forgotten, but blobs %s could not be deleted", email_id, keys
+                )
+        raise
+
+
+def _if_forgotten(res: Resources, email_id: int) -> Outcome | None:
+    """CLOSED when `mailpipe forget` fenced the email off: its rows are gone or going, whatever
+    else went wrong, and the delivery writes nothing more. None when Redis cannot say."""
+    try:
+        fenced = forgotten.fenced(res.redis, email_id)
+    except RedisError:
+        log.warning("email %s: whether it is being forgotten is unknown", email_id, exc_info=True)
+        return None
+    return Outcome(Kind.CLOSED, error="the email is being forgotten") if fenced else None
 
 
 def _origin_unless_copy(
@@ -425,6 +463,9 @@ def _after_error(
     deferred_since: float | None,
 ) -> Outcome:
     """An attempt that raised, by whose fault it was (mailpipe.errors)."""
+    gone = _if_forgotten(res, email_id)
+    if gone is not None:
+        return gone
     token = claim.token
     outage = None if isinstance(exc, Throttled) else _outage(res, exc)
     if outage is not None or isinstance(exc, Throttled):

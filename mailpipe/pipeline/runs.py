@@ -573,6 +573,25 @@ def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[in
     return failed
 
 
+def close_to_forget(session: Session, email_ids: list[int]) -> None:
+    """Fail the open runs of emails about to be forgotten, creating those missing, from outside
+    any claim (`mailpipe forget`, which deletes them next): a delivery in flight is fenced off
+    at its next write, and none claims another attempt. Should the deletion not follow, the run
+    is on the failed list, saying so."""
+    ensure_runs(session, email_ids)
+    session.execute(
+        update(PipelineRun)
+        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
+        .values(
+            _closed(
+                RunStatus.FAILED,
+                "closed to be forgotten, and not deleted yet: run `mailpipe forget` again",
+                ErrorClass.FORGOTTEN,
+            )
+        )
+    )
+
+
 def reopen(session: Session, email_id: int) -> bool:
     """Put a failed run back to open with a fresh attempt budget (`mailpipe failed --retry`).
     Its classification is kept but no longer counts: the reopened run calls the model again.
@@ -682,7 +701,10 @@ def _locked_run(session: Session, email_id: int) -> PipelineRun:
     # FOR UPDATE on PostgreSQL serialises two deliveries that lost their lease; SQLite ignores
     # it and serialises every write transaction anyway (BEGIN IMMEDIATE).
     statement = select(PipelineRun).where(PipelineRun.email_id == email_id).with_for_update()
-    return session.scalars(statement).one()
+    run = session.scalars(statement).one_or_none()
+    if run is None:  # deleted, with its email, by `mailpipe forget`
+        raise Superseded(f"email {email_id}: the run is gone")
+    return run
 
 
 def _closed(

@@ -6,6 +6,7 @@ key or a path.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from mailpipe.errors import BlobMissing, InputRejected
-from mailpipe.storage.keys import check_key
+from mailpipe.storage.keys import check_folder, check_key
 
 
 class BlobStore(Protocol):
@@ -28,6 +29,11 @@ class BlobStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove the blob; nothing happens when there is none."""
+        ...
+
+    def delete_under(self, prefix: str) -> int:
+        """Remove every blob whose key starts with `prefix` (a folder: it ends with /); returns
+        how many there were."""
         ...
 
 
@@ -56,6 +62,23 @@ class LocalBlobStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def delete_under(self, prefix: str) -> int:
+        folder = self._path(check_folder(prefix))
+        if not folder.is_dir():
+            return 0
+        files = [path for path in folder.rglob("*") if not path.is_dir()]
+        for path in files:
+            path.unlink(missing_ok=True)
+        folders = sorted(path for path in folder.rglob("*") if path.is_dir())
+        for path in [*reversed(folders), folder]:  # the deepest first
+            try:
+                path.rmdir()
+            except OSError as exc:
+                # A blob written meanwhile, whose writer deletes it again: its folder stays.
+                if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT):
+                    raise
+        return len(files)
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)

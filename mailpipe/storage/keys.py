@@ -20,10 +20,22 @@ def raw_email_key(sha256: str) -> str:
 
 
 def document_text_key(email_id: int, part_index: int) -> str:
-    return f"{TEXT_PREFIX}/{email_id}/{part_index}.txt"
+    return f"{document_texts(email_id)}{part_index}.txt"
+
+
+def document_texts(email_id: int) -> str:
+    """The folder of the email's document texts."""
+    return f"{TEXT_PREFIX}/{email_id}/"
 
 
 def check_key(key: str) -> str:
     if not KEY_PATTERN.match(key) or ".." in key:
         raise ValueError(f"invalid blob key {key!r}")
     return key
+
+
+def check_folder(prefix: str) -> str:
+    """A key prefix that names a folder: a key that ends with /."""
+    if not prefix.endswith("/"):
+        raise ValueError(f"blob prefix {prefix!r} is no folder: it ends with /")
+    return check_key(prefix)

@@ -97,6 +97,7 @@ class ErrorClass(enum.StrEnum):
     STALLED = "Stalled"
     DEFERRED_TOO_LONG = "DeferredTooLong"
     PAUSED_TOO_LONG = "PausedTooLong"
+    FORGOTTEN = "Forgotten"  # closed by `mailpipe forget`, which deletes it next
 
 
 class DocumentStatus(enum.StrEnum):
@@ -150,6 +151,14 @@ class EmailMessage(Base):
 
     __table_args__ = (
         Index("ix_email_message_duplicate_of", "duplicate_of"),
+        # An origin's emails, which `mailpipe forget` hands it on to, and which deleting an
+        # origin checks for (docs/decisions/erasure.md).
+        Index(
+            "ix_email_message_origin_id",
+            "origin_id",
+            postgresql_where=text("origin_id IS NOT NULL"),
+            sqlite_where=text("origin_id IS NOT NULL"),
+        ),
         Index(
             "ix_email_message_no_run",
             "id",
@@ -207,6 +216,8 @@ class EmailOrigin(Base):
             postgresql_where=text("message_id IS NOT NULL"),
             sqlite_where=text("message_id IS NOT NULL"),
         ),
+        # The origins first seen as an email: deleting the email checks for them.
+        Index("ix_email_origin_first_email_id", "first_email_id"),
     )
 
 
@@ -347,6 +358,8 @@ class RunAttempt(Base):
         Index("ix_run_attempt_email_id", "email_id", "id"),
         # The metrics report: the attempts that ended since the last one.
         Index("ix_run_attempt_ended_at", "ended_at"),
+        # A run's attempts: deleting the run checks for them.
+        Index("ix_run_attempt_run_id", "run_id"),
     )
 
 
@@ -404,6 +417,9 @@ class Classification(Base):
     output_tokens: Mapped[int | None]
     latency_ms: Mapped[int]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    # An email's answers: deleting the email checks for them.
+    __table_args__ = (Index("ix_classification_email_id", "email_id"),)
 
 
 class ModelInput(Base):

@@ -18,7 +18,7 @@ from mailpipe.errors import (
     InputRejected,
     PermanentError,
 )
-from mailpipe.storage.keys import check_key
+from mailpipe.storage.keys import check_folder, check_key
 
 _S3_CONFIG = Config(
     retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=30
@@ -75,6 +75,24 @@ class S3BlobStore:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except (BotoCoreError, ClientError) as exc:
             raise _s3_error(exc, "DeleteObject", key) from exc
+
+    def delete_under(self, prefix: str) -> int:
+        # A page of ListObjectsV2 holds at most 1,000 keys, as many as DeleteObjects takes.
+        deleted = 0
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(check_folder(prefix))
+            )
+            for page in pages:
+                keys = [{"Key": found["Key"]} for found in page.get("Contents", [])]
+                if keys:
+                    self.client.delete_objects(
+                        Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
+                    )
+                    deleted += len(keys)
+        except (BotoCoreError, ClientError) as exc:
+            raise _s3_error(exc, "DeleteObjects", prefix) from exc
+        return deleted
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         try:

@@ -22,17 +22,19 @@ from starlette.responses import JSONResponse, Response
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
+from mailpipe.operations.erasure import selection
 from mailpipe.operations.search import BadSearch, EmailFilter, read_search
 from mailpipe.web import params
 from mailpipe.web.auth import ACT
 
 # The actions on one email, by the last part of their path.
-EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "lane", "reprocess")
+EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "lane", "reprocess", "forget")
 
 
 async def act_on_email(request: Request) -> Response:
     """POST /api/emails/{email_id}/{action}: one of EMAIL_ACTIONS; `lane` takes {"lane": ...},
-    `reprocess` {"from": ..., "lane": ...} (the bulk lane by default)."""
+    `reprocess` {"from": ..., "lane": ...} (the bulk lane by default), `forget` answers as POST
+    /api/forget does."""
     email_id = params.email_id(request)
     action = request.path_params["action"]
     if action not in EMAIL_ACTIONS:
@@ -51,6 +53,8 @@ async def act_on_email(request: Request) -> Response:
     elif action == "lane":
         lane = _choice(body, "lane", Lane)
         done = await run_in_threadpool(actions.move, res, ids, Lane(lane), user=who)
+    elif action == "forget":
+        return await _forget(request, body, ids, None)
     else:
         return await _reprocess(request, body, EmailFilter(email_id=email_id))
     return JSONResponse({"done": done.done, "enqueued": done.enqueued, "refused": done.refused})
@@ -89,6 +93,52 @@ async def _reprocess(request: Request, body: dict[str, Any], filt: EmailFilter) 
             "model_calls": done.model_calls,
             "reprocess_id": done.reprocess_id,
             "enqueued": done.enqueued,
+        }
+    )
+
+
+async def forget(request: Request) -> Response:
+    """POST /api/forget: {"email_ids": [...]}, {"message_id": ...} or {"sender": ...} (a whole
+    address), one of them, erased everywhere; with {"dry_run": true}, what it would delete."""
+    body = await _body(request)
+    unknown = sorted(set(body) - {"email_ids", "message_id", "sender", "dry_run"})
+    if unknown:
+        raise HTTPException(400, f"unknown field {', '.join(unknown)}")
+    email_ids = body.get("email_ids")
+    if email_ids is None:
+        try:
+            filt = selection(body.get("message_id"), body.get("sender"))
+        except BadSearch as exc:
+            raise HTTPException(400, f"{exc}, or email_ids") from None
+        return await _forget(request, body, None, filt)
+    if "message_id" in body or "sender" in body:
+        raise HTTPException(400, "email_ids, message_id or sender: one of them")
+    if not isinstance(email_ids, list) or not all(
+        type(i) is int and 1 <= i <= params.MAX_ID for i in email_ids
+    ):
+        raise HTTPException(400, "email_ids is a list of email ids")
+    return await _forget(request, body, email_ids, None)
+
+
+async def _forget(
+    request: Request, body: dict[str, Any], email_ids: list[int] | None, filt: EmailFilter | None
+) -> Response:
+    dry_run = body.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise HTTPException(400, "dry_run is true or false")
+    res = request.app.state.resources
+    done = await run_in_threadpool(
+        lambda: actions.forget(res, email_ids, filt, user=_who(request), dry_run=dry_run)
+    )
+    return JSONResponse(
+        {
+            "email_ids": done.email_ids,
+            "rows": done.rows,
+            "blobs": done.blobs,
+            "redis": done.redis,
+            "handed_on": done.handed_on,
+            "refused": done.refused,
+            "dry_run": done.dry_run,
         }
     )
 

@@ -83,6 +83,7 @@ API = [
         name="act_on_email",
     ),
     Route("/reprocess", api_actions.reprocess, methods=["POST"], name="reprocess"),
+    Route("/forget", api_actions.forget, methods=["POST"], name="forget"),
     Route(
         "/stages/{stage}/{do}",
         api_actions.pause_or_resume,

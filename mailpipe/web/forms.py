@@ -40,6 +40,7 @@ ACTIONS = {
     "clear-review": "review mark cleared",
     "reprocess": "reprocessed",
     "reprocess-plan": "would be reprocessed",
+    "forget": "forgotten",
 }
 _VERBS = (
     "retry-selected",
@@ -130,7 +131,7 @@ async def move_to_lane(request: Request) -> Response:
 
 
 # What an email's page offers, by the form's `do`; each as its list pages and the CLI do it.
-EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "reprocess")
+EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "reprocess", "forget")
 
 
 async def act_on_email(request: Request) -> Response:
@@ -140,6 +141,8 @@ async def act_on_email(request: Request) -> Response:
     form = await _action_form(request)
     verb = _choice(form, "do", EMAIL_ACTIONS)
     res, who = request.app.state.resources, _who(request)
+    if verb == "forget":
+        return await _forget_one(request, form, email_id)
     if verb == "reprocess":
         step = actions.Step(_choice(form, "from", tuple(actions.Step)))
         lane = Lane(_choice(form, "lane", tuple(Lane)))
@@ -154,6 +157,20 @@ async def act_on_email(request: Request) -> Response:
     counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
     path = request.app.url_path_for("email", email_id=email_id)
     return RedirectResponse(f"{path}?{params.query({}, action=verb, **counts)}", status_code=303)
+
+
+async def _forget_one(request: Request, form: FormData, email_id: int) -> Response:
+    """The email page's forget, only with its box ticked (the CLI asks before it forgets too);
+    to the search, since the email's page is gone with it."""
+    if form.get("confirm") != "yes":
+        raise HTTPException(400, "forgetting an email cannot be undone: tick the box to confirm")
+    done = await run_in_threadpool(
+        actions.forget, request.app.state.resources, [email_id], user=_who(request)
+    )
+    if not done.email_ids:
+        raise HTTPException(404, f"no email with id {email_id}")
+    path = request.app.url_path_for("search")
+    return RedirectResponse(f"{path}?{params.query({}, action='forget', done=1)}", 303)
 
 
 async def reprocess_matching(request: Request) -> Response:

@@ -592,15 +592,15 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
         assert answer.status_code == 303, answer.text
         return str(answer.headers["location"])
 
-    assert offered(failed) == {"retry", "dismiss", "clear-review"}
-    assert offered(succeeded) == {"reprocess"}
+    assert offered(failed) == {"retry", "dismiss", "clear-review", "forget"}
+    assert offered(succeeded) == {"reprocess", "forget"}
     viewer_page = requests.get(f"{web.url}/emails/{failed}", auth=VIEWER, timeout=10).text
     assert 'name="do"' not in viewer_page  # a viewer reads
 
     assert (
         act(failed, do="dismiss") == f"/emails/{failed}?action=dismiss&done=1&enqueued=0&refused=0"
     )
-    assert offered(failed) == {"retry", "undo-dismiss"}  # the dismiss took the review mark too
+    assert offered(failed) == {"retry", "undo-dismiss", "forget"}  # the review mark went too
     dismissed_view = requests.get(f"{web.url}/failed?view=dismissed", auth=VIEWER, timeout=10)
     assert f'href="/emails/{failed}"' in dismissed_view.text
     assert (
@@ -608,7 +608,7 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
         not in requests.get(f"{web.url}/failed", auth=VIEWER, timeout=10).text
     )
     act(failed, do="undo-dismiss")
-    assert offered(failed) == {"retry", "dismiss"}
+    assert offered(failed) == {"retry", "dismiss", "forget"}
     assert (
         f'href="/emails/{failed}"'
         in requests.get(f"{web.url}/failed", auth=VIEWER, timeout=10).text
@@ -625,6 +625,22 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
     log = web.output()
     assert f"reprocess on its page, 1 emails [{succeeded}]" in log
     assert "dismiss by web:" in log and "undo_dismiss by web:" in log
+
+    # Forgotten once its box is ticked: to the search, the email's page gone with it.
+    unticked = requests.post(
+        f"{web.url}/emails/{failed}/act",
+        data={"do": "forget", "csrf_token": token},
+        auth=OPERATOR,
+        timeout=10,
+    )
+    assert unticked.status_code == 400 and run_status(res, failed) == "failed"
+    assert act(failed, do="forget", confirm="yes") == "/search?action=forget&done=1"
+    assert (
+        "1 forgotten"
+        in requests.get(f"{web.url}/search?action=forget&done=1", auth=OPERATOR, timeout=10).text
+    )
+    assert requests.get(f"{web.url}/emails/{failed}", auth=OPERATOR, timeout=10).status_code == 404
+    assert f"forget by web:{OPERATOR[0]} email_id={failed} " in web.output()
 
 
 # --- the overview's activity charts -------------------------------------------------------------
