@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.coordination import pauses
-from mailpipe.operations import erasure
+from mailpipe.operations import erasure, search
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
 from mailpipe.operations.sweeper import Enqueue, in_lanes
@@ -253,7 +253,8 @@ def reprocess(
     one by default. Their classification and labels stay until the new answer replaces them. A
     run already reopened is open, so the same filter twice reopens and sends nothing twice."""
     with res.db.session() as session:
-        emails = session.scalar(select(func.count()).select_from(_succeeded(filt).subquery())) or 0
+        found = _succeeded(session, filt).subquery()
+        emails = session.scalar(select(func.count()).select_from(found)) or 0
     model_calls = emails if res.classifier.remote else 0
     if dry_run or not emails:
         return Reprocessed(emails, model_calls)
@@ -275,7 +276,7 @@ def reprocess(
         with res.db.transaction() as session:
             chunk = list(
                 session.scalars(
-                    _succeeded(filt)
+                    _succeeded(session, filt)
                     .where(EmailMessage.id > after)
                     .order_by(EmailMessage.id)
                     .limit(batch)
@@ -293,14 +294,16 @@ def reprocess(
     return Reprocessed(emails, model_calls, reprocess_id, enqueued)
 
 
-def _succeeded(filt: EmailFilter) -> Select[Any]:
-    """The emails `filt` finds whose run succeeded, by id. The filter's conditions on a run are
-    EXISTS over `pipeline_run`; the run read here is an alias, so that they stay its own."""
+def _succeeded(session: Session, filt: EmailFilter) -> Select[Any]:
+    """The emails `filt` finds whose run succeeded, by id, as the search finds them in
+    `session`'s transaction (`search.matching`: the same words, through the same indexes). The
+    filter's conditions on a run are EXISTS over `pipeline_run`; the run read here is an alias,
+    so that they stay its own."""
     run = aliased(PipelineRun)
     return (
         select(EmailMessage.id)
         .join(run, run.email_id == EmailMessage.id)
-        .where(*filt.where(), run.status == RunStatus.SUCCEEDED)
+        .where(*search.matching(session, filt), run.status == RunStatus.SUCCEEDED)
     )
 
 

@@ -232,20 +232,13 @@ def find(
     """The emails `filt` finds with an id below `before` (all: None), the newest first, at most
     `per_page`: their ids first, from `email_message` alone, then what the page shows of them."""
     email = EmailMessage
-    postgresql = session.get_bind().dialect.name == "postgresql"
-    if postgresql:
-        # Planned for the values given each time (psycopg prepares a statement run five times,
-        # and the plan PostgreSQL may then keep for one sender or word would serve every other),
-        # and in this process alone (a word and the failed runs: 113 ms with two parallel
-        # workers, 23 ms without, at a million emails on two CPUs).
-        session.execute(_SEARCH_SETTINGS)
+    conditions = matching(session, filt)
     newest = email.id.desc()
     if (filt.since or filt.until) and _few_received(session, filt):
         # Sorted by a copy of the id, so that the planner cannot walk the primary key from the
         # newest email, through every email received after the range (it takes emails for
         # spread evenly over time): the range is read from its index and sorted.
         newest = (email.id + 0).desc()
-    conditions = filt.where(full_text=postgresql)
     ids = select(email.id).where(*conditions).order_by(newest).limit(per_page + 1)
     if before is not None:
         ids = ids.where(email.id < before)
@@ -253,6 +246,20 @@ def find(
     return Found(
         _rows(session, found[:per_page]), found[per_page - 1] if found[per_page:] else None
     )
+
+
+def matching(session: Session, filt: EmailFilter) -> list[ColumnElement[bool]]:
+    """`filt`'s conditions on `email_message` as the search applies them in `session`'s
+    transaction, for whatever else reads the emails a search finds (a reprocess): on PostgreSQL,
+    words as whole words through the full-text indexes, and planned for these values."""
+    postgresql = session.get_bind().dialect.name == "postgresql"
+    if postgresql:
+        # Planned for the values given each time (psycopg prepares a statement run five times,
+        # and the plan PostgreSQL may then keep for one sender or word would serve every other),
+        # and in this process alone (a word and the failed runs: 113 ms with two parallel
+        # workers, 23 ms without, at a million emails on two CPUs).
+        session.execute(_SEARCH_SETTINGS)
+    return filt.where(full_text=postgresql)
 
 
 # For this transaction only (set_config's third argument), in one round trip.

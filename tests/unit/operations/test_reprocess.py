@@ -152,3 +152,27 @@ def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None
         )
     assert reopened == ([succeeded], [])  # rules answered in the CPU stage: it runs again
     assert status_of(res, still_open) is RunStatus.OPEN
+
+
+def test_a_reprocess_takes_the_emails_the_search_finds(res) -> None:  # type: ignore[no-untyped-def]
+    """On PostgreSQL the search matches whole words, through the full-text indexes: `invoice`
+    finds no "invoices". A reprocess by the same filter takes what the search showed, no more."""
+    from mailpipe.operations.search import find
+
+    model_calls(res, True)
+    raws = [
+        b"From: a@acme.example\r\nSubject: invoice 7\r\nMessage-ID: <w1@acme>\r\n\r\nDue\r\n",
+        b"From: a@acme.example\r\nSubject: invoices for May\r\nMessage-ID: <w2@acme>\r\n\r\nDue\r\n",
+    ]
+    ids = store_emails(res, raws)
+    assert {job.process_email(res, i).kind for i in ids} == {Kind.SUCCEEDED}
+    by_word = EmailFilter(subject=("invoice",))
+    with res.db.session() as session:
+        shown = [row["email_id"] for row in find(session, by_word).rows]
+    assert shown == [ids[0]]
+    sent = Sent()
+    planned = actions.reprocess(res, by_word, Step.PARSE, enqueue=sent, user=USER, dry_run=True)
+    assert planned.emails == 1
+    done = actions.reprocess(res, by_word, Step.PARSE, enqueue=sent, user=USER)
+    assert sent.calls == [([ids[0]], TaskName.PROCESS_EMAIL, Lane.BULK)]
+    assert (done.emails, status_of(res, ids[1])) == (1, RunStatus.SUCCEEDED)
