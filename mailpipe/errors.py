@@ -99,6 +99,12 @@ class RunFailed(MailpipeError):
     list the job as FAILURE with the run's error (nothing is retried: the message is acked)."""
 
 
+class Unexpected(MailpipeError):
+    """An exception no one caught, as it leaves a task: in `describe`'s words, with the
+    original's traceback, so that Celery's log line, its task events and Flower say nothing of
+    the email its message may have quoted."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors of the services around a job that are worth retrying.
 
@@ -163,19 +169,80 @@ def is_soft_time_limit(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    """`exc` in one line that holds nothing of an email, for logs and a run's error.
+    """`exc` in one line that holds nothing of an email: what a run's error, an attempt's, a
+    log line and Celery's view of a task (Flower, task events) say of it.
 
-    A database error is named by its classes and its SQLSTATE alone: its statement, its
-    parameters and the server's message (a DETAIL quotes the values of a key) can hold an email's
-    subject, sender or text. SQLite's errors have no SQLSTATE.
+    An exception's message is kept only when its class is known to write none of its input:
+    mailpipe's own errors, whose messages name limits, counts, codes and keys (hashes), and
+    the errors of a service's client that name the service (`_own_words`). Of the others:
+
+    - a database error: its classes and its SQLSTATE; its statement, its parameters and the
+      server's message (a DETAIL quotes the values of a key) can hold an email's subject,
+      sender or text. SQLite's errors have no SQLSTATE;
+    - botocore's `ClientError`: the service's error code, the HTTP status and the operation,
+      not the service's message, which may quote the request;
+    - an `OSError`: its errno and strerror, not its file names (a blob's path);
+    - anything else (a ValueError from a header, a KeyError, a library's parse error): its
+      class alone, with its module when it is not a builtin, as its message may quote the
+      text it could not read.
     """
+    name = type(exc).__name__
+    detail = _detail(exc)
+    if detail is None:
+        module = type(exc).__module__
+        return name if module == "builtins" else f"{name} ({module})"
+    return mask_aws(f"{name}: {detail}" if detail else name)
+
+
+def _detail(exc: BaseException) -> str | None:
+    """What `describe` keeps after the class's name; None when only the class may be named."""
+    from botocore.exceptions import ClientError
     from sqlalchemy.exc import DBAPIError
 
     if isinstance(exc, DBAPIError):
         sqlstate = getattr(exc.orig, "sqlstate", None)
-        where = f" (SQLSTATE {sqlstate})" if sqlstate else ""
-        return f"{type(exc).__name__}: {type(exc.orig).__name__}{where}"
-    return mask_aws(f"{type(exc).__name__}: {exc}")
+        return type(exc.orig).__name__ + (f" (SQLSTATE {sqlstate})" if sqlstate else "")
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code") or "no code"
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return f"{code}{f' ({status})' if status else ''} in {exc.operation_name}"
+    if isinstance(exc, OSError):
+        if exc.errno is None:
+            return None
+        return f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else f"[Errno {exc.errno}]"
+    if isinstance(exc, _own_words()):
+        return str(exc)
+    return None
+
+
+def _own_words() -> tuple[type[BaseException], ...]:
+    """Classes whose messages are written from what they know of themselves, never from their
+    input: mailpipe's own, and the clients of Redis, the broker, the database's pool and AWS
+    telling why they could not reach or sign in to their service."""
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ReadTimeoutError,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from kombu.exceptions import OperationalError as BrokerUnavailable
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+    return (
+        MailpipeError,
+        RedisConnectionError,
+        RedisTimeoutError,
+        BrokerUnavailable,
+        PoolTimeoutError,
+        BotoConnectionError,
+        ConnectionClosedError,
+        ReadTimeoutError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
 
 
 # An ARN names an account and a role or key; a bare 12-digit number is an account id. Neither

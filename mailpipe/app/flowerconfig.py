@@ -19,7 +19,8 @@ below, still win over this file.
   (`purge_offline_workers`): every ECS task is a new worker name, so they would pile up.
 - The tasks page shows each job's email id (args), its outcome (result: succeeded, duplicate,
   handed_off, deferred...) and the exception of a task that raised.
-- `MAILPIPE_LOG_FORMAT=json`: Flower's log records as JSON lines (mailpipe.app.logs).
+- Flower's tracebacks in describe()'s words, and with `MAILPIPE_LOG_FORMAT=json` its log records
+  as JSON lines (mailpipe.app.logs).
 """
 
 from __future__ import annotations
@@ -85,12 +86,11 @@ def _refuse_to_start_unprotected() -> None:
     )
 
 
-def _json_logs() -> None:
+def _log_format() -> None:
     """Tornado has set up its handler on the root logger by now (its own parse callback runs
-    first): give it the JSON format."""
-    if _settings.log_format == "json":
-        _logs.use_json(_logging.getLogger())
+    first): tracebacks in describe()'s words, and the JSON format when asked."""
+    _logs.set_up(_logging.getLogger(), _settings.log_format)
 
 
 _options.add_parse_callback(_refuse_to_start_unprotected)
-_options.add_parse_callback(_json_logs)
+_options.add_parse_callback(_log_format)

@@ -19,10 +19,15 @@ CloudWatch's multiline pattern `^{` (deploy/ecs) never glues a plain line onto a
 whichever module it is logged (the pipeline never imports Celery; the fields come from Celery's
 current task). Other fields given with `extra=` are kept as fields too.
 
-Who installs it: the worker and beat through Celery's logging signals (`after_setup_logger` and
-`after_setup_task_logger`, mailpipe/app/signals.py), which keeps Celery's handlers (stderr, the
-redirection of print() to the log) and changes only their format; Flower through its
-configuration (mailpipe/app/flowerconfig.py), after Tornado has set up its handler.
+In either format a traceback names each exception in `errors.describe`'s words
+(`DescribedTracebacks`): the frames (files, lines, code) as Python prints them, and nothing of a
+message that may quote an email.
+
+Who installs it (`set_up`): the worker and beat through Celery's logging signals
+(`after_setup_logger` and `after_setup_task_logger`, mailpipe/app/signals.py), which keeps
+Celery's handlers (stderr, the redirection of print() to the log) and changes only their format;
+Flower through its configuration (mailpipe/app/flowerconfig.py), after Tornado has set up its
+handler; the console and the CLI through `to_stderr`.
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ import json
 import logging
 import os
 import sys
+import traceback
 from datetime import UTC, datetime
 from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
+
+from mailpipe.errors import describe
 
 # Standard record attributes written under these names; everything else a record carries (extra=)
 # is written under its own name.
@@ -52,7 +60,7 @@ class JobContext(logging.Filter):
         from celery._state import get_current_task
 
         data = getattr(record, "data", None)
-        if isinstance(data, dict) and "traceback" in data and record.exc_info:
+        if isinstance(data, dict) and "traceback" in data and (record.exc_info or record.exc_text):
             # Celery's failure records carry the traceback twice (exc_info, and data for its own
             # formatters): keep the one in exc_info. A new dict: data is also the message's args.
             record.data = {key: value for key, value in data.items() if key != "traceback"}
@@ -84,6 +92,61 @@ def _email_id(task_name: str, request: Any) -> int | None:
     return None
 
 
+class DescribedTracebacks(logging.Filter):
+    """Renders a record's traceback (`described_traceback`) into `exc_text`, which every
+    formatter prints when `exc_info` is gone: JSON's, Celery's and the standard one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            _, exc, tb = record.exc_info
+            if exc is not None:
+                record.exc_text = described_traceback(exc, tb)
+            record.exc_info = None
+        return True
+
+
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
+def described_traceback(exc: BaseException, tb: Any = None) -> str:
+    """`exc`'s traceback as Python prints it, chained exceptions included, with each exception's
+    line in `describe`'s words instead of its message."""
+    chain: list[tuple[BaseException, str]] = []
+    link = ""
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen, _ in chain):
+        chain.append((current, link))
+        if current.__cause__ is not None:
+            current, link = current.__cause__, _CAUSE
+        elif current.__context__ is not None and not current.__suppress_context__:
+            current, link = current.__context__, _CONTEXT
+        else:
+            current = None
+    lines: list[str] = []
+    for error, linked in reversed(chain):
+        lines.append("Traceback (most recent call last):\n")
+        frames = tb if error is exc and tb is not None else error.__traceback__
+        try:
+            lines.extend(traceback.format_tb(frames))
+        except Exception:  # a traceback sent from another process, as Celery's parent has it
+            lines.append("  (frames not available)\n")
+        lines.append(f"{describe(error)}\n{linked}")
+    return "".join(lines).rstrip("\n")
+
+
+def set_up(logger: logging.Logger | None, log_format: str) -> None:
+    """Every handler of `logger`: tracebacks in `describe`'s words, and JSON lines with `json`;
+    idempotent."""
+    if logger is None:
+        return
+    if log_format == "json":
+        use_json(logger)
+    for handler in logger.handlers:
+        if not any(isinstance(f, DescribedTracebacks) for f in handler.filters):
+            handler.addFilter(DescribedTracebacks())
+
+
 def json_formatter() -> logging.Formatter:
     return JsonFormatter(
         _FIELDS,
@@ -111,6 +174,7 @@ def to_stderr(logger: logging.Logger, log_format: str) -> None:
         handler.setFormatter(json_formatter())
     else:
         handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
+    handler.addFilter(DescribedTracebacks())
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 

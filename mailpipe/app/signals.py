@@ -44,19 +44,19 @@ _heartbeat: heartbeat.WorkerHeartbeat | None = None
 
 
 @after_setup_logger.connect
-def _json_logs(logger: logging.Logger | None = None, **_: Any) -> None:
-    """MAILPIPE_LOG_FORMAT=json: Celery's handlers write JSON lines (mailpipe.app.logs), in the
-    worker (its children inherit them) and in beat."""
-    if get_settings().log_format == "json":
-        logs.use_json(logger)
-        logs.use_json(_multiprocessing_logger())
+def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Celery's handlers write tracebacks in describe()'s words, and JSON lines with
+    MAILPIPE_LOG_FORMAT=json (mailpipe.app.logs), in the worker (its children inherit them) and
+    in beat."""
+    log_format = get_settings().log_format
+    logs.set_up(logger, log_format)
+    logs.set_up(_multiprocessing_logger(), log_format)
 
 
 @after_setup_task_logger.connect
-def _json_task_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+def _task_log_format(logger: logging.Logger | None = None, **_: Any) -> None:
     """The same for Celery's task logger, which has handlers of its own."""
-    if get_settings().log_format == "json":
-        logs.use_json(logger)
+    logs.set_up(logger, get_settings().log_format)
 
 
 @worker_init.connect

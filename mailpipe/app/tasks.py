@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from celery import Task
+from celery.exceptions import TaskPredicate
 from celery.worker.request import Request
 
 from mailpipe.broker.layout import job_headers
@@ -18,7 +19,7 @@ from mailpipe.broker.queues import Lane, TaskName, queue_of
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
 from mailpipe.enqueue import send_job, sender
-from mailpipe.errors import RunFailed, TransientError
+from mailpipe.errors import MailpipeError, RunFailed, TransientError, Unexpected, describe
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
 from mailpipe.pipeline.outcome import Kind, Outcome
@@ -71,7 +72,25 @@ def _lane(kwargs: dict[str, Any] | None) -> Lane:
     return Lane((kwargs or {}).get("lane", Lane.LIVE.value))
 
 
-class EmailJobTask(Task):
+class MailpipeTask(Task):
+    """Base of mailpipe's tasks. An exception that leaves one, whatever its message quotes of an
+    email, reaches Celery (its log line, the task-failed event, Flower) in `describe`'s words:
+    mailpipe's own errors as they are, without what they were raised from; any other as
+    `Unexpected`, with its traceback. Celery's own (a retry) pass through."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Celery's trace has pushed the request: `run`, as Task.__call__ would push another.
+        try:
+            return self.run(*args, **kwargs)
+        except TaskPredicate:
+            raise
+        except MailpipeError as exc:
+            raise exc from None
+        except Exception as exc:
+            raise Unexpected(describe(exc)).with_traceback(exc.__traceback__) from None
+
+
+class EmailJobTask(MailpipeTask):
     """Base of tasks that run one email's job. It adds:
 
     - one mapping from the job's `Outcome` to Celery: a retry (`self.retry`, so Flower shows
@@ -187,7 +206,9 @@ def classify_email(
     return self.follow(email_id, outcome, Lane(lane))
 
 
-@app.task(bind=True, name=TaskName.SWEEP.value, acks_late=False, ignore_result=True)
+@app.task(
+    bind=True, base=MailpipeTask, name=TaskName.SWEEP.value, acks_late=False, ignore_result=True
+)
 def sweep(self: Task, **unknown: Any) -> dict[str, object]:
     """Re-add lost and stalled jobs (mailpipe.operations.sweeper).
 

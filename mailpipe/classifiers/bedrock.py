@@ -35,7 +35,13 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier, LabelScore
 from mailpipe.classifiers.prompt import PROMPT_VERSION, TOOL_NAME, build_prompt, tool_config
-from mailpipe.errors import ModelAccessDenied, ModelUnavailable, PermanentError, Throttled
+from mailpipe.errors import (
+    ModelAccessDenied,
+    ModelUnavailable,
+    PermanentError,
+    Throttled,
+    describe,
+)
 
 if TYPE_CHECKING:
     from mailpipe.settings import Settings
@@ -179,12 +185,10 @@ class BedrockClassifier:
         except ClientError as error:
             raise _classify_client_error(error) from error
         except _CREDENTIAL_ERRORS as error:
-            raise ModelAccessDenied(
-                f"bedrock credentials: {type(error).__name__}: {error}"
-            ) from error
+            raise ModelAccessDenied(f"bedrock credentials: {describe(error)}") from error
         except (BotoConnectionError, HTTPClientError) as error:
             # Connection refused or reset, connect or read timeout: the service, not the email.
-            raise ModelUnavailable(f"bedrock unreachable: {error}") from error
+            raise ModelUnavailable(f"bedrock unreachable: {describe(error)}") from error
 
     def classify(self, email: EmailForClassifier) -> ClassificationResult:
         """Labels for `email`. Not idempotent by itself (each call is billed); callers store it."""
@@ -224,8 +228,10 @@ class BedrockClassifier:
 def _classify_client_error(
     error: ClientError,
 ) -> Throttled | ModelUnavailable | ModelAccessDenied | PermanentError:
-    """The mailpipe error for an error response from Bedrock. The messages name the code and
-    Bedrock's message, which names the model or the role, never the email."""
+    """The mailpipe error for an error response from Bedrock. The messages name the code and,
+    for the service's and the fleet's errors, Bedrock's message, which names the model or the
+    role; a request rejected on its own is named by its code alone, as its message may quote
+    the request, which holds the email."""
     details = error.response.get("Error", {})
     code = details.get("Code", "")
     message = details.get("Message", "")
@@ -242,7 +248,7 @@ def _classify_client_error(
         return ModelAccessDenied(f"bedrock refused the call ({code}): {message}")
     # Any other ValidationException (input too long) or 4xx: the same request fails the same way
     # next time, and other requests need not.
-    return PermanentError(f"bedrock rejected the request ({code or status}): {message}")
+    return PermanentError(f"bedrock rejected the request ({code or status})")
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:

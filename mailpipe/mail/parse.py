@@ -23,7 +23,7 @@ from email.headerregistry import BaseHeader, HeaderRegistry
 from email.message import EmailMessage, Message
 from typing import Any
 
-from mailpipe.errors import InputRejected
+from mailpipe.errors import InputRejected, describe
 from mailpipe.mail.headers import normalise_message_id, plain_value
 from mailpipe.mail.prescan import (
     NESTED_TOO_DEEPLY,
@@ -290,7 +290,7 @@ def _attachment(part: Message, content_type: str, index: int, depth: int) -> Att
     try:
         payload = _payload_bytes(part, content_type)
     except Exception as exc:
-        return Attachment(index, filename, content_type, b"", charset, depth, error=repr(exc))
+        return Attachment(index, filename, content_type, b"", charset, depth, error=describe(exc))
     return Attachment(index, filename, content_type, payload, charset, depth)
 
 

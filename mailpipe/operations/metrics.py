@@ -63,6 +63,7 @@ from mailpipe.broker.layout import queue_stats
 from mailpipe.broker.queues import Lane, Stage, lane_of, stage_of, stage_queue
 from mailpipe.coordination import pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_versions, live_workers
+from mailpipe.errors import describe
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import (
@@ -267,7 +268,9 @@ class CloudWatchSink:
         try:
             self._cloudwatch().put_metric_data(Namespace=self.namespace, MetricData=data)
         except (BotoCoreError, ClientError) as exc:
-            log.warning("CloudWatch PutMetricData failed, these figures are dropped: %s", exc)
+            log.warning(
+                "CloudWatch PutMetricData failed, these figures are dropped: %s", describe(exc)
+            )
 
     def _cloudwatch(self) -> Any:
         # Built on first use in the process that sends (never at import, never before a fork),

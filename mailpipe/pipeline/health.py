@@ -33,7 +33,7 @@ from sqlalchemy import delete, false, insert, select, update
 from mailpipe.broker.queues import Lane
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.ratelimit import FleetRateLimiter
-from mailpipe.errors import Dependency, describe
+from mailpipe.errors import Dependency, MailpipeError, describe
 from mailpipe.resources import Resources
 from mailpipe.storage.db import upsert
 from mailpipe.storage.keys import RAW_PREFIX, TEXT_PREFIX
@@ -66,6 +66,10 @@ _WRITTEN = (
     EmailLabel,
 )
 _DELETED = (EmailLabel,)
+
+
+class CheckFailed(MailpipeError):
+    """A check that found its dependency wrong without an error of the dependency's own."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ def _check_blobs(res: Resources) -> None:
         res.blobs.put(key, _PROBE_BYTES)
         try:
             if res.blobs.get(key) != _PROBE_BYTES:
-                raise RuntimeError(f"blob store check: {key} read back other bytes")
+                raise CheckFailed(f"blob store check: {key} read back other bytes")
         finally:
             res.blobs.delete(key)
 
@@ -125,7 +129,7 @@ def _check_blobs(res: Resources) -> None:
 def _check_model(res: Resources) -> None:
     with res.db.session() as session:
         if not res.model_calls(session):
-            raise RuntimeError("model calls are off: the model is not called")
+            raise CheckFailed("model calls are off: the model is not called")
     if not res.classifier.remote:
         res.classifier.check()
         return

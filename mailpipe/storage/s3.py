@@ -17,6 +17,7 @@ from mailpipe.errors import (
     BlobUnavailable,
     InputRejected,
     PermanentError,
+    describe,
 )
 from mailpipe.storage.keys import check_folder, check_key
 
@@ -123,7 +124,7 @@ def _s3_error(exc: Exception, operation: str, key: str) -> Exception:
             return BlobMissing(f"blob {key} not found")
         if status < 500 and code not in _BUSY_CODES:
             return PermanentError(f"S3 refused {operation} of {key}: {code} ({status})")
-    return BlobUnavailable(f"S3 unavailable for {operation} of {key}: {exc}")
+    return BlobUnavailable(f"S3 unavailable for {operation} of {key}: {describe(exc)}")
 
 
 def _names_kms(status: int, error: dict) -> bool:

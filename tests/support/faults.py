@@ -15,7 +15,10 @@ parser would happen) so that an email whose id has a fault set in Redis misbehav
   a crash between the CPU stage and its hand-off;
 - ``transient``: raises a TransientError (a service that is down), ``transient:SECONDS`` one
   that says when to come back (a Retry-After);
-- ``raise``: raises a RuntimeError, an error nothing foresaw (a bug in a step, or in a library).
+- ``raise``: raises a RuntimeError, an error nothing foresaw (a bug in a step, or in a library);
+- ``quote``: raises a ValueError whose message quotes the email's subject and body, as a parser
+  that cannot read a header may; ``quote-outside`` raises it in the task, before the pipeline
+  (outside its handling: a bug of the task's own), so that it leaves the task for Celery.
 
 A claim fault (``set_claim_fault``) holds the delivery inside its claim transaction, after the
 run's row is locked, until the test lets that one claim go (``release_claim``): a window in
@@ -48,6 +51,7 @@ from mailpipe.broker.queues import Lane
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
 from mailpipe.pipeline import job, runs
+from mailpipe.storage.models import EmailMessage
 
 
 def fault_key(email_id: int, prefix: str | None = None) -> str:
@@ -165,6 +169,17 @@ def _crash(mode: str) -> None:
                 pass
 
 
+def quoting_error(res, email_id: int) -> ValueError:  # type: ignore[no-untyped-def]
+    """What a parser that cannot read a header may raise: its message quotes the email."""
+    from mailpipe.mail.parse import ParseLimits, parse_email  # where this release has it
+
+    with res.db.session() as session:
+        blob_key = session.get_one(EmailMessage, email_id).blob_key
+    limits = ParseLimits(max_bytes=50 << 20, max_depth=25, max_parts=1000, body_max_chars=2000)
+    parsed = parse_email(res.blobs.get(blob_key), limits)
+    return ValueError(f"cannot read the header of {parsed.subject!r}: {parsed.body_text!r}")
+
+
 _real_run_steps = job._run_steps
 
 
@@ -178,12 +193,28 @@ def _run_steps_with_faults(res, email_id: int, *args: object) -> job.Outcome:  #
     if mode == "die-after-steps":
         _real_run_steps(res, email_id, *args)
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "quote":
+        raise quoting_error(res, email_id)
     if mode is not None:
         _crash(mode)
     return _real_run_steps(res, email_id, *args)
 
 
 job._run_steps = _run_steps_with_faults
+
+_real_process_email = job.process_email
+
+
+def _process_email_with_faults(res, email_id: int, **kwargs: object) -> job.Outcome:  # type: ignore[no-untyped-def]
+    """The task's call of the pipeline (`job.process_email`): a ``quote-outside`` fault raises
+    here, where no step's handling catches it."""
+    fault = res.redis.hget(fault_key(email_id), "mode")
+    if fault == b"quote-outside" and _take_fault(res.redis, email_id) is not None:
+        raise quoting_error(res, email_id)
+    return _real_process_email(res, email_id, **kwargs)
+
+
+job.process_email = _process_email_with_faults
 
 _real_store_classification = job._store_classification
 

@@ -13,7 +13,7 @@ import logging
 
 from billiard.exceptions import SoftTimeLimitExceeded
 
-from mailpipe.errors import InputRejected
+from mailpipe.errors import InputRejected, describe
 from mailpipe.mail.documents import ooxml
 from mailpipe.mail.documents.detect import Format, declared_format, detect_format, ooxml_format
 from mailpipe.mail.documents.errors import NestingTooDeep, TooLarge, Unreadable, Unsupported
@@ -88,7 +88,7 @@ def _convert(att: Attachment, limits: DocumentLimits, level: int) -> ConvertedDo
         # Library errors on malformed files are expected; the traceback is logged in case one is
         # a bug of ours rather than of the file.
         logger.info("attachment %d failed to convert", att.index, exc_info=True)
-        return document_for(att, "failed", error=_describe(exc))
+        return document_for(att, "failed", error=_short(printable(describe(exc))))
     text = extracted.text[: limits.max_text_chars]
     return document_for(att, "converted", text=_storable(text), page_count=extracted.page_count)
 
@@ -148,11 +148,6 @@ def _storable(text: str) -> str:
     """Text any database column takes: PostgreSQL refuses NUL in text, and UTF-8 encoders refuse
     the lone surrogates some PDF fonts decode to. Either would fail the job's commit."""
     return text.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
-
-
-def _describe(exc: BaseException) -> str:
-    message = printable(str(exc))
-    return _short(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
 
 
 def _short(reason: str) -> str:

@@ -290,7 +290,9 @@ def test_error_responses_are_sorted(
         make_classifier(server, max_attempts=1).classify(make_email())
 
     assert error_type in str(raised.value)
-    assert f"{error_type} from the test server" in str(raised.value)
+    # Bedrock's message names the model or the role, except for a request rejected on its own.
+    kept = expected is not PermanentError
+    assert (f"{error_type} from the test server" in str(raised.value)) is kept
     assert len(server.requests) == 1
 
 
@@ -339,8 +341,11 @@ def test_missing_credentials_are_a_refusal(
 def test_validation_error_is_not_retried_by_botocore(server: BedrockServer) -> None:
     server.enqueue(error("ValidationException", 400, "Input is too long for requested model."))
 
-    with pytest.raises(PermanentError, match="Input is too long"):
+    with pytest.raises(PermanentError) as raised:
         make_classifier(server, max_attempts=3).classify(make_email())
+
+    # Named by its code: the message of a request rejected on its own may quote the request.
+    assert str(raised.value) == "bedrock rejected the request (ValidationException)"
 
     assert len(server.requests) == 1
 

@@ -154,7 +154,7 @@ def test_a_process_checks_a_dependency_once_per_cache_period(res) -> None:  # ty
 def test_the_model_check_calls_nothing_while_model_calls_are_off(res) -> None:  # type: ignore[no-untyped-def]
     model_calls(res, False)
     assert health.check(res, Dependency.MODEL).error == (
-        "RuntimeError: model calls are off: the model is not called"
+        "CheckFailed: model calls are off: the model is not called"
     )
     model_calls(res, True)
     assert health.check(res, Dependency.MODEL).passed

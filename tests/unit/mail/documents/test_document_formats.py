@@ -192,7 +192,7 @@ def test_failed_part_inside_an_attached_email_is_noted_not_fatal(convert, limits
     document = convert(attachment(payload, "message/rfc822", "fwd.eml"), limits)
     assert document.status == "converted"
     assert "body of level 1" in document.text
-    note = "[failed: PdfStreamError: Stream has ended unexpectedly]"
+    note = "[failed: PdfStreamError (pypdf.errors)]"
     assert f"--- attachment deep.pdf (application/pdf) {note} ---" in document.text
 
 

@@ -51,12 +51,9 @@ def test_payload_over_the_size_limit_is_not_opened(convert, limits) -> None:
 
 
 def test_payload_the_parser_could_not_extract(convert, limits) -> None:
-    att = replace(attachment(b"", "application/pdf", "x.pdf"), error="ValueError('bad base64')")
+    att = replace(attachment(b"", "application/pdf", "x.pdf"), error="ValueError")
     document = convert(att, limits)
-    assert (document.status, document.error) == (
-        "failed",
-        "payload unreadable: ValueError('bad base64')",
-    )
+    assert (document.status, document.error) == ("failed", "payload unreadable: ValueError")
 
 
 def test_docx_zip_bomb(convert, limits) -> None:
