@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import http.client
+import itertools
 import json
 import os
 import random
@@ -27,7 +28,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -136,10 +139,38 @@ def pages(res: Any, per_page: int) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class Call:
+    """One request: a GET, or an action with a JSON body."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    # What the JSON answer holds when the call did what it was for, checked once the clock has
+    # stopped (None: any 200 will do).
+    expect: dict[str, Any] | None = None
+
+
+def basic_auth(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
 def measure_http(url: str, paths: dict[str, str], repeat: int) -> dict[str, dict[str, float]]:
     """`mailpipe web` on the database at `url`: each of `paths` requested `repeat` times, in
-    turn, on one keep-alive connection."""
+    turn, on one keep-alive connection, as a signed-in operator (plain password)."""
     password = secrets.token_hex(16)
+    headers = basic_auth("bench", password)
+    calls = {name: itertools.repeat(Call("GET", path, headers)) for name, path in paths.items()}
+    with web_server(url, {"MAILPIPE_WEB_OPERATORS": f"bench:{password}"}) as conn:
+        return in_turns(conn, calls, repeat)
+
+
+@contextmanager
+def web_server(url: str, settings: dict[str, str]) -> Iterator[http.client.HTTPConnection]:
+    """`mailpipe web` on the database at `url` and a free loopback port, with `settings` (its
+    users) on top of the run's: a keep-alive connection to it once it answers. The server's
+    output is shown when the block fails."""
     port = free_port()
     env = harness.env_without_settings() | {
         "MAILPIPE_DATABASE_URL": url,
@@ -147,9 +178,8 @@ def measure_http(url: str, paths: dict[str, str], repeat: int) -> dict[str, dict
         "MAILPIPE_REDIS_PREFIX": os.environ["MAILPIPE_REDIS_PREFIX"],
         "MAILPIPE_WEB_HOST": "127.0.0.1",
         "MAILPIPE_WEB_PORT": str(port),
-        "MAILPIPE_WEB_OPERATORS": f"bench:{password}",
+        **settings,
     }
-    headers = {"Authorization": "Basic " + base64.b64encode(f"bench:{password}".encode()).decode()}
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(
             [str(Path(sys.executable).parent / "mailpipe"), "web"],
@@ -160,15 +190,7 @@ def measure_http(url: str, paths: dict[str, str], repeat: int) -> dict[str, dict
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         try:
             wait_for(lambda: _healthy(conn, server), 30, "mailpipe web to answer")
-            for path in paths.values():
-                for _ in range(WARM_UP):
-                    _get(conn, path, headers)
-            times: dict[str, list[float]] = {name: [] for name in paths}
-            for _ in range(repeat):
-                for name, path in paths.items():
-                    started = time.perf_counter()
-                    _get(conn, path, headers)
-                    times[name].append((time.perf_counter() - started) * 1000)
+            yield conn
         except BaseException:
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace")[-3000:])
@@ -177,23 +199,52 @@ def measure_http(url: str, paths: dict[str, str], repeat: int) -> dict[str, dict
             conn.close()
             server.terminate()
             server.wait(30)
+
+
+def in_turns(
+    conn: http.client.HTTPConnection, calls: Mapping[str, Iterator[Call]], repeat: int
+) -> dict[str, dict[str, float]]:
+    """The next call of each of `calls` in turn, WARM_UP rounds and then `repeat` timed: p50
+    and p99 of each, as the client measured them."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(WARM_UP + repeat):
+        for name, made in calls.items():
+            call = next(made)
+            started = time.perf_counter()
+            answer = _request(conn, call)
+            if round_ >= WARM_UP:
+                times[name].append((time.perf_counter() - started) * 1000)
+            _check(name, call, answer)
     return {name: percentiles(taken) for name, taken in times.items()}
 
 
-def _get(conn: http.client.HTTPConnection, path: str, headers: dict[str, str]) -> bytes:
-    conn.request("GET", path, headers=headers)
+def _request(conn: http.client.HTTPConnection, call: Call) -> bytes:
+    if call.body is None:
+        conn.request(call.method, call.path, headers=call.headers)
+    else:
+        headers = call.headers | {"Content-Type": "application/json"}
+        conn.request(call.method, call.path, json.dumps(call.body), headers)
     response = conn.getresponse()
     body = response.read()
     if response.status != 200:
-        raise RuntimeError(f"GET {path}: {response.status} {body[:300]!r}")
+        raise RuntimeError(f"{call.method} {call.path}: {response.status} {body[:300]!r}")
     return body
+
+
+def _check(name: str, call: Call, answer: bytes) -> None:
+    if call.expect is None:
+        return
+    got = json.loads(answer)
+    held = {key: got.get(key) for key in call.expect}
+    if held != call.expect:
+        raise RuntimeError(f"{name}: {call.method} {call.path} answered {held}, not {call.expect}")
 
 
 def _healthy(conn: http.client.HTTPConnection, server: subprocess.Popen[bytes]) -> bool:
     if server.poll() is not None:
         raise RuntimeError(f"mailpipe web exited with {server.returncode}")
     try:
-        _get(conn, "/healthz", {})
+        _request(conn, Call("GET", "/healthz", {}))
     except ConnectionError:
         conn.close()
         return False
@@ -392,10 +443,13 @@ def search_cases(res: Any) -> tuple[dict[str, dict[str, str]], dict[str, dict[st
         since = end - timedelta(days=days_ago)
         return {"since": since.isoformat(), "until": (since + timedelta(hours=hours)).isoformat()}
 
+    # A word's share of the subjects falls with its rank: words[0] is in 34 % of them,
+    # words[60] in 0.8 % (where reading the index and walking the newest emails cost alike, the
+    # slowest share), words[600] in 0.2 %, words[1500] in 0.1 %.
     typical = {
         "message_id": {"message_id": message_id},
         "sender": {"sender": sender.split("<")[1].rstrip(">")},
-        "subject": {"subject": words[60]},
+        "subject": {"subject": words[600]},
         "time": day(10),
         "state": {"state": "failed"},
         "error_class": {"error_class": "OperationalError"},
@@ -408,6 +462,7 @@ def search_cases(res: Any) -> tuple[dict[str, dict[str, str]], dict[str, dict[st
         "sender, a newsletter": {"sender": "news@list7.example"},
         "sender, a domain": {"sender": "@d17.example"},
         "subject, the commonest word": {"subject": words[0]},
+        "subject, a word of 0.8 %": {"subject": words[60]},
         "subject, a rare word": {"subject": words[1500]},
         "subject, two words": {"subject": f"{words[3]} {words[60]}"},
         "time, an hour": day(10, 1),
@@ -424,6 +479,10 @@ def search_cases(res: Any) -> tuple[dict[str, dict[str, str]], dict[str, dict[st
         for i, a in enumerate(names)
         for b in names[i + 1 :]
     }
+    # The slowest share of a word, with each filter of another table.
+    slowest = {"subject": words[60]}
+    for name in ("state", "error_class", "label"):
+        together[f"subject of 0.8 % + {name}"] = {**slowest, **typical[name]}
     return alone, together
 
 
@@ -585,6 +644,155 @@ def ingest_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the write API (docs/benchmarks.md, "API actions") -------------------------------------------
+
+
+def api_targets(res: Any, count: int) -> dict[str, list[int]]:
+    """`count` emails for each action that changes one, none shared: listed failed runs not
+    marked for review to retry and to dismiss, dismissed runs, emails marked for review, and
+    succeeded runs to move, to reprocess by id and to reprocess (and plan) by a subject word.
+    The subject's emails have six-digit ids: `subject <id>` is then the one subject holding
+    the id, as a word and as text."""
+    from sqlalchemy import select
+
+    from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus
+
+    run, email = PipelineRun, EmailMessage
+    failed = run.status == RunStatus.FAILED
+
+    def emails(*where: Any, times: int = 1) -> list[list[int]]:
+        query = select(run.email_id).join(email, email.id == run.email_id).where(*where)
+        with res.db.session() as session:
+            ids = list(session.scalars(query.order_by(run.email_id).limit(count * times)))
+        if len(ids) < count * times:
+            raise RuntimeError(f"{len(ids)} emails where {count * times} are needed: seed more")
+        return [ids[n * count : (n + 1) * count] for n in range(times)]
+
+    retry, dismiss = emails(failed, run.dismissed_at.is_(None), ~email.needs_review, times=2)
+    [undo] = emails(failed, run.dismissed_at.is_not(None))
+    [review] = emails(email.needs_review)
+    move, one, by_word, planned = emails(
+        run.status == RunStatus.SUCCEEDED, email.id.between(100_001, 999_999), times=4
+    )
+    return {
+        "retry": retry,
+        "dismiss": dismiss,
+        "undo dismiss": undo,
+        "clear review": review,
+        "move lane": move,
+        "reprocess": one,
+        "reprocess by subject": by_word,
+        "reprocess by subject, dry run": planned,
+    }
+
+
+def api_calls(
+    targets: dict[str, list[int]], token: str, password: str, email_id: int
+) -> dict[str, Iterator[Call]]:
+    """Each action and read of the API, by name: the next call of each acts on the next email of
+    its targets (a call per email), or switches back what the call before it switched; the page
+    of one email `email_id` as a signed-in operator, the rest with the bearer token."""
+    bearer = {"Authorization": f"Bearer {token}"}
+
+    def on_each(
+        name: str, action: str, body: Any = None, answer: Callable[[int], Any] | None = None
+    ) -> Iterator[Call]:
+        """`action` on each email of `targets[name]`; it answers `answer(email)`, by default
+        that it did it to that email."""
+        for n in targets[name]:
+            done = {"done": [n]} if answer is None else answer(n)
+            yield Call("POST", f"/api/emails/{n}/{action}", bearer, body or {}, done)
+
+    def by_subject(name: str, dry_run: bool) -> Iterator[Call]:
+        done = {"emails": 1, "reprocess_id": None} if dry_run else {"emails": 1, "enqueued": 1}
+        for n in targets[name]:
+            body = {"subject": str(n), "from": "classify", "dry_run": dry_run}
+            yield Call("POST", "/api/reprocess", bearer, body, done)
+
+    def again(method: str, path: str, body: Any = None, expect: Any = None) -> Iterator[Call]:
+        return itertools.repeat(Call(method, path, bearer, body, expect))
+
+    page = basic_auth("bench", password)
+    # In turns, a pause then a resume, the switch on then off: each call changes the state.
+    return {
+        "POST retry": on_each("retry", "retry", answer=lambda n: {"done": [n], "enqueued": 1}),
+        "POST dismiss": on_each("dismiss", "dismiss"),
+        "POST undo-dismiss": on_each("undo dismiss", "undo-dismiss"),
+        "POST clear-review": on_each("clear review", "clear-review"),
+        "POST lane (to bulk)": on_each("move lane", "lane", {"lane": "bulk"}),
+        "POST reprocess (one email)": on_each(
+            "reprocess", "reprocess", {"from": "classify"}, lambda n: {"emails": 1, "enqueued": 1}
+        ),
+        "POST /reprocess by subject, dry run": by_subject("reprocess by subject, dry run", True),
+        "POST /reprocess by subject": by_subject("reprocess by subject", False),
+        "POST stages/cpu/pause": again(
+            "POST", "/api/stages/cpu/pause", {"reason": "bench"}, {"paused": True}
+        ),
+        "POST stages/cpu/resume": again("POST", "/api/stages/cpu/resume", {}, {"was_paused": True}),
+        "PUT model-calls on": again("PUT", "/api/model-calls", {"on": True}, {"model_calls": True}),
+        "PUT model-calls off": again(
+            "PUT", "/api/model-calls", {"on": False}, {"model_calls": False}
+        ),
+        "GET /api/failed": again("GET", "/api/failed"),
+        "GET /api/review": again("GET", "/api/review"),
+        "GET /api/search?state=failed": again("GET", "/api/search?state=failed"),
+        "GET /api/activity": again("GET", "/api/activity"),
+        "GET /api/jobs/<id>": again("GET", f"/api/jobs/{email_id}"),
+        "GET /emails/<id> (page)": itertools.repeat(Call("GET", f"/emails/{email_id}", page)),
+    }
+
+
+def web_token() -> tuple[str, str]:
+    """A new operator's token for the API, as `mailpipe web-token` makes one: the token and its
+    MAILPIPE_WEB_TOKENS entry."""
+    made = subprocess.run(
+        [str(Path(sys.executable).parent / "mailpipe"), "web-token", "bench", "--role", "operator"],
+        env=harness.env_without_settings(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    token = made.split("(give it to the caller; it is not kept): ")[1].split()[0]
+    return token, made.split("MAILPIPE_WEB_TOKENS entry: ")[1].split()[0]
+
+
+def api_main(args: argparse.Namespace) -> int:
+    """Each action of the write API on `--emails` emails and `--failed` failed runs (the console's
+    database, `prepare`), `--repeat` times after WARM_UP each, in turns on one keep-alive
+    connection, with an operator's bearer token; and the API's reads beside them."""
+    from mailpipe.operations.status import failed_page
+
+    started = time.perf_counter()
+    url = prepare(args.emails, args.failed)
+    seeded_s = time.perf_counter() - started
+    res = resources_on(url)
+    try:
+        targets = api_targets(res, args.repeat + WARM_UP)
+        with res.db.session() as session:
+            [row] = failed_page(session, None, 1, 1).rows
+        token, entry = web_token()
+        password = secrets.token_hex(16)
+        users = {"MAILPIPE_WEB_OPERATORS": f"bench:{password}", "MAILPIPE_WEB_TOKENS": entry}
+        with web_server(url, users) as conn:
+            calls = api_calls(targets, token, password, row["email_id"])
+            served = in_turns(conn, calls, args.repeat)
+    finally:
+        res.close()
+        delete_prefix(harness.REDIS_URL, os.environ["MAILPIPE_REDIS_PREFIX"])
+        harness.database(DB_NAME).drop()
+    print(
+        f"{args.emails:,} emails, {args.failed:,} failed runs, seeded in {seeded_s:.0f} s; "
+        f"{args.repeat} calls each after {WARM_UP} warm-up, each changing call on an email of "
+        "its own"
+    )
+    print(f"{'API call':>40} {'p50 (ms)':>9} {'p99 (ms)':>9}")
+    for name, times in served.items():
+        print(f"{name:>40} {times['p50_ms']:>9.2f} {times['p99_ms']:>9.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "http": served}))
+    return 0
+
+
 # --- the overview's activity charts (docs/benchmarks.md, "Activity charts") --------------------
 
 ACTIVITY_DB = "mailpipe_bench_activity"
@@ -736,6 +944,11 @@ def main() -> int:
     )
     parser.add_argument("--ingest-emails", type=int, default=5000, help="Per repetition.")
     parser.add_argument(
+        "--api-actions",
+        action="store_true",
+        help="Time each action of the write API, and its reads, with a bearer token instead.",
+    )
+    parser.add_argument(
         "--activity",
         action="store_true",
         help="Time the overview's activity charts' data for the hour and the day instead.",
@@ -755,6 +968,8 @@ def main() -> int:
         return ingest_main(args)
     if args.activity:
         return activity_main(args)
+    if args.api_actions:
+        return api_main(args)
     started = time.perf_counter()
     url = prepare(args.emails, args.failed)
     seeded_s = time.perf_counter() - started
