@@ -11,17 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 from cfnlint.decode import decode
 
 from mailpipe.broker.queues import Stage
 from mailpipe.settings import Settings
+from tests.support.cloudformation import function_of, invoke, resolved, responses
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "cloudformation" / "mailpipe.yaml"
@@ -124,74 +122,18 @@ def test_no_maximum_is_set_before_the_check_passes(template) -> None:  # type: i
 # --- the check's function, run -------------------------------------------------------------------
 
 
-class CloudFormation(BaseHTTPRequestHandler):
-    """Takes the function's answer as CloudFormation's presigned S3 URL does: one PUT."""
-
-    answers: ClassVar[list[tuple[str, dict[str, str], dict]]] = []
-
-    def do_PUT(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.answers.append((self.command, dict(self.headers), body))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *_: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def response_url() -> Iterator[str]:
-    server = HTTPServer(("127.0.0.1", 0), CloudFormation)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/stack-events?X-Amz-Signature=x"
-    server.shutdown()
-    server.server_close()
-
-
-def as_cloudformation_passes(value: Any, parameters: dict[str, Any]) -> Any:
-    """A custom resource's properties as its function receives them: references resolved, and
-    every scalar a string."""
-    if isinstance(value, dict):
-        if set(value) == {"Ref"}:
-            return str(parameters[value["Ref"]])
-        return {k: as_cloudformation_passes(v, parameters) for k, v in value.items()}
-    if isinstance(value, list):
-        return [as_cloudformation_passes(v, parameters) for v in value]
-    return str(value)
-
-
-@pytest.fixture(scope="module")
-def check(template, response_url):  # type: ignore[no-untyped-def]
+def check(template):  # type: ignore[no-untyped-def]
     """Run the check's function on an event of `request_type` with the template's defaults and
     `parameters`; returns the answer CloudFormation received."""
-    code = template["Resources"]["DbConnectionsCheckFunction"]["Properties"]["Code"]["ZipFile"]
-    function: dict[str, Any] = {}
-    exec(compile(code, "index.py", "exec"), function)
-    defaults = {name: p.get("Default") for name, p in template["Parameters"].items()}
-    properties = dict(template["Resources"][CHECK]["Properties"])
-    del properties["ServiceToken"]  # the function's ARN, resolved by CloudFormation
+    function = function_of(template, "DbConnectionsCheckFunction")
+    with responses() as taken:
 
-    def run(request_type: str = "Create", **parameters: Any) -> tuple[dict[str, str], dict]:
-        CloudFormation.answers.clear()
-        event = {
-            "RequestType": request_type,
-            "ResponseURL": response_url,
-            "StackId": "arn:aws:cloudformation:us-east-1:123456789012:stack/mailpipe/1",
-            "RequestId": "request-1",
-            "ResourceType": "Custom::DbConnections",
-            "LogicalResourceId": CHECK,
-            "ResourceProperties": as_cloudformation_passes(properties, defaults | parameters),
-        }
-        if request_type != "Create":
-            event["PhysicalResourceId"] = CHECK
-        function["handler"](event, None)
-        [(method, headers, body)] = CloudFormation.answers
-        assert method == "PUT"
-        return headers, body
+        def run(request_type: str = "Create", **parameters: Any) -> tuple[dict[str, str], dict]:
+            return invoke(template, function, CHECK, taken, request_type, parameters)
 
-    run.connections = function["connections"]  # type: ignore[attr-defined]
-    return run
+        run.connections = function["connections"]  # type: ignore[attr-defined]
+        yield run
 
 
 def documented() -> dict[str, tuple[int, int]]:
@@ -212,7 +154,7 @@ def test_the_check_adds_up_the_figures_of_the_scaling_page(template, check) -> N
     doc = documented()
     steady, deploying = doc["fleet"]
     defaults = {name: p.get("Default") for name, p in template["Parameters"].items()}
-    roles = as_cloudformation_passes(list(check_roles(template).values()), defaults)
+    roles = resolved(list(check_roles(template).values()), defaults)
     for role in roles:
         assert check.connections([role]) == doc[role["Role"]], role["Role"]
     counted = {role["Role"] for role in roles}
