@@ -110,6 +110,10 @@ _READ_TIMEOUT_S = 30.0
 # up to three requests for one slot. A throttled or failed call goes back to the task layer, which
 # defers (throttling) or retries with backoff (5xx) under the limiter again.
 _MAX_ATTEMPTS = 1
+# Connections kept open to the endpoint, one per thread calling at once: the model role runs 32
+# threads. botocore keeps 10 by default, and a call beyond them opens a connection (TLS and all)
+# that is closed again after it, with a warning ("Connection pool is full").
+_MAX_CONNECTIONS = 64
 # The model's check (`check`): a prompt of a few tokens that holds nothing of any email.
 _CHECK_SYSTEM = "Health check of the labelling service."
 _CHECK_USER = "Reply with no labels."
@@ -155,6 +159,7 @@ class BedrockClassifier:
                 retries={"mode": "standard", "total_max_attempts": max_attempts},
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
+                max_pool_connections=_MAX_CONNECTIONS,
             ),
         )
 

@@ -437,3 +437,19 @@ def test_from_settings_with_endpoint_from_environment(
     assert request.body["inferenceConfig"]["maxTokens"] == 64
     assert request.label_enum == ["invoice", "spam"]
     assert result.model_id == "amazon.nova-micro-v1:0"
+
+
+def test_the_model_role_s_threads_each_keep_a_connection(
+    server: BedrockServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """32 threads calling at once, as the model role's do, reuse the connections they opened:
+    none is opened and closed again beside a full pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server.delay = 0.2  # calls overlap
+    classifier = make_classifier(server)
+    with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda _: classifier.classify(make_email()), range(96)))
+    assert len(results) == 96
+    assert not [r for r in caplog.records if "Connection pool is full" in r.getMessage()]
