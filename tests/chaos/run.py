@@ -759,6 +759,14 @@ class Chaos:
             "answer_faults": {
                 "emails": self.answer_fault_ids,
                 "fired": sum(1 for left in answer_faults_left if left <= 0),
+                # Not fired, the email cut by another fault: that fault can end the delivery
+                # between the answer's commit and the answer fault's kill (a worker's shutdown
+                # terminating its child), and the next delivery takes the stored answer.
+                "unfired_but_cut": sorted(
+                    i
+                    for i, left in zip(self.answer_fault_ids, answer_faults_left, strict=True)
+                    if left > 0 and i in self.cut
+                ),
                 "calls": {i: calls.get(i, 0) for i in self.answer_fault_ids},
             },
             "classified_more_than_once": {
@@ -920,8 +928,9 @@ def problems(report: dict[str, Any]) -> list[str]:
             f"model calls not told apart by email: {calls['unmatched']} about no email, "
             f"classified without a call: {calls['classified_without_a_call']}"
         )
-    if report["answer_faults"]["fired"] != len(report["answer_faults"]["emails"]):
-        found.append(f"answer faults that did not fire: {report['answer_faults']}")
+    answers = report["answer_faults"]
+    if not 0 < answers["fired"] + len(answers["unfired_but_cut"]) == len(answers["emails"]):
+        found.append(f"answer faults that did not fire: {answers}")
     for what in ("classified_more_than_once", "labels_written_more_than_once"):
         if report[what]["emails"]:
             found.append(f"{what.replace('_', ' ')}: {report[what]['examples']}")
