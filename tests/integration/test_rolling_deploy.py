@@ -51,7 +51,10 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 500
 RETRIED = 10  # emails of each half whose first attempt fails, so that a release schedules a retry
-DONE_WITHIN_S = 60.0
+# A deadline, not a figure: a job the rate limit defers again and again waits 5, 10, 20, 40 and
+# then 60 s between tries (MAILPIPE_DEFER_BASE, growing to MAILPIPE_DEFER_MAX), so on a loaded
+# machine the last of the backlog can close after more than a minute.
+DONE_WITHIN_S = 180.0
 
 
 @dataclass(frozen=True)
