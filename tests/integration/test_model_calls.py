@@ -78,6 +78,10 @@ def model_env(
     return env
 
 
+# The hostname of tests/unit/app/test_tasks.py's in-process worker.
+IN_PROCESS_WORKER = "in-process@localhost"
+
+
 @pytest.fixture
 def model_fleet(
     res,
@@ -87,8 +91,15 @@ def model_fleet(
     seconds and real workers of both lanes using it, all stopped after the test. Model calls are
     switched on once the workers are up (so that no worker's start-up sweep runs first)."""
     # Any other worker on this run's queue (the `rules` backend of the shared one) would take
-    # jobs meant for the model: only the ones started here may be running.
-    others = [name for reply in app.control.ping(timeout=1.0) or [] for name in reply]
+    # jobs meant for the model: only the ones started here may be running. The in-process
+    # worker of tests/unit/app/test_tasks.py, alive for the session in whichever process ran
+    # that module, answers the ping too, but consumes a queue of its own alone.
+    others = [
+        name
+        for reply in app.control.ping(timeout=1.0) or []
+        for name in reply
+        if name != IN_PROCESS_WORKER
+    ]
     assert not others, f"workers already consume this run's queue: {others}"
     servers: list[TimedBedrockServer] = []
     processes: list[CeleryProcess] = []
