@@ -40,6 +40,7 @@ from mailpipe.storage.models import (
     EmailMessage,
     PipelineRun,
     RunAttempt,
+    RunStatus,
     SweepReport,
 )
 from tests.support.bedrock_server import TimedBedrockServer, unlimited_bedrock_env
@@ -193,6 +194,30 @@ def raised(processes: list[localfleet.CeleryProcess]) -> list[str]:
     return lines
 
 
+def still_open(res, ids: list[int], stops: dict[str, tuple[int | None, float]]) -> str:  # type: ignore[no-untyped-def]
+    """What a timed-out wait reports: how the first release's workers stopped (exit code,
+    seconds), and each run still open with its attempts."""
+    lines = [f"stopped (exit code, s): {stops}"]
+    with res.db.session() as session:
+        runs = session.scalars(
+            select(PipelineRun).where(
+                PipelineRun.email_id.in_(ids), PipelineRun.status == RunStatus.OPEN
+            )
+        ).all()
+        for run in runs[:20]:
+            attempts = session.scalars(
+                select(RunAttempt).where(RunAttempt.run_id == run.id).order_by(RunAttempt.id)
+            ).all()
+            lines.append(
+                f"email {run.email_id}: attempts={run.attempts} claims={run.claims} "
+                f"converted={run.converted_at is not None} started={run.attempt_started_at} "
+                f"updated={run.updated_at} history="
+                + ", ".join(f"{a.stage}:{a.outcome}:{a.error_class}" for a in attempts)
+            )
+    lines.insert(1, f"{len(runs)} open")
+    return "\n".join(lines)
+
+
 def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """`first`'s workers, then `second`'s beside them while the emails come, then `first`'s
     stopped with SIGTERM. Returns the figures the closing note quotes."""
@@ -225,9 +250,14 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
         processes += new
         ids += ingest(res, env, prefix, EMAILS - EMAILS // 2)
         last_ingest = time.monotonic()
+        stops = {}
         for process in old:
-            process.stop()
-        statuses = wait_until_closed(res, ids, timeout=DONE_WITHIN_S)
+            began = time.monotonic()
+            stops[process.nodename] = (process.stop(), round(time.monotonic() - began, 1))
+        try:
+            statuses = wait_until_closed(res, ids, timeout=DONE_WITHIN_S)
+        except AssertionError as timeout:
+            raise AssertionError(f"{timeout}\n{still_open(res, ids, stops)}") from None
         done_after = time.monotonic() - last_ingest
         for process in new:
             process.stop()
