@@ -188,6 +188,11 @@ def run_claimed(
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
+        # A claim that meets the forget's deletion (its new run's foreign key finds the email
+        # gone) is a delivery of a forgotten email, as an attempt's error is below.
+        gone = _if_forgotten(res, email_id)
+        if gone is not None:
+            return gone
         outage = _outage(res, exc)
         if outage is not None:
             return _after_outage(res, email_id, stage, exc, outage, deferred_since)

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, text, update
 
 from mailpipe.broker.queues import Stage
 from mailpipe.classifiers import ClassificationResult, EmailForClassifier
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination import redis_keys
+from mailpipe.coordination import forgotten, redis_keys
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import TransientError
 from mailpipe.operations import sweeper
@@ -29,6 +29,7 @@ from mailpipe.storage.models import (
     RunAttempt,
     RunStatus,
 )
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -660,3 +661,48 @@ def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-un
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
     assert classifier.calls == 2
+
+
+def test_a_claim_that_meets_the_forgets_deletion_ends_as_forgotten(res) -> None:  # type: ignore[no-untyped-def]
+    """The forget's deletion holds the run's row while a delivery claims: the claim waits, finds
+    the run gone and the email with it when the deletion commits, and its insert of a new run
+    fails on the foreign key. The fence is up by then, so the delivery ends as forgotten, not as
+    a task error."""
+    if res.db.engine.dialect.name != "postgresql":
+        pytest.fail("this race needs PostgreSQL's row locks; the test database is not one")
+    [email_id] = store_emails(res, [INVOICE])
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, [email_id])
+    forgotten.fence(res.redis, [email_id], 60)
+    deleting = res.db.engine.connect()
+    deleting.begin()
+    deleting.execute(delete(PipelineRun).where(PipelineRun.email_id == email_id))
+    deleting.execute(delete(EmailMessage).where(EmailMessage.id == email_id))
+    outcomes: list[object] = []
+    claiming = threading.Thread(target=lambda: outcomes.append(_outcome_of(res, email_id)))
+    claiming.start()
+    wait_for(lambda: _waits_on_a_lock(res), 10, "the claim to wait on the deletion's lock")
+    deleting.commit()
+    deleting.close()
+    claiming.join(30)
+    [outcome] = outcomes
+    assert not isinstance(outcome, Exception), outcome
+    assert outcome.kind is Kind.CLOSED and outcome.error == "the email is being forgotten"
+
+
+def _outcome_of(res: Resources, email_id: int) -> object:
+    try:
+        return job.process_email(res, email_id)
+    except Exception as exc:
+        return exc
+
+
+def _waits_on_a_lock(res: Resources) -> bool:
+    with res.db.session() as session:
+        waiting = session.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar()
+    return bool(waiting)
