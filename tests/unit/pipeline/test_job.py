@@ -16,7 +16,7 @@ from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import TransientError
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
@@ -678,7 +678,7 @@ def test_a_claim_that_meets_the_forgets_deletion_ends_as_forgotten(res) -> None:
     deleting.begin()
     deleting.execute(delete(PipelineRun).where(PipelineRun.email_id == email_id))
     deleting.execute(delete(EmailMessage).where(EmailMessage.id == email_id))
-    outcomes: list[object] = []
+    outcomes: list[Outcome | Exception] = []
     claiming = threading.Thread(target=lambda: outcomes.append(_outcome_of(res, email_id)))
     claiming.start()
     wait_for(lambda: _waits_on_a_lock(res), 10, "the claim to wait on the deletion's lock")
@@ -686,11 +686,11 @@ def test_a_claim_that_meets_the_forgets_deletion_ends_as_forgotten(res) -> None:
     deleting.close()
     claiming.join(30)
     [outcome] = outcomes
-    assert not isinstance(outcome, Exception), outcome
+    assert isinstance(outcome, Outcome), outcome
     assert outcome.kind is Kind.CLOSED and outcome.error == "the email is being forgotten"
 
 
-def _outcome_of(res: Resources, email_id: int) -> object:
+def _outcome_of(res: Resources, email_id: int) -> Outcome | Exception:
     try:
         return job.process_email(res, email_id)
     except Exception as exc:
