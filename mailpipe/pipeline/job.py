@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from redis import RedisError
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Lane, Stage, stage_queue
@@ -188,11 +188,13 @@ def run_claimed(
         log.warning("%s; this delivery stops without writing", exc)
         return Outcome(Kind.CLOSED, error=str(exc))
     except Exception as exc:
-        # A claim that meets the forget's deletion (its new run's foreign key finds the email
-        # gone) is a delivery of a forgotten email, as an attempt's error is below.
-        gone = _if_forgotten(res, email_id)
-        if gone is not None:
-            return gone
+        if isinstance(exc, IntegrityError):
+            # The claim met the forget's deletion: it waited on the run's row, and the run it
+            # then inserted found the email gone. Any other integrity error is the email's.
+            gone = _if_forgotten(res, email_id)
+            if gone is not None:
+                log.warning("email %s: the claim met its deletion: %s", email_id, describe(exc))
+                return gone
         outage = _outage(res, exc)
         if outage is not None:
             return _after_outage(res, email_id, stage, exc, outage, deferred_since)

@@ -668,23 +668,30 @@ def test_a_claim_that_meets_the_forgets_deletion_ends_as_forgotten(res) -> None:
     the run gone and the email with it when the deletion commits, and its insert of a new run
     fails on the foreign key. The fence is up by then, so the delivery ends as forgotten, not as
     a task error."""
-    if res.db.engine.dialect.name != "postgresql":
-        pytest.fail("this race needs PostgreSQL's row locks; the test database is not one")
     [email_id] = store_emails(res, [INVOICE])
     with res.db.transaction() as session:
         runs.ensure_runs(session, [email_id])
     forgotten.fence(res.redis, [email_id], 60)
-    deleting = res.db.engine.connect()
-    deleting.begin()
-    deleting.execute(delete(PipelineRun).where(PipelineRun.email_id == email_id))
-    deleting.execute(delete(EmailMessage).where(EmailMessage.id == email_id))
     outcomes: list[Outcome | Exception] = []
-    claiming = threading.Thread(target=lambda: outcomes.append(_outcome_of(res, email_id)))
-    claiming.start()
-    wait_for(lambda: _waits_on_a_lock(res), 10, "the claim to wait on the deletion's lock")
-    deleting.commit()
-    deleting.close()
+    claiming = threading.Thread(
+        target=lambda: outcomes.append(_outcome_of(res, email_id)), daemon=True
+    )
+    with res.db.engine.connect() as deleting:
+        deleting.begin()
+        try:
+            deleting.execute(delete(PipelineRun).where(PipelineRun.email_id == email_id))
+            deleting.execute(delete(EmailMessage).where(EmailMessage.id == email_id))
+            deleter = deleting.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            claiming.start()
+            wait_for(
+                lambda: _blocked_by(res, deleter), 10, "the claim to wait on the deletion's lock"
+            )
+            assert claiming.is_alive()
+            deleting.commit()
+        finally:
+            deleting.rollback()  # when the test failed before the commit
     claiming.join(30)
+    assert not claiming.is_alive()
     [outcome] = outcomes
     assert isinstance(outcome, Outcome), outcome
     assert outcome.kind is Kind.CLOSED and outcome.error == "the email is being forgotten"
@@ -697,12 +704,14 @@ def _outcome_of(res: Resources, email_id: int) -> Outcome | Exception:
         return exc
 
 
-def _waits_on_a_lock(res: Resources) -> bool:
+def _blocked_by(res: Resources, pid: int) -> bool:
+    """Whether a backend waits on a lock that backend `pid` holds."""
     with res.db.session() as session:
-        waiting = session.execute(
-            text(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-        ).scalar()
-    return bool(waiting)
+        return bool(
+            session.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"
+                ),
+                {"pid": pid},
+            ).scalar()
+        )
