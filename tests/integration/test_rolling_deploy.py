@@ -30,15 +30,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, update
 
-from mailpipe.broker.layout import EMAIL_ID_HEADER
 from mailpipe.broker.queues import Lane
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
-from mailpipe.coordination import pauses
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
     AttemptOutcome,
@@ -57,10 +56,10 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 500
 RETRIED = 10  # emails of each half whose first attempt fails, so that a release schedules a retry
-# A deadline, not a figure. On a quiet machine the backlog closes a few seconds after the last
-# ingest. The deadline has room for a worker whose shutdown hangs in Celery until the harness
-# kills it 30 s on (docs/decisions/worker-shutdown-hangs.md): its jobs come back once its
-# heartbeat is MAILPIPE_WORKER_DEAD_AFTER old, and one cut off in a child then waits its backoff.
+# A deadline, not a figure, counted once the first release's workers have stopped. On a quiet
+# machine the backlog closes a few seconds after the last ingest. It has room for a worker whose
+# shutdown hung in Celery until the harness killed it (docs/decisions/worker-shutdown-hangs.md):
+# its jobs come back once its heartbeat is MAILPIPE_WORKER_DEAD_AFTER old, then wait a backoff.
 DONE_WITHIN_S = 180.0
 
 
@@ -200,60 +199,61 @@ def raised(processes: list[localfleet.CeleryProcess]) -> list[str]:
     return lines
 
 
-def messages_of(res, prefix: str) -> dict[int, list[str]]:  # type: ignore[no-untyped-def]
-    """Email id -> where the broker holds a message of its job: a queue's list, or unacked."""
-    where: dict[int, list[str]] = {}
+# Run with the fleet's environment: mailpipe reads its key prefix once per process.
+BROKER_STATE = """
+import json
+from mailpipe.broker.layout import emails_in_broker
+from mailpipe.broker.queues import job_queues
+from mailpipe.coordination import pauses
+from mailpipe.resources import get_resources
+res = get_resources()
+print(json.dumps({
+    "paused": {stage: pause.error for stage, pause in pauses.paused(res.redis).items()},
+    "in_broker": sorted(emails_in_broker(res.redis, job_queues(res.settings))),
+}))
+"""
 
-    def note(key: bytes, raw: bytes) -> None:
-        try:
-            envelope = json.loads(raw)
-        except ValueError:
-            return
-        if isinstance(envelope, list) and envelope:  # unacked: [message, exchange, routing key]
-            envelope = envelope[0]
-        if not isinstance(envelope, dict):
-            return  # a list of the fleet's own, not a queue
-        email_id = envelope.get("headers", {}).get(EMAIL_ID_HEADER)
-        if email_id is not None:
-            where.setdefault(int(email_id), []).append(key.decode().removeprefix(prefix))
 
-    for key in res.redis.scan_iter(match=f"{prefix}*", count=1000):
-        kind = res.redis.type(key)
-        if kind == b"list":
-            for raw in res.redis.lrange(key, 0, -1):
-                note(key, raw)
-        elif kind == b"hash" and key.endswith(b"unacked"):
-            for raw in res.redis.hvals(key):
-                note(key, raw)
-    return where
+def broker_state(env: dict[str, str]) -> dict[str, Any]:
+    """The stages' pauses and the emails with a job in the broker, under the fleet's key prefix:
+    read by mailpipe's own functions."""
+    done = subprocess.run(
+        [sys.executable, "-c", BROKER_STATE], env=env, check=True, capture_output=True, text=True
+    )
+    return dict(json.loads(done.stdout))
 
 
 def still_open(  # type: ignore[no-untyped-def]
-    res, prefix: str, ids: list[int], stops: dict[str, tuple[int | None, float]]
+    res, env: dict[str, str], ids: list[int], stops: dict[str, tuple[int | None, float]]
 ) -> str:
     """What a timed-out wait reports: how the first release's workers stopped (exit code,
-    seconds), the stages' pauses, and each run still open with its attempts and where the
-    broker holds its job's messages."""
-    lines = [f"stopped (exit code, s): {stops}", f"paused: {pauses.paused(res.redis)}"]
-    messages = messages_of(res, prefix)
+    seconds), the stages' pauses, and each email not closed yet (with its run's attempts, if it
+    has a run) and whether its job is in the broker."""
+    state = broker_state(env)
+    in_broker = set(state["in_broker"])
+    lines = [f"stopped (exit code, s): {stops}", f"paused: {state['paused']}"]
     with res.db.session() as session:
-        runs = session.scalars(
-            select(PipelineRun).where(
-                PipelineRun.email_id.in_(ids), PipelineRun.status == RunStatus.OPEN
-            )
-        ).all()
-        for run in runs[:20]:
+        runs = {
+            run.email_id: run
+            for run in session.scalars(select(PipelineRun).where(PipelineRun.email_id.in_(ids)))
+        }
+        waiting = [i for i in ids if i not in runs or runs[i].status is RunStatus.OPEN]
+        lines.append(f"{len(waiting)} not closed")
+        for email_id in waiting[:20]:
+            run = runs.get(email_id)
+            if run is None:
+                lines.append(f"email {email_id}: no run, in the broker: {email_id in in_broker}")
+                continue
             attempts = session.scalars(
                 select(RunAttempt).where(RunAttempt.run_id == run.id).order_by(RunAttempt.id)
             ).all()
             lines.append(
-                f"email {run.email_id}: attempts={run.attempts} claims={run.claims} "
+                f"email {email_id}: attempts={run.attempts} claims={run.claims} "
                 f"converted={run.converted_at is not None} started={run.attempt_started_at} "
                 f"updated={run.updated_at} history="
                 + ", ".join(f"{a.stage}:{a.outcome}:{a.error_class}" for a in attempts)
-                + f" messages={messages.get(run.email_id, [])}"
+                + f", in the broker: {email_id in in_broker}"
             )
-    lines.insert(2, f"{len(runs)} open")
     return "\n".join(lines)
 
 
@@ -298,7 +298,7 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
         try:
             statuses = wait_until_closed(res, ids, timeout=DONE_WITHIN_S)
         except AssertionError as timeout:
-            raise AssertionError(f"{timeout}\n{still_open(res, prefix, ids, stops)}") from None
+            raise AssertionError(f"{timeout}\n{still_open(res, env, ids, stops)}") from None
         done_after = time.monotonic() - last_ingest
         for process in new:
             process.stop()
