@@ -7,14 +7,14 @@ before a rollout. Each direction runs a CPU worker and a model worker of each re
 stage calls the Bedrock stand-in) on one broker key prefix:
 
 - rollout: the previous release's workers take this release's jobs (both lanes, both stages,
-  retries, and deferrals at the fleet's model-call limit); this release's workers start beside them while the emails are
-  ingested; the previous release's workers are stopped with SIGTERM, started as the task
-  definitions start them (`REMAP_SIGTERM=SIGQUIT`: the soft shutdown);
+  retries, and deferrals at the fleet's model-call limit); this release's workers start beside
+  them while the emails are ingested; the previous release's workers are stopped with SIGTERM,
+  started as the task definitions start them (`REMAP_SIGTERM=SIGQUIT`: the soft shutdown);
 - rollback: the same with the roles reversed, the previous release on this release's schema.
 
 Nothing may fail: no run fails, no task raises, nothing waits for a sweep, and every email is
-done by the deadline (DONE_WITHIN_S). A wait that times out says how each stopped worker exited
-and where each open run's job is.
+done by the deadline (DONE_WITHIN_S). A wait that times out says how each stopped worker exited,
+what each email not closed was doing, and whether its job is in the broker.
 """
 
 from __future__ import annotations
