@@ -286,7 +286,8 @@ def status(as_json: bool) -> None:
         table.add_row(
             "last sweep",
             f"{sweep['finished_at']}: re-added {sweep['readded_no_run']} without run, "
-            f"{sweep['readded_stalled']} stalled; {sweep['marked_for_review']} marked for review",
+            f"{sweep['readded_stalled']} stalled; started {sweep['started_waiting']} waiting for "
+            f"model calls; {sweep['marked_for_review']} marked for review",
         )
     console.print(table)
 

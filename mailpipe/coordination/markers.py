@@ -19,6 +19,11 @@ from redis import Redis
 
 from mailpipe.coordination import redis_keys
 
+# A job is published within milliseconds of its marker being stamped (enqueue, retry, deferral):
+# a marker this young stands for a job that a read of the broker may have missed. A job truly
+# lost that young is taken for lost by the next look.
+IN_FLIGHT_GRACE_S = 10.0
+
 _REFRESH = """
 for _, key in ipairs(KEYS) do
   if not redis.call('set', key, ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -58,6 +63,11 @@ def read(redis: Redis, email_ids: Sequence[int]) -> list[bytes | None]:
     for email_id in email_ids:
         pipe.get(redis_keys.job_marker(email_id))
     return list(pipe.execute())
+
+
+def just_sent(value: bytes, now: float | None = None) -> bool:
+    """A marker stamped within the in-flight grace of `now`."""
+    return set_at(value) > (time.time() if now is None else now) - IN_FLIGHT_GRACE_S
 
 
 def set_at(value: bytes) -> float:

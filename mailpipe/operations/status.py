@@ -12,8 +12,9 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, not_, select, text
 from sqlalchemy.orm import Session
 
+from mailpipe.broker import layout
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
-from mailpipe.coordination import pauses, redis_keys
+from mailpipe.coordination import markers, pauses, redis_keys
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.errors import mask_aws
 from mailpipe.operations.metrics import read_backlog
@@ -507,8 +508,11 @@ def _where_the_job_is(
       deferred by a rate limit or the provider's throttling, else for `deferral`;
     - converted, with model calls off: waiting for `model_calls`;
     - an error and no attempt running: retrying (a failed attempt waits for its next);
-    - the enqueue marker is set: queued (in a queue, or delivered and not yet taken);
-    - otherwise lost: open, in no queue and not running, until a sweep re-adds it.
+    - the job is in the broker (in one of its stage's queues, or delivered and not yet taken)
+      or was sent a moment ago (its enqueue marker is that young): queued;
+    - otherwise lost: open, in no queue and not running, until a sweep re-adds it. The broker
+      is read as the sweeper reads it, so a job lost with a purged or flushed queue reads
+      lost whatever its marker says.
     An email with no run and no marker is not_enqueued; with a marker, its job is read as
     above.
     """
@@ -534,7 +538,12 @@ def _where_the_job_is(
         return "waiting", "model_calls"
     if run is not None and run.error is not None and run.attempt_started_at is None:
         return "retrying", None
-    return ("queued" if marker is not None else "lost"), None
+    if marker is None:
+        return "lost", None
+    if markers.just_sent(marker):
+        return "queued", None
+    queues = [stage_queue(stage, res.settings, each) for each in Lane]
+    return ("queued" if email_id in layout.emails_in_broker(res.redis, queues) else "lost"), None
 
 
 def _last_deferred_by_a_limit(session: Session, run_id: int) -> bool:
@@ -556,6 +565,7 @@ def _sweep_dict(report: SweepReport | None) -> dict[str, Any] | None:
         "finished_at": _iso(report.finished_at),
         "readded_no_run": report.readded_no_run,
         "readded_stalled": report.readded_stalled,
+        "started_waiting": report.started_waiting or 0,
         "skipped_queued": report.skipped_queued,
         "marked_for_review": report.marked_for_review,
         "queue_depth": report.queue_depth,

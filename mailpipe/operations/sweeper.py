@@ -10,15 +10,17 @@ small partial indexes:
   swept once);
 - an open run whose CPU stage is not done is re-added, model calls on or off (a lost job stays
   lost otherwise, a reopened one included);
+- with model calls on, a run that waits for them (`waiting_since`) has its model stage started:
+  no job was lost, so nothing is counted against it, however often the switch went off and on;
 - with model calls on, an open run is re-added at once when the email was never classified, and
   `MAILPIPE_STALL_AFTER` seconds (default 1800) after its classification was stored when it was;
 - with model calls off, runs waiting for them are left alone;
-- each re-add increments the run's sweep_count, over both stages; a run already swept
+- each re-add of a lost job increments the run's sweep_count, over both stages; a run already swept
   `MAILPIPE_MAX_SWEEPS` times (default 3) whose job is lost again is failed and its email marked
   for review. Every write of a run goes through mailpipe.pipeline.runs.
 
 A job sent after the broker was read is missing from that read; its marker, stamped when it was
-sent, tells the sweep to leave it (`IN_FLIGHT_GRACE_S`). A running job is also known by its
+sent, tells the sweep to leave it (`markers.IN_FLIGHT_GRACE_S`). A running job is also known by its
 lease. Two sweeps at once (a manual one and a scheduled one) cannot double anything: a Redis lock
 lets one run, and every enqueue goes through the dedup marker anyway. This module never imports
 Celery; the task shell passes in how to enqueue and how to count live workers.
@@ -31,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from redis.exceptions import LockError
 from redis.lock import Lock
@@ -55,10 +58,6 @@ Enqueue = Callable[[Sequence[int], TaskName, Lane], Sequence[int]]
 # The sweep lock lapses this long after its last renewal (one per batch): a sweep whose process
 # was killed blocks the next ones for a minute at most.
 SWEEP_LOCK_TTL_S = 60
-# A job is published within milliseconds of its marker being stamped (enqueue, retry, deferral):
-# a marker this young keeps a job that the broker read missed from being taken for lost. A job
-# truly lost that young is re-added by the next sweep.
-IN_FLIGHT_GRACE_S = 10.0
 
 
 @dataclass
@@ -67,6 +66,7 @@ class SweepResult:
     model_calls: bool = False
     readded_no_run: int = 0
     readded_stalled: int = 0
+    started_waiting: int = 0
     skipped_queued: int = 0
     marked_for_review: int = 0
     queue_depth: int = 0
@@ -134,7 +134,7 @@ class BrokerView:
 def sweep(
     res: Resources,
     enqueue: Enqueue,
-    in_flight_grace: float = IN_FLIGHT_GRACE_S,
+    in_flight_grace: float = markers.IN_FLIGHT_GRACE_S,
 ) -> SweepResult:
     """One sweep; `in_flight_grace`: how young a marker keeps a job the broker read missed."""
     lock = res.redis.lock(redis_keys.sweep_lock(), timeout=SWEEP_LOCK_TTL_S, blocking=False)
@@ -158,6 +158,7 @@ def sweep(
                 finished_at=utcnow(),
                 readded_no_run=result.readded_no_run,
                 readded_stalled=result.readded_stalled,
+                started_waiting=result.started_waiting,
                 skipped_queued=result.skipped_queued,
                 marked_for_review=result.marked_for_review,
                 queue_depth=result.queue_depth,
@@ -207,6 +208,7 @@ def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: dateti
             PipelineRun.email_id,
             PipelineRun.sweep_count,
             PipelineRun.converted_at.is_not(None).label("converted"),
+            PipelineRun.waiting_since.is_not(None).label("waiting"),
             EmailMessage.lane,
         )
         .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
@@ -268,18 +270,26 @@ def _sweep_open_runs(
     settings = res.settings
     cutoff = utcnow() - timedelta(seconds=settings.stall_after)
 
-    def read(session: Session, after_id: int) -> list[tuple[int, int, int, bool, str]]:
+    def read(session: Session, after_id: int) -> list[Candidate]:
         statement = open_runs(after_id, settings.sweep_batch_size, model_calls, cutoff)
-        return [
-            (row.id, row.email_id, row.sweep_count, bool(row.converted), row.lane)
-            for row in session.execute(statement)
-        ]
+        return [Candidate(*row) for row in session.execute(statement)]
 
     for rows in _batches(res, view, lock, read):
-        sweeps = {email_id: count for _, email_id, count, _, _ in rows}
-        converted = {email_id for _, email_id, _, done, _ in rows if done}
-        lanes = {email_id: lane for _, email_id, _, _, lane in rows}
-        lost = view.lost(list(sweeps), result)
+        read_at = utcnow()
+        lanes = {row.email_id: row.lane for row in rows}
+        absent = view.lost(list(lanes), result)
+        # A run that waits for model calls has no job of its own: its stage starts now.
+        waiting = [row.email_id for row in rows if row.waiting and row.email_id in absent]
+        started = in_lanes(enqueue, waiting, lanes, TaskName.CLASSIFY_EMAIL)
+        if started:
+            with res.db.transaction() as session:
+                runs.start_waiting(session, started, read_at)
+        result.started_waiting += len(started)
+        result.readded_ids.extend(started)
+
+        sweeps = {row.email_id: row.sweep_count for row in rows if not row.waiting}
+        converted = {row.email_id for row in rows if row.converted}
+        lost = [i for i in absent if i in sweeps]
         exhausted = [i for i in lost if sweeps[i] >= settings.max_sweeps]
         retry = [i for i in lost if sweeps[i] < settings.max_sweeps]
         if exhausted:
@@ -304,6 +314,17 @@ def _sweep_open_runs(
                 runs.count_sweep(session, sent)
         result.readded_stalled += len(sent)
         result.readded_ids.extend(sent)
+
+
+class Candidate(NamedTuple):
+    """An open run the sweep looks at, as `open_runs` reads it."""
+
+    id: int
+    email_id: int
+    sweep_count: int
+    converted: bool
+    waiting: bool
+    lane: str
 
 
 def in_lanes(

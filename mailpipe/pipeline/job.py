@@ -144,7 +144,23 @@ def _deliver(
         )
     if outcome.kind is Kind.DEFER:
         return _deferral(res, email_id, stage_queue(stage, settings, lane), outcome, deferred_since)
+    if outcome.kind is Kind.WAITING and _switched_on_since(res):
+        return Outcome(Kind.HANDED_OFF)
     return outcome
+
+
+def _switched_on_since(res: Resources) -> bool:
+    """Whether model calls are on now, read afresh once the run waits for them and the lease is
+    released. The run's last write read the switch through the cache and may have missed it
+    being switched on: the switch's sweep then ran before this run waited and never saw it.
+    Read after the lease, either this read sees the switch on, or the switch (and its sweep)
+    came later and the sweep finds the run waiting with no lease held."""
+    try:
+        with res.db.session() as session:
+            return res.model_calls.fresh(session)
+    except DBAPIError:
+        log.warning("whether model calls were switched on is unknown", exc_info=True)
+        return False  # the run waits; the next sweep with model calls on starts it
 
 
 def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
@@ -420,7 +436,7 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
     token = claim.token
     with res.db.transaction() as session:
         if not res.model_calls(session):
-            runs.give_back(session, email_id, token)
+            runs.give_back(session, email_id, token, waiting=True)
             return Outcome(Kind.WAITING)
         if claim.classified:
             # An earlier attempt stored the model's answer and died before the labels: no

@@ -161,6 +161,7 @@ def claim_attempt(
     run.attempts += 1
     run.claims += 1
     run.attempt_started_at = utcnow()
+    run.waiting_since = None
     return Claim(
         run.attempts,
         token=run.claims,
@@ -281,6 +282,7 @@ _COUNTED = {
     "attempts": _RUN.c.attempts + 1,
     "claims": _RUN.c.claims + 1,
     "attempt_started_at": bindparam("now"),
+    "waiting_since": None,
     "updated_at": bindparam("now"),
 }
 _BLOB_KEY = select(_EMAIL.c.blob_key).where(_EMAIL.c.id == bindparam("run_email_id"))
@@ -401,6 +403,7 @@ def mark_converted(
         "converted_at": now,
         "attempts": 0,
         "attempt_started_at": None,
+        "waiting_since": None if model_calls else now,
         "error": None,
         "error_class": None,
     }
@@ -475,11 +478,15 @@ def give_back(
     *,
     error: str | None = None,
     error_class: str | None = None,
+    waiting: bool = False,
 ) -> None:
     """Undo the count of an attempt that did no work worth counting (deferred: throttled,
     rate-limited, an outage, model calls switched off). `error`, of `error_class`: why,
-    for the attempt's row; the run's error stays as it was."""
+    for the attempt's row; the run's error stays as it was. `waiting`: model calls are off, and
+    the run waits for them with no job of its own."""
     run = lock_current(session, email_id, token)
+    if waiting:
+        run.waiting_since = utcnow()
     ended = _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error)
     if not _count_on_last_deferral(session, run, ended):
         _record(session, run, ended, deferrals=1)
@@ -552,6 +559,21 @@ def count_sweep(session: Session, email_ids: list[int]) -> None:
         update(PipelineRun)
         .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
         .values(sweep_count=PipelineRun.sweep_count + 1, last_swept_at=utcnow())
+    )
+
+
+def start_waiting(session: Session, email_ids: list[int], read_at: datetime) -> None:
+    """The sweeper sent the model stage of these runs, which waited for model calls: they wait
+    no more. A run that began waiting again after `read_at` (its stage met the switch off once
+    more) keeps waiting."""
+    session.execute(
+        update(PipelineRun)
+        .where(
+            PipelineRun.email_id.in_(email_ids),
+            PipelineRun.status == RunStatus.OPEN,
+            PipelineRun.waiting_since <= read_at,
+        )
+        .values(waiting_since=None)
     )
 
 

@@ -38,8 +38,12 @@ class CachedModelCalls:
         self._read_at: float | None = None
 
     def __call__(self, session: Session) -> bool:
-        now = time.monotonic()
-        if self._read_at is None or now - self._read_at >= self.max_age:
-            self._value = model_calls_enabled(session)
-            self._read_at = now
+        if self._read_at is None or time.monotonic() - self._read_at >= self.max_age:
+            return self.fresh(session)
+        return self._value
+
+    def fresh(self, session: Session) -> bool:
+        """The flag read now, whatever the cache's age; the cache keeps it."""
+        self._value = model_calls_enabled(session)
+        self._read_at = time.monotonic()
         return self._value

@@ -251,6 +251,10 @@ class PipelineRun(Base):
     converted_at: Mapped[datetime | None]
     # When the model's answer was stored, before the labels were synced from it.
     classified_at: Mapped[datetime | None]
+    # Since when the run, past its CPU stage, waits for model calls to be switched on: no job is
+    # meant to exist for it, so starting its model stage is no re-add of a lost job. Cleared by
+    # the claim of an attempt and by the sweep that starts the stage.
+    waiting_since: Mapped[datetime | None]
     error: Mapped[str | None] = mapped_column(Text)
     # What kind of error `error` is, for the failed list's filter: an exception's class name
     # (BlobMissing, OperationalError) or the name of a bound the run hit (AttemptsUsedUp, Stalled).
@@ -470,6 +474,9 @@ class SweepReport(Base):
     readded_stalled: Mapped[int] = mapped_column(default=0)
     skipped_queued: Mapped[int] = mapped_column(default=0)
     marked_for_review: Mapped[int] = mapped_column(default=0)
+    # Runs that waited for model calls and whose model stage the sweep started (no re-add);
+    # NULL on a report of the release before.
+    started_waiting: Mapped[int | None]
     queue_depth: Mapped[int | None]
     backlog_per_task: Mapped[float | None]
 

@@ -21,7 +21,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_email, enqueue_emails
-from mailpipe.operations import sweeper
+from mailpipe.operations import status, sweeper
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.classify import store_classification
 from mailpipe.pipeline.outcome import Kind
@@ -173,6 +173,84 @@ def test_a_run_past_its_cpu_stage_gets_only_its_model_stage_back(res) -> None:  
     # Both are in the broker now: the next sweep finds them there, in either queue.
     again = run_sweep(res)
     assert (again.readded_ids, again.skipped_queued) == ([], 2)
+
+
+def test_runs_waiting_for_model_calls_are_never_counted_however_the_switch_flaps(res) -> None:  # type: ignore[no-untyped-def]
+    """An operator's incident: pause, on, off, resume, four times, then on for good. Each "on"
+    sends a sweep that starts the waiting runs' model stage, which then meets the switch off
+    and waits again. Waiting is no lost job: not one sweep is counted, none fails as stalled."""
+    waiting = store_emails(res, emails(10))
+    set_model_calls(res, False)
+    for email_id in waiting:
+        assert job.process_email(res, email_id).kind is Kind.WAITING
+    for _ in range(4):
+        set_model_calls(res, True)
+        result = run_sweep(res)
+        assert (result.started_waiting, result.readded_stalled) == (10, 0)
+        assert (result.marked_for_review, sorted(result.readded_ids)) == (0, waiting)
+        set_model_calls(res, False)
+        for email_id in waiting:  # the model role takes each job, and finds the switch off
+            assert job.classify_email(res, email_id).kind is Kind.WAITING
+        purge(res)  # the messages it consumed
+    set_model_calls(res, True)
+    assert run_sweep(res).started_waiting == 10
+    for email_id in waiting:
+        assert job.classify_email(res, email_id).kind is Kind.SUCCEEDED
+    assert sweep_counts(res) == {i: 0 for i in waiting}
+    with res.db.session() as session:
+        assert not session.scalar(select(EmailMessage.id).where(EmailMessage.needs_review))
+        report = session.scalars(select(SweepReport).order_by(SweepReport.id.desc())).first()
+    assert (report.started_waiting, report.readded_stalled) == (10, 0)
+
+
+def test_a_started_model_stage_whose_job_is_lost_is_counted_as_lost(res) -> None:  # type: ignore[no-untyped-def]
+    """Starting a waiting run is no re-add; its job lost after that is one."""
+    [email_id] = store_emails(res, emails(1))
+    set_model_calls(res, False)
+    assert job.process_email(res, email_id).kind is Kind.WAITING
+    set_model_calls(res, True)
+    assert run_sweep(res).started_waiting == 1
+    purge(res)  # the model stage's job, lost with the broker
+    again = run_sweep(res)
+    assert (again.started_waiting, again.readded_stalled) == (0, 1)
+    assert sweep_counts(res) == {email_id: 1}
+
+
+def test_a_run_converted_on_a_stale_switch_hands_off_itself(res) -> None:  # type: ignore[no-untyped-def]
+    """A worker still holding "off" in its cache ends a CPU stage after the switch's sweep has
+    run: once its lease is released it reads the switch afresh and hands the run off itself,
+    so the run never waits for beat's next sweep."""
+    [early, late] = store_emails(res, emails(2))
+    cached = Resources(res.settings.model_copy(update={"model_calls_cache_seconds": 3600}))
+    try:
+        set_model_calls(res, False)
+        assert job.process_email(cached, early).kind is Kind.WAITING  # the cache reads "off"
+        set_model_calls(res, True)
+        assert run_sweep(res).started_waiting == 1  # the switch's own sweep: `late` unconverted
+        assert job.process_email(cached, late).kind is Kind.HANDED_OFF
+    finally:
+        cached.close()
+
+
+def test_the_job_api_reads_a_purged_job_as_lost_whatever_its_marker_says(res) -> None:  # type: ignore[no-untyped-def]
+    """`GET /api/jobs/<id>` answers from the broker, as the sweeper does: a model stage purged
+    from its queue reads lost, its marker left behind notwithstanding."""
+    [email_id] = store_emails(res, emails(1))
+    set_model_calls(res, False)
+    assert job.process_email(res, email_id).kind is Kind.WAITING
+    set_model_calls(res, True)
+    assert run_sweep(res).started_waiting == 1
+
+    def state() -> str:
+        with res.db.session() as session:
+            return str(status.job_state(res, session, email_id)["state"])
+
+    # The marker is as old as a job that has waited a while.
+    res.redis.set(redis_keys.job_marker(email_id), str(time.time() - 3600))
+    assert state() == "queued"
+    purge(res)  # `celery purge` of the model queues
+    assert res.redis.exists(redis_keys.job_marker(email_id))
+    assert state() == "lost"
 
 
 def test_unfinished_jobs_are_readded_even_with_model_calls_off(res) -> None:  # type: ignore[no-untyped-def]
