@@ -6,7 +6,9 @@ the queues of a paused stage, or starts again once its pause has ended. A paused
 then wait in the broker instead of being fetched and deferred in a loop. While a stage is paused
 by an outage, one worker of the fleet per `MAILPIPE_PAUSE_PROBE_INTERVAL` runs the dependency's
 check, on a thread of its own so that a slow call never stalls the event loop
-(mailpipe.operations.probes).
+(mailpipe.operations.probes). When Redis has lost the operator's pauses (a flush or a restart),
+a thread puts them back from the database and the step changes nothing until it has
+(mailpipe.pipeline.stage_pauses).
 
 A bootstep rather than a `worker_ready` handler: Celery starts the consumer's steps again after
 a lost broker connection, with the queues it consumed at start, so the pause is applied again.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery import bootsteps
@@ -23,6 +27,7 @@ from redis import Redis, RedisError
 
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.coordination import pauses
+from mailpipe.pipeline import stage_pauses
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 
@@ -41,6 +46,7 @@ class PauseStep(bootsteps.StartStopStep):
         self._timer_entry: Any = None
         self._cancelled: set[str] = set()
         self._probing: threading.Thread | None = None
+        self._restoring: threading.Thread | None = None
         self._redis: Redis | None = None
 
     def start(self, c: Any) -> None:
@@ -68,9 +74,14 @@ class PauseStep(bootsteps.StartStopStep):
         settings = get_settings()
         assert self._redis is not None
         try:
-            paused = pauses.paused(self._redis)
+            paused = pauses.paused_if_known(self._redis)
         except RedisError:
             return  # nothing is fetched either; the next check tells
+        if paused is None:
+            # Redis lost the operator's pauses: put them back off the event loop, and change
+            # nothing until a check reads them.
+            self._restore_kept()
+            return
         for stage, queue in self._queues:
             pause = paused.get(stage)
             if pause is not None and queue not in self._cancelled:
@@ -84,6 +95,17 @@ class PauseStep(bootsteps.StartStopStep):
             if pause is not None and pause.by == pauses.AUTO:
                 self._maybe_probe(stage, settings.pause_probe_interval)
 
+    def _restore_kept(self) -> None:
+        if self._restoring is not None and self._restoring.is_alive():
+            return
+        self._restoring = threading.Thread(
+            target=_on_own_resources,
+            args=(stage_pauses.restore, "putting back the operator's pauses failed"),
+            name="mailpipe-pauses-restore",
+            daemon=True,
+        )
+        self._restoring.start()
+
     def _maybe_probe(self, stage: Stage, interval: float) -> None:
         assert self._redis is not None
         if self._probing is not None and self._probing.is_alive():
@@ -94,20 +116,27 @@ class PauseStep(bootsteps.StartStopStep):
         except RedisError:
             return
         self._probing = threading.Thread(
-            target=_probe, args=(stage,), name=f"mailpipe-probe-{stage}", daemon=True
+            target=_on_own_resources,
+            args=(partial(_probe, stage=stage), f"{stage} stage probe failed"),
+            name=f"mailpipe-probe-{stage}",
+            daemon=True,
         )
         self._probing.start()
 
 
-def _probe(stage: Stage) -> None:
+def _probe(res: Resources, stage: Stage) -> None:
     from mailpipe.operations.probes import probe
 
-    # Connections of the probe's own, closed after it: children forked later must not inherit
-    # any in use.
+    probe(res, stage)
+
+
+def _on_own_resources(work: Callable[[Resources], object], failed: str) -> None:
+    """`work` on a thread's connections of its own, closed after it: children forked later must
+    not inherit any in use. A failure is logged; the next check tries again."""
     res = Resources(get_settings())
     try:
-        probe(res, stage)
+        work(res)
     except Exception:
-        log.exception("%s stage probe failed", stage)
+        log.exception(failed)
     finally:
         res.close()

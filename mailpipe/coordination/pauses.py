@@ -8,6 +8,11 @@ a token. Workers stop consuming a paused stage's queues (mailpipe.app.pausing); 
 check, once per probe interval, ends an automatic pause when it passes. An operator's pause ends
 only with `mailpipe resume`.
 
+An operator's pause is also kept in the database (mailpipe.storage.flags), and a key with no TTL
+says that Redis holds every pause so kept. A flushed or restarted Redis loses that key with the
+pauses: a reader that finds it missing (`paused_if_known` answers None) puts the kept pauses
+back (`restore`) before it trusts what Redis says.
+
 Ending a pause compares its token, so a pause set or taken over while a probe's check ran
 survives the probe. `since` is when the outage began: a pause that starts within a pause window
 of the last one's end counts from the first, so that an outage that flaps keeps one start for its
@@ -21,6 +26,7 @@ must not evict (mailpipe.app.signals).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis import Redis
@@ -77,13 +83,17 @@ end
 return redis.call('hgetall', KEYS[1])
 """
 )
-# KEYS: pause, outage. ARGV: reason. An operator's pause: a new one, or one that takes over an
-# automatic pause with the operator's reason and keeps its start; returns the pause's fields.
+# KEYS: pause, outage. ARGV: reason, since (empty: now). An operator's pause: a new one, or one
+# that takes over an automatic pause with the operator's reason and keeps its start; returns the
+# pause's fields.
 _PAUSE = _script(
     _SET_PAUSE
     + b"""
 if redis.call('hget', KEYS[1], 'by') ~= 'operator' then
-  if redis.call('exists', KEYS[1]) == 0 then redis.call('del', KEYS[2]) end
+  if redis.call('exists', KEYS[1]) == 0 then
+    redis.call('del', KEYS[2])
+    if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2]) end
+  end
   set_pause(ARGV[1], 'operator', redis.call('hget', KEYS[1], 'dependency') or '', now)
 end
 return redis.call('hgetall', KEYS[1])
@@ -124,7 +134,11 @@ def record_fault(
 def pause(redis: Redis, stage: Stage, reason: str) -> Pause:
     """An operator's pause of `stage`, with `reason`; the pause in force. It takes over an
     automatic pause (no probe ends it then, only `resume`), and leaves an operator's as it is."""
-    fields = _PAUSE(keys=_keys(stage)[:2], args=[reason], client=redis)
+    return _pause(redis, stage, reason, "")
+
+
+def _pause(redis: Redis, stage: Stage, reason: str, since: str) -> Pause:
+    fields = _PAUSE(keys=_keys(stage)[:2], args=[reason, since], client=redis)
     result = _from_fields(stage, fields)
     assert result is not None
     return result
@@ -159,6 +173,31 @@ def paused(redis: Redis) -> dict[Stage, Pause]:
     return {stage: pause for stage, pause in found.items() if pause is not None}
 
 
+def paused_if_known(redis: Redis) -> dict[Stage, Pause] | None:
+    """Every paused stage, as `paused`; None when Redis lost the operator's pauses the database
+    keeps (it was flushed or restarted since they were last put back): `restore` them first."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.exists(redis_keys.pauses_restored())
+    for stage in Stage:
+        pipe.hgetall(redis_keys.pause(stage))
+    known, *replies = pipe.execute()
+    if not known:
+        return None
+    found = {
+        stage: _from_fields(stage, fields) for stage, fields in zip(Stage, replies, strict=True)
+    }
+    return {stage: pause for stage, pause in found.items() if pause is not None}
+
+
+def restore(redis: Redis, kept: dict[Stage, tuple[str, float]]) -> dict[Stage, Pause]:
+    """Put back the operator's pauses the database keeps (`kept`: each stage's reason and start),
+    as `pause` sets them, each with its own start; every paused stage after it."""
+    for stage, (reason, since) in kept.items():
+        _pause(redis, stage, reason, repr(since))
+    redis.set(redis_keys.pauses_restored(), 1)
+    return paused(redis)
+
+
 def take_probe(redis: Redis, stage: Stage, interval: float) -> bool:
     """True for the one caller per `interval` that is to probe the stage."""
     return bool(redis.set(redis_keys.probe_lock(stage), 1, nx=True, px=int(interval * 1000)))
@@ -166,17 +205,17 @@ def take_probe(redis: Redis, stage: Stage, interval: float) -> bool:
 
 class CachedPauses:
     """The paused stages, read at most every `max_age` seconds: a job checks them at its start
-    without a round trip of its own."""
+    without a round trip of its own. `read` reads them (and puts back what Redis lost)."""
 
     def __init__(self, max_age: float = 1.0) -> None:
         self._max_age = max_age
         self._read_at = -float("inf")
         self._paused: dict[Stage, Pause] = {}
 
-    def __call__(self, redis: Redis) -> dict[Stage, Pause]:
+    def __call__(self, read: Callable[[], dict[Stage, Pause]]) -> dict[Stage, Pause]:
         now = time.monotonic()
         if now - self._read_at >= self._max_age:
-            self._paused = paused(redis)
+            self._paused = read()
             self._read_at = now
         return self._paused
 

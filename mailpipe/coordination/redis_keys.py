@@ -38,6 +38,12 @@ def health_checks_counter(dependency: str) -> str:
     return key(f"metrics:health-checks:{dependency}")
 
 
+def pauses_restored() -> str:
+    """Present while Redis holds every operator's pause the database keeps: gone with a flush or
+    a restart, which tells a reader to put them back (mailpipe.coordination.pauses)."""
+    return key("pauses:restored")
+
+
 def deferrals_counter() -> str:
     """Deferrals since the last metrics report (the `Deferrals` metric)."""
     return key("metrics:deferrals")

@@ -406,14 +406,19 @@ def switch_model_calls(
 
 def pause(res: Resources, stage: Stage, reason: str, *, user: str) -> pauses.Pause:
     """Pause `stage` with `reason` (an outage's pause is taken over); its workers stop taking
-    its work until it is resumed."""
+    its work until it is resumed, through a flushed or restarted Redis too."""
     held = pauses.pause(res.redis, stage, reason)
+    with res.db.transaction() as session:
+        flags.set_operator_pause(session, stage.value, held.error, held.since)
     _audited(f"pause_{stage.value}", user)
     return held
 
 
 def resume(res: Resources, stage: Stage, *, user: str) -> bool:
-    """End `stage`'s pause, an operator's or an outage's; False when it was not paused."""
+    """End `stage`'s pause, an operator's or an outage's; False when it was not paused. The kept
+    pause goes first: a worker that puts the kept pauses back meanwhile cannot revive it."""
+    with res.db.transaction() as session:
+        flags.clear_operator_pause(session, stage.value)
     ended = pauses.resume(res.redis, stage)
     if ended:
         _audited(f"resume_{stage.value}", user)

@@ -61,9 +61,10 @@ from sqlalchemy import delete, func, insert, select
 
 from mailpipe.broker.layout import queue_stats
 from mailpipe.broker.queues import Lane, Stage, lane_of, stage_of, stage_queue
-from mailpipe.coordination import pauses, redis_keys
+from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import live_versions, live_workers
 from mailpipe.errors import describe
+from mailpipe.pipeline import stage_pauses
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.models import (
@@ -369,7 +370,7 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     jobs only: the backlog figures, which scaling depends on, are still worth sending."""
     measured_at = time.time()
     settings = res.settings
-    paused = pauses.paused(res.redis)
+    paused = stage_pauses.in_force(res)
     for stage, pause in paused.items():
         if pause.alarming(settings.outage_alarm_after, measured_at):
             log.error(

@@ -14,10 +14,11 @@ from sqlalchemy.orm import Session
 
 from mailpipe.broker import layout
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
-from mailpipe.coordination import markers, pauses, redis_keys
+from mailpipe.coordination import markers, redis_keys
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.errors import mask_aws
 from mailpipe.operations.metrics import read_backlog
+from mailpipe.pipeline import stage_pauses
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
@@ -119,7 +120,7 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
             "dependency": pause.dependency or None,
             "alarm": pause.alarming(settings.outage_alarm_after),
         }
-        for stage, pause in pauses.paused(res.redis).items()
+        for stage, pause in stage_pauses.in_force(res).items()
     }
     workers = live_worker_list(res.redis, settings.worker_dead_after, list(names.values()))
     return {
@@ -529,7 +530,7 @@ def _where_the_job_is(
         return "not_enqueued", None
     if leased:
         return "running", None
-    if stage in pauses.paused(res.redis):
+    if stage in stage_pauses.in_force(res):
         return "waiting", "paused_stage"
     if due is not None and due > time.time():
         limited = run is not None and _last_deferred_by_a_limit(session, run.id)

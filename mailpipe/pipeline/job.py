@@ -57,7 +57,7 @@ from mailpipe.errors import (
     is_transient,
 )
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
-from mailpipe.pipeline import health, runs
+from mailpipe.pipeline import health, runs, stage_pauses
 from mailpipe.pipeline.classify import (
     classify_remote,
     email_for_classifier,
@@ -166,9 +166,13 @@ def _switched_on_since(res: Resources) -> bool:
 def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
     """The stage's pause: an operator's until resumed, an outage's until its check passes."""
     try:
-        return res.pauses(res.redis).get(stage)
+        return res.pauses(lambda: stage_pauses.in_force(res)).get(stage)
     except RedisError:
         return None  # the lease cannot be taken either: the job defers below
+    except DBAPIError:
+        # Redis lost the kept pauses and the database cannot put them back: the claim cannot
+        # be written either, and the job defers there.
+        return None
 
 
 def retry_delay(settings: Settings, attempt: int, retry_after: float | None = None) -> float:

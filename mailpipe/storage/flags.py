@@ -1,14 +1,16 @@
-"""Durable runtime switches, kept in the database so that a broker flush cannot flip them."""
+"""Durable runtime switches, kept in the database so that a broker flush cannot flip them: model
+calls on or off, and the stages an operator paused."""
 
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from mailpipe.storage.db import upsert
-from mailpipe.storage.models import RuntimeFlag, utcnow
+from mailpipe.storage.db import insert_ignore, upsert
+from mailpipe.storage.models import OperatorPause, RuntimeFlag, utcnow
 
 MODEL_CALLS = "model_calls"
 
@@ -26,6 +28,31 @@ def set_model_calls(session: Session, enabled: bool) -> None:
         [{"name": MODEL_CALLS, "enabled": enabled, "updated_at": utcnow()}],
         ["name"],
     )
+
+
+def operator_pauses(session: Session, *, hold: bool = False) -> dict[str, tuple[str, float]]:
+    """The stages an operator paused: each stage's reason and since when (unix time). `hold`
+    keeps a resume of any of them waiting until the session ends: what is written from them
+    then cannot outlive the resume."""
+    query = select(OperatorPause.stage, OperatorPause.reason, OperatorPause.since)
+    if hold:
+        query = query.with_for_update(read=True)
+    return {
+        stage: (reason, since.replace(tzinfo=UTC).timestamp())
+        for stage, reason, since in session.execute(query)
+    }
+
+
+def set_operator_pause(session: Session, stage: str, reason: str, since: float) -> None:
+    """Keep `stage`'s operator pause (`since`: unix time); one kept already stays as it is."""
+    started = datetime.fromtimestamp(since, UTC).replace(tzinfo=None)
+    insert_ignore(
+        session, OperatorPause, [{"stage": stage, "reason": reason, "since": started}], ["stage"]
+    )
+
+
+def clear_operator_pause(session: Session, stage: str) -> None:
+    session.execute(delete(OperatorPause).where(OperatorPause.stage == stage))
 
 
 class CachedModelCalls:

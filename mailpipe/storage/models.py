@@ -452,6 +452,18 @@ class Reprocess(Base):
     emails: Mapped[int]
 
 
+class OperatorPause(Base):
+    """A stage an operator paused (`mailpipe pause`), kept here so that a flushed or restarted
+    Redis cannot end it: the workers put it back (mailpipe.pipeline.stage_pauses). An outage's
+    pause is not kept: its own check sets it again if the outage lasts."""
+
+    __tablename__ = "operator_pause"
+
+    stage: Mapped[str] = mapped_column(String(16), primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    since: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class RuntimeFlag(Base):
     """Durable runtime switches (model calls on/off) that workers read at job time."""
 

@@ -202,6 +202,37 @@ def test_an_operators_pause_stops_a_live_worker_until_resumed(res, fleet) -> Non
     assert lanes <= f.consumed_queues(worker.nodename)
 
 
+def test_an_operators_pause_outlives_a_flushed_redis(res, fleet) -> None:  # type: ignore[no-untyped-def]
+    # A Redis without persistence restarted, or flushed: the worker itself puts the kept pause
+    # back (no `mailpipe` command runs until it has) and never consumes the stage meanwhile.
+    f = fleet()
+    worker = f.worker("cpu")
+    queue = res.settings.queue
+    lanes = {queue, f"{queue}.bulk"}
+    mailpipe(f.env, "pause", "cpu", "--reason", "incident")
+    wait_for(lambda: not lanes & f.consumed_queues(worker.nodename), 30, "the pause applied")
+    since = paused(f.env)["cpu"]["since"]
+
+    f.flush()
+    restored = f"{f.prefix}mailpipe:pauses:restored"
+    wait_for(lambda: res.redis.exists(restored), 30, "the worker to put the kept pause back")
+    pause = paused(f.env)
+    assert (pause["cpu"]["by"], pause["cpu"]["error"], pause["cpu"]["since"]) == (
+        "operator",
+        "incident",
+        since,
+    )
+    ids = store_emails(res, invoices(EMAILS))
+    f.enqueue(ids)
+    assert_jobs_wait_in_the_broker(f, EMAILS)
+    assert runs(res, ids) == []
+    assert not lanes & f.consumed_queues(worker.nodename)
+
+    mailpipe(f.env, "resume", "cpu")
+    statuses = wait_until_closed(res, ids, timeout=120)
+    assert set(statuses.values()) == {"succeeded"}
+
+
 def lose_broker_connection(res, worker: CeleryProcess) -> int:  # type: ignore[no-untyped-def]
     """Close the worker main process's connections to Redis from the server's side, as a
     failover or a network blip does; returns how many were closed."""

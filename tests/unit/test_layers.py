@@ -63,12 +63,15 @@ EXPECTED = {
         "pipeline",
         "operations",
     },
+    # The pipeline's stage pauses only (what Redis lost is put back from the database): no
+    # document converter, no classifier.
     "mailpipe.operations.status": {
         "base",
         "storage",
         "broker",
         "coordination",
         "resources",
+        "pipeline",
         "operations",
     },
     # Upstream code's entry point: the app, the markers; no pipeline, no document converter.
