@@ -8,8 +8,8 @@ as the release role's do. `MAILPIPE_DB_TRANSACTION_POOLING=true` is what makes t
 there: PgBouncer refuses the statement timeout given at connect, and a prepared statement would
 outlive the transaction that made it.
 
-The test needs Debian's pgbouncer (`apt-get install -y pgbouncer`; .ci/run installs it), and
-fails, never skips, without it.
+The test needs Debian's pgbouncer (`apt-get install -y pgbouncer`; the test command,
+`.ci/test`, installs it as root), and fails, never skips, without it.
 """
 
 from __future__ import annotations
