@@ -750,13 +750,19 @@ def lane(lane: str, email_ids: tuple[int, ...]) -> None:
     help="The attempts before this one (a page's `older_history`); the last 50 without it.",
 )
 def show(email_id: int, history_before: int | None) -> None:
-    """An email's run, documents, labels, classification and last 50 attempts, as JSON."""
-    from mailpipe.operations.status import email_detail
+    """An email's run, where its job is, documents, labels, classification and last 50
+    attempts, as JSON."""
+    from mailpipe.operations.status import email_detail, job_state
 
-    with _migrated().db.session() as session:
+    res = _migrated()
+    with res.db.session() as session:
         detail = email_detail(session, email_id, history_before)
-    if detail is None:
-        raise NotFound(f"no email with id {email_id}")
+        if detail is None:
+            raise NotFound(f"no email with id {email_id}")
+        job = job_state(res, session, email_id)
+    assert job is not None
+    # Where the job is, as the job status API says it (waiting, and for what; lost; running).
+    detail["job"] = {"state": job["state"], "waiting_for": job["waiting_for"]}
     click.echo(json.dumps(detail, indent=2))
 
 

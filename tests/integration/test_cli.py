@@ -182,10 +182,18 @@ def test_failed_list_retry_and_show(res) -> None:  # type: ignore[no-untyped-def
     assert (run.status.value, run.attempts) == ("open", 0)
     assert res.redis.exists(redis_keys.job_marker(bad))
 
+    # Past its CPU stage with model calls off, the email waits: `show` says for what.
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, False)
+    assert job.process_email(res, good).kind.value == "waiting"
+    shown = json.loads(mailpipe("show", str(good)).stdout)
+    assert shown["job"] == {"state": "waiting", "waiting_for": "model_calls"}
+
     with res.db.transaction() as session:
         flags.set_model_calls(session, True)
-    job.process_email(res, good)
+    job.classify_email(res, good)
     shown = json.loads(mailpipe("show", str(good)).stdout)
+    assert shown["job"] == {"state": "succeeded", "waiting_for": None}
     assert shown["run"]["status"] == "succeeded"
     assert shown["classification"]["model_id"] == "rules"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import click
 import pytest
 from pydantic import SecretStr
 
@@ -109,6 +110,26 @@ def layout() -> dict[str, set[str]]:
         if folder:
             folders[folder.group(1)] = set(re.findall(r"`(\w+\.py)`", bullet)) - top
     return folders
+
+
+def test_the_command_table_names_every_command() -> None:
+    from mailpipe.cli.main import main
+
+    rows = section("Command line").split("\n\n", 1)[0]
+    first_cells = [row.split(" | ")[0] for row in rows.splitlines() if row.startswith("| `")]
+    named = {
+        name
+        for cell in first_cells
+        for name in re.findall(r"`mailpipe ([a-z-]+(?: [a-z]+)?)", cell)
+    }
+    commands = {
+        f"{name} {sub}" if isinstance(command, click.Group) else name
+        for name, command in main.commands.items()
+        for sub in (command.commands if isinstance(command, click.Group) else [""])
+    }
+    # A row names its command then its arguments: keep of each row's words what is a command.
+    named = {row if row in commands else row.split(" ")[0] for row in named}
+    assert commands <= named, f"commands without a row: {sorted(commands - named)}"
 
 
 def test_the_layout_names_every_module_in_its_folder() -> None:
