@@ -10,8 +10,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, create_engine
-from sqlalchemy.engine import make_url
+from sqlalchemy import Connection, create_engine, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import NullPool
 
 from mailpipe.storage.db import Database, normalise_url
 
@@ -51,8 +53,16 @@ def check_schema(database: Database) -> None:
     if url.get_backend_name() == "sqlite":
         revision = _sqlite_revision(url.database or "", database.url)
     else:
-        with database.engine.connect() as connection:
-            revision = _revision(connection)
+        try:
+            with database.engine.connect() as connection:
+                revision = _revision(connection)
+        except OperationalError:
+            if not _lacks_database(url):
+                raise  # the server is down or refuses the role: unavailable, not unmigrated
+            raise SchemaMissing(
+                f"no database {url.database} on the server at {shown_url(database.url)}: "
+                f"create it (`createdb {url.database}`), then {FIX}"
+            ) from None
     if revision is None:
         raise SchemaMissing(f"the database at {shown_url(database.url)} has no schema; {FIX}")
     script = ScriptDirectory(str(MIGRATIONS))
@@ -63,6 +73,22 @@ def check_schema(database: Database) -> None:
             f"the database at {shown_url(database.url)} is at schema revision {revision}, "
             f"this mailpipe needs {head}; {FIX}"
         )
+
+
+def _lacks_database(url: URL) -> bool:
+    """Whether the PostgreSQL server at `url` answers and has no database of `url`'s name: asked
+    of its `postgres` database, since the driver's error carries no SQLSTATE to tell it by."""
+    engine = create_engine(url.set(database="postgres"), poolclass=NullPool, hide_parameters=True)
+    try:
+        with engine.connect() as connection:
+            found = connection.execute(
+                text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": url.database}
+            ).first()
+    except OperationalError:
+        return False  # the server cannot tell: the first error stands
+    finally:
+        engine.dispose()
+    return found is None
 
 
 def _sqlite_revision(path: str, database_url: str) -> str | None:

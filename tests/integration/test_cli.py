@@ -355,6 +355,18 @@ def test_database_unreachable_is_one_line_and_exit_4(services: None) -> None:
     assert "secret" not in line
 
 
+def test_a_missing_postgresql_database_is_exit_5_and_says_to_create_it(services: None) -> None:
+    # The server answers; only the database is not there: not an outage, a set-up step missed.
+    missing = Database(PG_ADMIN_URL, f"mailpipe_test_{RUN_ID}_none")
+    missing.drop()
+    run = mailpipe("status", MAILPIPE_DATABASE_URL=missing.url)
+    assert run.returncode == 5, run.stderr
+    assert one_error_line(run) == (
+        f"Error: no database {missing.name} on the server at {missing.url}: create it "
+        f"(`createdb {missing.name}`), then run `mailpipe db upgrade`"
+    )
+
+
 def test_a_missing_sqlite_database_is_named_and_not_created(tmp_path: Path, services: None) -> None:
     path = tmp_path / "var" / "none.db"
     url = f"sqlite:///{path}"
