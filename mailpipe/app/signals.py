@@ -10,10 +10,12 @@ import gc
 import logging
 import os
 import re
+import sys
 import uuid
 from typing import Any
 
 from billiard.util import get_logger as _multiprocessing_logger
+from celery.apps import worker
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
@@ -23,6 +25,7 @@ from celery.signals import (
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
+    worker_shutting_down,
 )
 from redis import Redis, RedisError
 
@@ -192,6 +195,22 @@ def _sweep_once_per_fleet_start(**_: Any) -> None:
         return
     if first:
         sweep.apply_async()
+
+
+@worker_shutting_down.connect
+def _say_what_a_normal_stop_did(sig: str = "", how: str = "", **_: Any) -> None:
+    """Sent in the signal handler, after the stop's wait. The roles remap SIGTERM to SIGQUIT so
+    that a stop gives running jobs a bounded wait (Celery's soft shutdown), and Celery then
+    says "Cold shutdown" at every deploy: say what the stop was, with Celery's own signal-safe
+    write (a JSON line in JSON mode, `logs.use_json_for_celery_notices`)."""
+    if (sig, how) == ("SIGTERM", "Cold"):
+        worker.safe_say(
+            "worker: warm shutdown at SIGTERM: no new jobs, and running ones had up to "
+            f"{get_settings().soft_shutdown_timeout:g} s to finish; any still running went back "
+            "to their queue (Celery names this stop cold: its soft shutdown, with "
+            "REMAP_SIGTERM=SIGQUIT)",
+            sys.__stdout__,
+        )
 
 
 @worker_shutdown.connect

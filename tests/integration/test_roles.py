@@ -355,6 +355,8 @@ def test_procfile_workers_consume_their_queues_and_touch_their_health_file(  # t
         assert check.returncode == 0, check.stderr
     finally:
         worker.stop()
+    # A normal stop says so, whatever Celery names it.
+    assert "worker: warm shutdown at SIGTERM" in worker.output(), worker.output()[-3000:]
     # The check tests the age: a file last touched over a minute ago fails it.
     stale = time.time() - 61
     os.utime(health, (stale, stale))
