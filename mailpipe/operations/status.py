@@ -415,18 +415,22 @@ def history(
     that ended before attempt `before` (the last ones with None), in the order they ended; and
     `older_history`, the `before` of the page before it (None on the first). A deferral's row
     stands for `deferrals` deferrals in a row, the last one's time, error and host in its
-    other fields."""
+    other fields. `run_again` marks the first row after the run ended and was opened again (a
+    retry, a reprocess): the run counts its attempts from 1 again there."""
     statement = select(RunAttempt).where(RunAttempt.email_id == email_id)
     if before is not None:
         statement = statement.where(RunAttempt.id < before)
     rows = session.scalars(statement.order_by(RunAttempt.id.desc()).limit(limit + 1)).all()
     shown = list(reversed(rows[:limit]))
+    # Each row's predecessor: the row before the page is the one fetched past the limit.
+    previous = [rows[limit] if len(rows) > limit else None, *shown[:-1]]
     return {
         "history": [
             {
                 "id": row.id,
                 "stage": row.stage,
                 "attempt": row.attempt,
+                "run_again": before_it is not None and before_it.outcome in _ENDED_THE_RUN,
                 "started_at": _iso(row.started_at),
                 "ended_at": _iso(row.ended_at),
                 "outcome": row.outcome,
@@ -435,10 +439,14 @@ def history(
                 "error": _shown(row.error),
                 "host": row.host,
             }
-            for row in shown
+            for row, before_it in zip(shown, previous, strict=True)
         ],
         "older_history": shown[0].id if len(rows) > limit else None,
     }
+
+
+# The outcomes that close the run: a row after one belongs to the run opened again.
+_ENDED_THE_RUN = {AttemptOutcome.SUCCEEDED, AttemptOutcome.DUPLICATE, AttemptOutcome.FAILED}
 
 
 def _deferrals(row: RunAttempt) -> int | None:

@@ -20,6 +20,7 @@ from mailpipe.operations.status import (
     error_classes,
     failed_page,
     fleet_status,
+    history,
     job_state,
     review_page,
 )
@@ -166,6 +167,7 @@ def test_an_email_s_detail_carries_its_history_in_order_and_its_dismissal(res) -
         "ended_at": (T0 + timedelta(seconds=1)).isoformat() + "Z",
         "outcome": "retrying",
         "deferrals": None,
+        "run_again": False,
         "error_class": "OperationalError",
         "error": "e",
         "host": "w1",
@@ -174,6 +176,33 @@ def test_an_email_s_detail_carries_its_history_in_order_and_its_dismissal(res) -
     assert detail["dismissed_at"] == (T0 + timedelta(minutes=1)).isoformat() + "Z"
     assert detail["run"]["error_class"] == "AttemptsUsedUp"
     assert (detail["origin"], detail["duplicate_of"]) == (None, None)
+
+
+def test_the_history_marks_where_the_run_was_opened_again(res) -> None:  # type: ignore[no-untyped-def]
+    # The first run, a reprocess, and a retry after it failed: the run counts each from 1.
+    email_id = add_failed(res, 1, "AttemptsUsedUp")
+    passes = [(1, "succeeded"), (1, "succeeded"), (1, "retrying"), (2, "failed"), (1, "succeeded")]
+    with res.db.transaction() as session:
+        run = session.query(PipelineRun).filter_by(email_id=email_id).one()
+        for n, (attempt, outcome) in enumerate(passes):
+            session.execute(
+                insert(RunAttempt).values(
+                    run_id=run.id,
+                    email_id=email_id,
+                    stage="cpu",
+                    attempt=attempt,
+                    ended_at=T0 + timedelta(seconds=n),
+                    outcome=outcome,
+                )
+            )
+    marks = [False, True, True, False, True]
+    with res.db.session() as session:
+        whole = history(session, email_id)["history"]
+        assert [row["run_again"] for row in whole] == marks
+        # A page's first row is told by the row before the page.
+        last = history(session, email_id, limit=2)
+        older = history(session, email_id, before=last["older_history"], limit=2)
+    assert [row["run_again"] for row in older["history"] + last["history"]] == marks[1:]
 
 
 def state(res: Resources, email_id: int) -> tuple[str, str | None]:
