@@ -223,6 +223,10 @@ class Settings(BaseSettings):
     # unset, each process draws its own at start, so that two processes behind one address need
     # it set.
     web_secret: SecretStr | None = None
+    # The most an API action's JSON body may hold (bytes): a longer one is refused (413) before
+    # it is read whole. The longest an action takes, a forget's list of ids, fits some 50,000
+    # ids in the default.
+    api_body_max_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
 
     # Logs: `text` (Celery's lines, for a terminal) or `json` (one JSON object per record, with the
     # traceback, task id and email id inside it: mailpipe/app/logs.py). The ECS task definitions
