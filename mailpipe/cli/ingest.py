@@ -17,9 +17,9 @@ reads as an mbox From line (a sender, a time and a year); any other "From " line
 message found that way that is still not an email (an unescaped From line in a body) is reported
 as rejected, not stored.
 
-A symlink found in a folder being ingested is read only if it points inside that folder; one that
-points outside is rejected unless `follow_symlinks` (`--follow-symlinks`). Paths named on the
-command line are read whatever they are links to.
+A symlink found in a folder being ingested (a Maildir's cur/ and new/ among them) is read only if
+it points inside that folder; one that points outside is rejected unless `follow_symlinks`
+(`--follow-symlinks`). Paths named on the command line are read whatever they are links to.
 """
 
 from __future__ import annotations
@@ -237,8 +237,7 @@ def _folder_files(folder: Path, root: Path, follow: bool) -> list[Path | Rejecte
                     continue
                 inside = target.is_relative_to(root)
                 if not inside and not follow:
-                    refused = f"symlink to {target}, outside {root} (--follow-symlinks reads it)"
-                    found.append((path, Rejected(str(path), refused)))
+                    found.append((path, _outside(path, target, root)))
                 elif target.is_dir():
                     if not inside:  # one inside the folder is walked as itself
                         pending.append(path)
@@ -340,21 +339,23 @@ def _read_maildir(
     path: Path, root: Path, max_bytes: int, follow: bool
 ) -> Iterator[RawEmail | Rejected]:
     """The messages of a Maildir, in key order (the name before ":"), as `mailbox.Maildir` lists
-    them: cur/ then new/, a later one with the same key replacing an earlier one."""
+    them: cur/ then new/, a later one with the same key replacing an earlier one. A cur/ or new/
+    that is a symlink out of the Maildir is refused, as a folder's link out of it is, unless
+    `follow`."""
     messages: dict[str, Path] = {}
-    for subdir in ("cur", "new"):
-        for entry in sorted((path / subdir).iterdir()):
+    for subdir in (path / "cur", path / "new"):
+        if (refused := _link_out(subdir, root, follow)) is not None:
+            yield refused
+            continue
+        for entry in sorted(subdir.iterdir()):
             if not entry.is_dir():
                 messages[entry.name.split(":")[0]] = entry
     for key in sorted(messages):
         source = f"{path}/{key}"
         file = messages[key]
         try:
-            if file.is_symlink() and not follow and not file.resolve().is_relative_to(root):
-                refused = (
-                    f"symlink to {file.resolve()}, outside {root} (--follow-symlinks reads it)"
-                )
-                yield Rejected(source, refused)
+            if (refused := _link_out(file, root, follow)) is not None:
+                yield Rejected(source, refused.reason)
                 continue
             if (refused_file := _not_a_file(file)) is not None:
                 yield Rejected(source, refused_file.reason)
@@ -367,6 +368,18 @@ def _read_maildir(
                 yield RawEmail(source, item.data)
             else:
                 yield Rejected(source, item.reason)
+
+
+def _link_out(path: Path, root: Path, follow: bool) -> Rejected | None:
+    """The refusal of `path` if it is a symlink out of `root` and links are not followed."""
+    if follow or not path.is_symlink():
+        return None
+    target = path.resolve()
+    return None if target.is_relative_to(root) else _outside(path, target, root)
+
+
+def _outside(link: Path, target: Path, root: Path) -> Rejected:
+    return Rejected(str(link), f"symlink to {target}, outside {root} (--follow-symlinks reads it)")
 
 
 def _unreadable(exc: OSError) -> str:

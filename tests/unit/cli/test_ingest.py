@@ -256,6 +256,35 @@ def test_symlinks_in_a_maildir_out_of_it_are_refused(tmp_path: Path) -> None:
     assert len(stored(read(tmp_path / "Maildir", follow=True))) == 2
 
 
+@pytest.mark.parametrize("linked", ["cur", "new"])
+def test_a_maildir_s_cur_or_new_linked_out_of_it_is_refused_as_in_a_folder(
+    res, tmp_path: Path, linked: str
+) -> None:  # type: ignore[no-untyped-def]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for n in (1, 2):
+        (elsewhere / f"17000000{n}.M1.host").write_bytes(message(n))
+    maildir = tmp_path / "Maildir"
+    for name in ("cur", "new", "tmp"):
+        (maildir / name).mkdir(parents=True, exist_ok=True)
+    other = "new" if linked == "cur" else "cur"
+    (maildir / other / "1700000003.M1.host").write_bytes(message(3))
+    (maildir / linked).rmdir()
+    (maildir / linked).symlink_to(elsewhere)
+    refusal = f"symlink to {elsewhere}, outside {maildir} (--follow-symlinks reads it)"
+
+    run = mailpipe("ingest", "--no-enqueue", str(maildir))
+    assert run.returncode == 2, run.stderr
+    assert "stored 1, enqueued 0, already queued 0, rejected 1" in run.stdout
+    assert f"rejected {maildir / linked}: {refusal}" in run.stdout
+    # The same link in a plain folder is refused in the same words.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / linked).symlink_to(elsewhere)
+    assert reasons(read(folder)) == {linked: refusal.replace(str(maildir), str(folder))}
+    assert len(stored(read(maildir, follow=True))) == 3
+
+
 # --- batches and the command ----------------------------------------------------------------
 
 
