@@ -338,36 +338,28 @@ def _read_mbox(handle: BinaryIO, name: str, max_bytes: int) -> Iterator[RawEmail
 def _read_maildir(
     path: Path, root: Path, max_bytes: int, follow: bool
 ) -> Iterator[RawEmail | Rejected]:
-    """The messages of a Maildir, in key order (the name before ":"), as `mailbox.Maildir` lists
-    them: cur/ then new/, a later one with the same key replacing an earlier one. A cur/ or new/
-    that is a symlink out of the Maildir is refused, as a folder's link out of it is, unless
-    `follow`."""
-    messages: dict[str, Path] = {}
+    """The messages of a Maildir, in key order (the name before ":"): every file of cur/ and
+    new/, each an email of its own. Files that share a key (a move to cur/ cut short, or a
+    client that reused one) are all read: the email's origin, not its key, tells a copy from
+    another email, as for the files of a folder. A cur/ or new/ that is a symlink out of the
+    Maildir is refused, as a folder's link out of it is, unless `follow`."""
+    files: list[Path] = []
     for subdir in (path / "cur", path / "new"):
         if (refused := _link_out(subdir, root, follow)) is not None:
             yield refused
             continue
-        for entry in sorted(subdir.iterdir()):
-            if not entry.is_dir():
-                messages[entry.name.split(":")[0]] = entry
-    for key in sorted(messages):
-        source = f"{path}/{key}"
-        file = messages[key]
+        files += [entry for entry in subdir.iterdir() if not entry.is_dir()]
+    for file in sorted(files, key=lambda file: (file.name.split(":")[0], file)):
         try:
-            if (refused := _link_out(file, root, follow)) is not None:
-                yield Rejected(source, refused.reason)
-                continue
-            if (refused_file := _not_a_file(file)) is not None:
-                yield Rejected(source, refused_file.reason)
-                continue
+            refused = _link_out(file, root, follow) or _not_a_file(file)
+        except RuntimeError:  # Path.resolve's "Symlink loop"
+            refused = Rejected(str(file), "symlink loop")
         except OSError as exc:
-            yield Rejected(source, _unreadable(exc))
-            continue
-        for item in _read_file(file, max_bytes, mbox=False):
-            if isinstance(item, RawEmail):
-                yield RawEmail(source, item.data)
-            else:
-                yield Rejected(source, item.reason)
+            refused = Rejected(str(file), _unreadable(exc))
+        if refused is not None:
+            yield refused
+        else:
+            yield from _read_file(file, max_bytes, mbox=False)
 
 
 def _link_out(path: Path, root: Path, follow: bool) -> Rejected | None:

@@ -285,6 +285,27 @@ def test_a_maildir_s_cur_or_new_linked_out_of_it_is_refused_as_in_a_folder(
     assert len(stored(read(maildir, follow=True))) == 3
 
 
+def test_maildir_files_that_share_a_key_are_each_stored(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    maildir = tmp_path / "Maildir"
+    for name in ("cur", "new", "tmp"):
+        (maildir / name).mkdir(parents=True)
+    names = ["cur/1700.M1.host:2,RS", "cur/1700.M1.host:2,S", "new/1700.M1.host"]
+    for n, name in enumerate(names):
+        (maildir / name).write_bytes(message(n))
+    (maildir / "cur" / "1600.M1.host:2,").write_bytes(message(9))
+
+    run = mailpipe("ingest", "--no-enqueue", str(maildir))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("stored 4, enqueued 0, already queued 0, rejected 0")
+    with res.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(EmailRow)) == 4
+    # In key order, each named by its own file.
+    assert [Path(i.source).relative_to(maildir).as_posix() for i in read(maildir)] == [
+        "cur/1600.M1.host:2,",
+        *names,
+    ]
+
+
 # --- batches and the command ----------------------------------------------------------------
 
 
