@@ -306,6 +306,17 @@ def test_maildir_files_that_share_a_key_are_each_stored(res, tmp_path: Path) -> 
     ]
 
 
+def test_a_symlink_loop_in_a_maildir_is_rejected_and_the_rest_read(tmp_path: Path) -> None:
+    box = mailbox.Maildir(tmp_path / "Maildir")
+    box.add(message(1))
+    new = tmp_path / "Maildir" / "new"
+    (new / "1.loop").symlink_to(new / "2.loop")
+    (new / "2.loop").symlink_to(new / "1.loop")
+    items = read(tmp_path / "Maildir")
+    assert len(stored(items)) == 1
+    assert reasons(items) == {"1.loop": "symlink loop", "2.loop": "symlink loop"}
+
+
 # --- batches and the command ----------------------------------------------------------------
 
 
