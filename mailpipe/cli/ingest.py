@@ -17,9 +17,9 @@ reads as an mbox From line (a sender, a time and a year); any other "From " line
 message found that way that is still not an email (an unescaped From line in a body) is reported
 as rejected, not stored.
 
-A symlink found in a folder being ingested is read only if it points inside that folder; one that
-points outside is rejected unless `follow_symlinks` (`--follow-symlinks`). Paths named on the
-command line are read whatever they are links to.
+A symlink found in a folder being ingested (a Maildir's cur/ and new/ among them) is read only if
+it points inside that folder; one that points outside is rejected unless `follow_symlinks`
+(`--follow-symlinks`). Paths named on the command line are read whatever they are links to.
 """
 
 from __future__ import annotations
@@ -237,8 +237,7 @@ def _folder_files(folder: Path, root: Path, follow: bool) -> list[Path | Rejecte
                     continue
                 inside = target.is_relative_to(root)
                 if not inside and not follow:
-                    refused = f"symlink to {target}, outside {root} (--follow-symlinks reads it)"
-                    found.append((path, Rejected(str(path), refused)))
+                    found.append((path, _outside(path, target, root)))
                 elif target.is_dir():
                     if not inside:  # one inside the folder is walked as itself
                         pending.append(path)
@@ -339,34 +338,40 @@ def _read_mbox(handle: BinaryIO, name: str, max_bytes: int) -> Iterator[RawEmail
 def _read_maildir(
     path: Path, root: Path, max_bytes: int, follow: bool
 ) -> Iterator[RawEmail | Rejected]:
-    """The messages of a Maildir, in key order (the name before ":"), as `mailbox.Maildir` lists
-    them: cur/ then new/, a later one with the same key replacing an earlier one."""
-    messages: dict[str, Path] = {}
-    for subdir in ("cur", "new"):
-        for entry in sorted((path / subdir).iterdir()):
-            if not entry.is_dir():
-                messages[entry.name.split(":")[0]] = entry
-    for key in sorted(messages):
-        source = f"{path}/{key}"
-        file = messages[key]
-        try:
-            if file.is_symlink() and not follow and not file.resolve().is_relative_to(root):
-                refused = (
-                    f"symlink to {file.resolve()}, outside {root} (--follow-symlinks reads it)"
-                )
-                yield Rejected(source, refused)
-                continue
-            if (refused_file := _not_a_file(file)) is not None:
-                yield Rejected(source, refused_file.reason)
-                continue
-        except OSError as exc:
-            yield Rejected(source, _unreadable(exc))
+    """The messages of a Maildir, in key order (the name before ":"): every file of cur/ and
+    new/, each an email of its own. Files that share a key (a move to cur/ cut short, or a
+    client that reused one) are all read: the email's origin, not its key, tells a copy from
+    another email, as for the files of a folder. A cur/ or new/ that is a symlink out of the
+    Maildir is refused, as a folder's link out of it is, unless `follow`."""
+    files: list[Path] = []
+    for subdir in (path / "cur", path / "new"):
+        if (refused := _link_out(subdir, root, follow)) is not None:
+            yield refused
             continue
-        for item in _read_file(file, max_bytes, mbox=False):
-            if isinstance(item, RawEmail):
-                yield RawEmail(source, item.data)
-            else:
-                yield Rejected(source, item.reason)
+        files += [entry for entry in subdir.iterdir() if not entry.is_dir()]
+    for file in sorted(files, key=lambda file: (file.name.split(":")[0], file)):
+        try:
+            refused = _link_out(file, root, follow) or _not_a_file(file)
+        except RuntimeError:  # Path.resolve's "Symlink loop"
+            refused = Rejected(str(file), "symlink loop")
+        except OSError as exc:
+            refused = Rejected(str(file), _unreadable(exc))
+        if refused is not None:
+            yield refused
+        else:
+            yield from _read_file(file, max_bytes, mbox=False)
+
+
+def _link_out(path: Path, root: Path, follow: bool) -> Rejected | None:
+    """The refusal of `path` if it is a symlink out of `root` and links are not followed."""
+    if follow or not path.is_symlink():
+        return None
+    target = path.resolve()
+    return None if target.is_relative_to(root) else _outside(path, target, root)
+
+
+def _outside(link: Path, target: Path, root: Path) -> Rejected:
+    return Rejected(str(link), f"symlink to {target}, outside {root} (--follow-symlinks reads it)")
 
 
 def _unreadable(exc: OSError) -> str:

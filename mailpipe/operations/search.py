@@ -81,6 +81,7 @@ MAX_WORDS = 10
 # ISO 8601, as `datetime.fromisoformat` reads it; a time without an offset (or `Z`) is UTC, as
 # every time mailpipe stores is.
 TIME_FORMAT = "a date or a date and time, as 2026-01-31 or 2026-01-31T14:00 (UTC unless given)"
+TIME_RANGE = f"{datetime.min.date().isoformat()} to {datetime.max.date().isoformat()}"
 _YES = ("yes", "true", "1", "on")
 _NO = ("no", "false", "0", "off")
 
@@ -494,7 +495,12 @@ def _time(value: str | None, name: str, problems: list[str]) -> datetime | None:
         problems.append(f"{name} is {TIME_FORMAT}")
         return None
     if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(UTC).replace(tzinfo=None)
+        try:
+            parsed = parsed.astimezone(UTC).replace(tzinfo=None)
+        except OverflowError:
+            # 0001-01-01T00:00+01:00 is 0000-12-31T23:00 in UTC: a year before any datetime holds.
+            problems.append(f"{name} is out of range: from {TIME_RANGE} in UTC")
+            return None
     return parsed
 
 

@@ -6,6 +6,9 @@ A JSON body is the API's defence against a forged request: a page of another sit
 form or plain text to the console with the browser's stored credentials, but not
 `application/json` without the console's consent (CORS), which it never gives. So the API needs
 no CSRF token; a body of any other type is refused (415).
+
+A body is read by `_body` alone, within bounds: at most `MAILPIPE_API_BODY_MAX_BYTES` (413 past
+it, before it is read whole) and nested at most MAX_DEPTH levels (400).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from mailpipe.web.auth import ACT
 
 # The actions on one email, by the last part of their path.
 EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "lane", "reprocess", "forget")
+# An action's body is an object of values and of lists of ids, two levels; deeper is none of
+# them, and far deeper (a body of brackets) would exhaust the parser's recursion.
+MAX_DEPTH = 4
+TOO_DEEP = f"the body is nested at most {MAX_DEPTH} levels deep"
 
 
 async def act_on_email(request: Request) -> Response:
@@ -180,14 +187,51 @@ async def _body(request: Request) -> dict[str, Any]:
         raise HTTPException(403, "viewers read; only an operator can act")
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
         raise HTTPException(415, "an action's body is JSON (Content-Type: application/json)")
-    raw = await request.body()
+    raw = await _bounded(request, request.app.state.resources.settings.api_body_max_bytes)
     try:
         body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise HTTPException(400, TOO_DEEP) from None
     except ValueError:
         raise HTTPException(400, "the body is not JSON") from None
     if not isinstance(body, dict):
         raise HTTPException(400, "the body is a JSON object")
+    if _deeper_than(body, MAX_DEPTH):
+        raise HTTPException(400, TOO_DEEP)
     return body
+
+
+async def _bounded(request: Request, most: int) -> bytes:
+    """The request's body, refused (413) as soon as it is known to be longer than `most`
+    bytes: by its Content-Length before a byte is read, else as it arrives (a chunked body
+    declares none)."""
+    too_long = f"the body is at most {most} bytes"
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit():
+        # A length of thousands of digits is too long, and more than int() will read.
+        if len(declared.lstrip("0")) > len(str(most)) or int(declared) > most:
+            raise HTTPException(413, too_long)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > most:
+            raise HTTPException(413, too_long)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _deeper_than(value: Any, most: int) -> bool:
+    """Whether parsed JSON nests objects and arrays more than `most` levels deep, read a level
+    at a time (no recursion)."""
+    level = [value]
+    for _ in range(most):
+        level = [
+            child
+            for item in level
+            if isinstance(item, dict | list)
+            for child in (item.values() if isinstance(item, dict) else item)
+        ]
+    return any(isinstance(item, dict | list) for item in level)
 
 
 def _choice(body: dict[str, Any], name: str, allowed: Any) -> str:

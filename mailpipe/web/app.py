@@ -115,10 +115,11 @@ def create_app(settings: Settings) -> Starlette:
 
 
 def _answered(answer: errors.Answer, sign_in: AuthenticationBackend) -> list[Middleware]:
-    """Sign-in first, then the routes; a refusal of either answered by `answer`."""
+    """Sign-in first, then the routes; a refusal or a failure of either answered by `answer`."""
+    handlers = {HTTPException: errors.http_error(answer), Exception: errors.server_error(answer)}
     return [
+        Middleware(ExceptionMiddleware, handlers=handlers),
         Middleware(AuthenticationMiddleware, backend=sign_in, on_error=errors.unauthorized(answer)),
-        Middleware(ExceptionMiddleware, handlers={HTTPException: errors.http_error(answer)}),
     ]
 
 

@@ -3,6 +3,7 @@ it is, the API with JSON. `app.create_app` gives each Mount the one it answers i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.authentication import AuthenticationError
@@ -11,6 +12,8 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mailpipe.web.auth import SignInRefused
+
+log = logging.getLogger(__name__)
 
 Answer = Callable[[int, str, Mapping[str, str] | None], Response]
 
@@ -43,5 +46,18 @@ def http_error(answer: Answer) -> Callable[[Request, Exception], Awaitable[Respo
     async def handle(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return answer(exc.status_code, exc.detail, exc.headers)
+
+    return handle
+
+
+def server_error(answer: Answer) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """The handler of any other exception: a 500 in the Mount's format, which passes through
+    the app's middleware (its security headers) as every answer does, where Starlette's own
+    last resort would answer in bare text from outside them. The traceback goes to the log
+    in `errors.describe`'s words (the console's log, `app.logs.to_stderr`)."""
+
+    async def handle(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return answer(500, "internal error: the console's log has its traceback", None)
 
     return handle

@@ -618,6 +618,7 @@ def test_find_pages_with_before(res) -> None:  # type: ignore[no-untyped-def]
         (("--before", "99999999999999999999"), "before is a whole number from 1 to"),
         (("--subject", "?!"), "subject has a word (a letter or a digit)"),
         (("--since", "2026-02-01", "--until", "2026-01-01"), "since is earlier than until"),
+        (("--since", "0001-01-01T00:00+01:00"), "since is out of range: from 0001-01-01"),
     ],
 )
 def test_find_refuses_bad_input_in_one_line_with_exit_2(

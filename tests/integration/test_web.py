@@ -533,10 +533,12 @@ def test_a_bad_search_is_a_400_with_the_reason_in_one_line(console) -> None:  # 
         ({"before": "9" * 30}, "before is a whole number from 1 to 9223372036854775807"),
         ({"q": "99999999999999999999"}, "an email id is a whole number"),
         ({"colour": "red"}, "unknown filter colour"),
+        ({"since": "0001-01-01T00:00+01:00"}, "since is out of range: from 0001-01-01"),
     ):
         answer = requests.get(f"{web.url}/api/search", params=query, auth=VIEWER, timeout=10)
         assert answer.status_code == 400, query
         assert answer.headers["content-type"] == "application/json"
+        assert answer.headers["x-content-type-options"] == "nosniff"
         error = answer.json()["error"]
         assert reason in error and "\n" not in error, error
         page = requests.get(f"{web.url}/search", params=query, auth=VIEWER, timeout=10)

@@ -1,21 +1,27 @@
 """The console's write API on a real `mailpipe web`: JSON in and out, an operator's actions
-through the same room as the forms and the CLI, a viewer refused, any body but JSON refused."""
+through the same room as the forms and the CLI, a viewer refused, any body but JSON refused, a
+body too long or too deep refused, and every error of the API answered in JSON."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
+import socket
 import subprocess
 import sys
+from base64 import b64encode
 
 import pytest
 import requests
 import yaml
 
 from mailpipe.broker.queues import Stage
+from mailpipe.cli.demo.servers import free_port
 from mailpipe.coordination import pauses
 from mailpipe.storage import flags
 from tests.integration.test_web import console, failed_run, run_status  # noqa: F401 (fixture)
-from tests.support.console import OPERATOR, VIEWER
+from tests.support.console import OPERATOR, VIEWER, ConsoleProcess
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -113,3 +119,109 @@ def test_machines_sign_in_with_a_bearer_token_of_their_role(res, console) -> Non
         == 401
     )
     assert "retry by api:token:ci-bot" in web.output()
+
+
+def operator_headers() -> dict[str, str]:
+    return {"Authorization": "Basic " + b64encode(":".join(OPERATOR).encode()).decode()}
+
+
+def open_request(web: ConsoleProcess, head: dict[str, str]) -> socket.socket:
+    """An operator's POST to /api/reprocess whose headers are sent, its body not yet."""
+    conn = socket.create_connection(("127.0.0.1", web.port), timeout=10)
+    lines = [
+        "POST /api/reprocess HTTP/1.1",
+        f"Host: 127.0.0.1:{web.port}",
+        "Content-Type: application/json",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in {**operator_headers(), **head}.items()),
+    ]
+    conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return conn
+
+
+def answer_of(conn: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers and body of the answer on `conn`, read until the server closes."""
+    received = b""
+    while chunk := conn.recv(65536):
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in header_lines)
+    return int(status_line.split()[1]), headers, body
+
+
+def test_an_action_s_body_is_refused_past_its_limit_before_it_is_read_whole(console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    web = console({**os.environ, "MAILPIPE_API_BODY_MAX_BYTES": "4096"})
+    api = f"{web.url}/api"
+    too_long = {"error": "the body is at most 4096 bytes"}
+
+    # The limit is the body's length, to the byte (a resume reads no field of it).
+    filler = {"pad": ""}
+    filler["pad"] = "x" * (4096 - len(json.dumps(filler)))
+    fits = requests.post(f"{api}/stages/cpu/resume", json=filler, auth=OPERATOR, timeout=10)
+    assert fits.status_code == 200, fits.text
+    filler["pad"] += "x"
+    over = requests.post(f"{api}/stages/cpu/resume", json=filler, auth=OPERATOR, timeout=10)
+    assert (over.status_code, over.json()) == (413, too_long)
+    assert over.headers["x-content-type-options"] == "nosniff"
+
+    # 200 MB declared: refused before a byte of it is sent.
+    with open_request(web, {"Content-Length": str(200 * 1024 * 1024)}) as conn:
+        status, headers, body = answer_of(conn)
+    assert (status, json.loads(body)) == (413, too_long)
+    assert headers["content-type"] == "application/json"
+
+    # Chunked, with no length and no end: refused as it arrives, once past the limit. Each
+    # chunk is given time to be read, so that the answer is the console's, not a reset.
+    with open_request(web, {"Transfer-Encoding": "chunked"}) as conn:
+        chunk = b"[" * 1024
+        sent = 0
+        while not select.select([conn], [], [], 0.2)[0]:
+            assert sent <= 64 * 1024, "the console read 64 KiB of a 4 KiB limit"
+            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sent += len(chunk)
+        status, headers, body = answer_of(conn)
+    assert (status, json.loads(body)) == (413, too_long)
+    assert 4096 < sent <= 8192
+
+
+def test_a_body_nested_deeper_than_an_action_s_is_a_400(console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    web = console()
+    too_deep = {"error": "the body is nested at most 4 levels deep"}
+    deep_objects = b'{"on": ' * 5000 + b"true" + b"}" * 5000
+    for body in (b"[" * 100_000, deep_objects, b'{"reason": [[[["deep"]]]]}'):
+        answer = requests.put(
+            f"{web.url}/api/model-calls",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            auth=OPERATOR,
+            timeout=10,
+        )
+        assert (answer.status_code, answer.json()) == (400, too_deep), body[:20]
+        assert answer.headers["x-content-type-options"] == "nosniff"
+    four = requests.post(
+        f"{web.url}/api/stages/cpu/resume", json={"a": [[["deep"]]]}, auth=OPERATOR, timeout=10
+    )
+    assert four.status_code == 200, four.text
+
+
+def test_every_api_error_is_json_with_the_security_headers(console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    unreachable = f"postgresql://postgres@127.0.0.1:{free_port()}/mailpipe"
+    web = console({**os.environ, "MAILPIPE_DATABASE_URL": unreachable})
+    for method, path, status in (
+        ("GET", "/api/no-such-thing", 404),
+        ("PUT", "/api/queues", 405),
+        ("POST", "/api/jobs/1", 405),
+        ("GET", "/api/review", 500),  # its database is gone
+    ):
+        answer = requests.request(method, f"{web.url}{path}", auth=VIEWER, timeout=30)
+        assert answer.status_code == status, (path, answer.text)
+        assert answer.headers["content-type"] == "application/json", path
+        assert set(answer.json()) == {"error"}, path
+        assert answer.headers["content-security-policy"].startswith("default-src 'none'"), path
+    assert "internal error" in answer.json()["error"]
+    # The pages answer the same failure in text, inside the same headers.
+    page = requests.get(f"{web.url}/review", auth=VIEWER, timeout=30)
+    assert (page.status_code, page.headers["x-content-type-options"]) == (500, "nosniff")
+    assert page.text.startswith("500: internal error")
+    assert "GET /api/review failed" in web.output()

@@ -5,7 +5,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from mailpipe.settings import Settings
+from mailpipe.settings import LONGEST_S, Settings
 
 
 def test_embedded_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,3 +76,74 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings()
     assert settings.model_backend == "bedrock"
     assert settings.labels == ("a", "b")
+
+
+@pytest.mark.parametrize("days", ["1e6", "inf", "nan", "3651", "0"])
+def test_a_retention_past_ten_years_or_not_a_number_is_refused(
+    days: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accepted, it would put every housekeeping pass's cut-off before year 1 (OverflowError)."""
+    monkeypatch.setenv("MAILPIPE_KEEP_ATTEMPTS_DAYS", days)
+    with pytest.raises(ValidationError, match="keep_attempts_days"):
+        Settings()
+
+
+def test_a_retention_of_ten_years_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAILPIPE_KEEP_ATTEMPTS_DAYS", "3650")
+    assert Settings().keep_attempts_days == 3650
+
+
+# Every window, wait and interval, in seconds: datetime arithmetic, Redis's expiries and
+# libpq's options each overflow somewhere past ten years.
+SECONDS = (
+    "model_slot_wait",
+    "model_calls_cache_seconds",
+    "visibility_timeout",
+    "task_soft_time_limit",
+    "task_time_limit",
+    "retry_backoff_base",
+    "retry_backoff_max",
+    "lease_ttl",
+    "dedup_ttl",
+    "max_deferral",
+    "defer_base",
+    "defer_max",
+    "pause_window",
+    "pause_probe_interval",
+    "outage_alarm_after",
+    "health_cache_seconds",
+    "worker_heartbeat_interval",
+    "worker_dead_after",
+    "db_connect_timeout",
+    "soft_shutdown_timeout",
+    "doc_time_limit",
+    "sweep_interval",
+    "stall_after",
+    "beat_lock_timeout",
+    "housekeeping_interval",
+    "metrics_interval",
+)
+
+
+@pytest.mark.parametrize("name", SECONDS)
+def test_no_window_is_longer_than_ten_years(name: str) -> None:
+    with pytest.raises(ValidationError, match=f"{name}\n  Input should be less than or equal"):
+        Settings(**{name: LONGEST_S + 1})
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize(
+    "name", sorted(name for name, f in Settings.model_fields.items() if f.annotation is float)
+)
+def test_no_float_setting_takes_infinity_or_nan(name: str, value: str) -> None:
+    with pytest.raises(ValidationError, match=f"{name}\n  Input should be a finite number"):
+        Settings(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "most"), [("db_statement_timeout", 2_000_000), ("db_keepalives_idle", 32767)]
+)
+def test_the_database_timeouts_stay_within_what_libpq_and_linux_take(name: str, most: int) -> None:
+    assert getattr(Settings(**{name: most}), name) == most
+    with pytest.raises(ValidationError, match=name):
+        Settings(**{name: most + 1})

@@ -256,6 +256,67 @@ def test_symlinks_in_a_maildir_out_of_it_are_refused(tmp_path: Path) -> None:
     assert len(stored(read(tmp_path / "Maildir", follow=True))) == 2
 
 
+@pytest.mark.parametrize("linked", ["cur", "new"])
+def test_a_maildir_s_cur_or_new_linked_out_of_it_is_refused_as_in_a_folder(
+    res, tmp_path: Path, linked: str
+) -> None:  # type: ignore[no-untyped-def]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for n in (1, 2):
+        (elsewhere / f"17000000{n}.M1.host").write_bytes(message(n))
+    maildir = tmp_path / "Maildir"
+    for name in ("cur", "new", "tmp"):
+        (maildir / name).mkdir(parents=True, exist_ok=True)
+    other = "new" if linked == "cur" else "cur"
+    (maildir / other / "1700000003.M1.host").write_bytes(message(3))
+    (maildir / linked).rmdir()
+    (maildir / linked).symlink_to(elsewhere)
+    refusal = f"symlink to {elsewhere}, outside {maildir} (--follow-symlinks reads it)"
+
+    run = mailpipe("ingest", "--no-enqueue", str(maildir))
+    assert run.returncode == 2, run.stderr
+    assert "stored 1, enqueued 0, already queued 0, rejected 1" in run.stdout
+    assert f"rejected {maildir / linked}: {refusal}" in run.stdout
+    # The same link in a plain folder is refused in the same words.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / linked).symlink_to(elsewhere)
+    assert reasons(read(folder)) == {linked: refusal.replace(str(maildir), str(folder))}
+    assert len(stored(read(maildir, follow=True))) == 3
+
+
+def test_maildir_files_that_share_a_key_are_each_stored(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    maildir = tmp_path / "Maildir"
+    for name in ("cur", "new", "tmp"):
+        (maildir / name).mkdir(parents=True)
+    names = ["cur/1700.M1.host:2,RS", "cur/1700.M1.host:2,S", "new/1700.M1.host"]
+    for n, name in enumerate(names):
+        (maildir / name).write_bytes(message(n))
+    (maildir / "cur" / "1600.M1.host:2,").write_bytes(message(9))
+
+    run = mailpipe("ingest", "--no-enqueue", str(maildir))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("stored 4, enqueued 0, already queued 0, rejected 0")
+    with res.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(EmailRow)) == 4
+    # In key order, each named by its own file.
+    assert [Path(i.source).relative_to(maildir).as_posix() for i in read(maildir)] == [
+        "cur/1600.M1.host:2,",
+        *names,
+    ]
+
+
+def test_a_symlink_loop_in_a_maildir_is_rejected_and_the_rest_read(tmp_path: Path) -> None:
+    box = mailbox.Maildir(tmp_path / "Maildir")
+    box.add(message(1))
+    new = tmp_path / "Maildir" / "new"
+    (new / "1.loop").symlink_to(new / "2.loop")
+    (new / "2.loop").symlink_to(new / "1.loop")
+    items = read(tmp_path / "Maildir")
+    assert len(stored(items)) == 1
+    assert reasons(items) == {"1.loop": "symlink loop", "2.loop": "symlink loop"}
+
+
 # --- batches and the command ----------------------------------------------------------------
 
 

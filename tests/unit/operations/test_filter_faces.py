@@ -180,6 +180,10 @@ def test_the_failed_list_s_filter_is_the_same_in_every_face(
         ),
         ({"until": "2026-02-30"}, "until is a date or a date and time"),
         ({"stage": "gpu"}, "stage is one of cpu, model"),
+        (
+            {"until": "0001-01-01T00:00+01:00"},
+            "until is out of range: from 0001-01-01 to 9999-12-31 in UTC",
+        ),
         ({"since": "2026-02-01", "until": "2026-01-01"}, "since is earlier than until"),
         (
             {"error_class": "Blob\x1bMissing"},
@@ -226,6 +230,7 @@ def test_the_search_s_filter_is_the_same_in_every_face(
         ({"until": "31/01/2026"}, "until is a date or a date and time"),
         ({"lane": "fast"}, "lane is one of live, bulk"),
         ({"since": "2026-02-01", "until": "2026-01-01"}, "since is earlier than until"),
+        ({"since": "0001-01-01T00:00+01:00"}, "since is out of range: from 0001-01-01"),
     ],
     ids=repr,
 )

@@ -8,7 +8,7 @@ from datetime import datetime
 import pytest
 
 from mailpipe.broker.queues import Lane
-from mailpipe.operations.search import MAX_ID, BadSearch, EmailFilter, read_search
+from mailpipe.operations.search import MAX_ID, BadSearch, EmailFilter, read_failed, read_search
 
 
 def refused(values: dict[str, str]) -> str:
@@ -94,6 +94,12 @@ def test_a_filter_reads_back_from_the_fields_it_shows() -> None:
         ({"since": "yesterday"}, "since is a date or a date and time, as 2026-01-31"),
         ({"until": "2026-02-30"}, "until is a date or a date and time"),
         ({"since": "99999-01-01"}, "since is a date or a date and time"),
+        # Days datetime holds, whose UTC is a day before its first or after its last.
+        (
+            {"since": "0001-01-01T00:00+01:00"},
+            "since is out of range: from 0001-01-01 to 9999-12-31 in UTC",
+        ),
+        ({"until": "9999-12-31T23:30-01:00"}, "until is out of range: from 0001-01-01 to"),
         ({"since": "2026-02-01", "until": "2026-01-01"}, "since is earlier than until"),
         (
             {"state": "lost"},
@@ -122,6 +128,16 @@ def test_a_filter_reads_back_from_the_fields_it_shows() -> None:
 )
 def test_bad_input_is_refused_with_the_reason(values: dict[str, str], reason: str) -> None:
     assert reason in refused(values)
+
+
+def test_the_first_and_last_days_in_utc_are_read() -> None:
+    filt, _ = read_search({"since": "0001-01-01T00:00Z", "until": "9999-12-31T23:59-00:00"})
+    assert (filt.since, filt.until) == (datetime(1, 1, 1), datetime(9999, 12, 31, 23, 59))
+
+
+def test_a_failed_list_time_out_of_range_is_refused_with_the_reason() -> None:
+    with pytest.raises(BadSearch, match=r"^until is out of range: from 0001-01-01 to 9999-12-31"):
+        read_failed({"until": "0001-01-01T00:00+01:00"})
 
 
 def test_every_problem_is_named_in_the_one_line() -> None:
