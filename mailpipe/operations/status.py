@@ -98,6 +98,8 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
         # The bare column, as the partial index over the marked emails is written.
         needs_review = _count(session, select(EmailMessage.id).where(EmailMessage.needs_review))
         model_calls = flags.model_calls_enabled(session)
+        # Counted only while the switch holds them: with calls on, a run waits for no switch.
+        waiting_for_model_calls = 0 if model_calls else _waiting_for_model_calls(session)
         last_sweep = session.scalars(
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
@@ -143,6 +145,7 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
             for worker in workers
         ],
         "model_calls": model_calls,
+        "waiting_for_model_calls": waiting_for_model_calls,
         "paused": paused,
         "last_sweep": _sweep_dict(last_sweep),
         "reprocesses": reprocessing,
@@ -565,6 +568,17 @@ def _last_deferred_by_a_limit(session: Session, run_id: int) -> bool:
     if last is None or last.outcome != AttemptOutcome.DEFERRED:
         return False
     return last.error_class in _RATE_LIMITED
+
+
+def _waiting_for_model_calls(session: Session) -> int:
+    """Open runs past their CPU stage that wait for model calls to be switched on; a run of the
+    release before that waits has no `waiting_since`, and is counted once it is claimed again."""
+    return _count(
+        session,
+        select(PipelineRun.id).where(
+            PipelineRun.status == RunStatus.OPEN, PipelineRun.waiting_since.is_not(None)
+        ),
+    )
 
 
 def _sweep_dict(report: SweepReport | None) -> dict[str, Any] | None:

@@ -34,6 +34,7 @@ from sqlalchemy import func, insert, select
 from mailpipe.cli.ingest import store_emails
 from mailpipe.operations.activity import KINDS, OUTCOMES
 from mailpipe.pipeline import emails
+from mailpipe.storage import flags
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, PipelineRun, QueueSample, RunAttempt, utcnow
 from tests.conftest import CHROMIUM
@@ -405,3 +406,48 @@ def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
     wait_for(all_done, 120, "the reprocess to reach every email", every=1.0)
     expect(page.locator("#activity-cpu svg")).to_have_count(2)
     page.screenshot(path=shots / "console-overview.png", full_page=True)
+
+
+def test_the_overview_says_model_calls_are_off_and_how_many_runs_wait(res, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A new operator's first fleet, as the README runs it: model calls start off, so the emails
+    stop past their CPU stage. The overview says so at its top, with the count, and switching
+    them on from it ends the wait."""
+    f: Fleet = fleet()
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, False)
+    f.worker("cpu")
+    web = ConsoleProcess({**f.env, **users_env()}, tmp_path / "web.log")
+    shots = Path(os.environ.get("MAILPIPE_SCREENSHOTS") or tmp_path)
+    try:
+        ids = store_emails(res, [email(*mail) for mail in MAIL])
+        f.enqueue(ids)
+        wait_for(lambda: _waiting(res) == len(ids), 60, "every run waiting for model calls")
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+            try:
+                page = browser.new_context(
+                    http_credentials={"username": OPERATOR[0], "password": OPERATOR[1]},
+                    viewport={"width": 1280, "height": 800},
+                ).new_page()
+                page.goto(f"{web.url}/")
+                banner = page.locator("#model-calls-off")
+                expect(banner).to_be_visible()
+                expect(banner).to_contain_text(f"Model calls are off: {len(ids)} runs wait")
+                page.screenshot(path=shots / "console-model-calls-off.png")
+                banner.get_by_role("link", name="Model calls").click()
+                page.get_by_role("button", name="Switch model calls on").click()
+                expect(page.locator("#model-calls-off")).to_have_count(0)
+            finally:
+                browser.close()
+        assert set(wait_until_closed(res, ids).values()) == {"succeeded"}
+    finally:
+        web.stop()
+
+
+def _waiting(res) -> int:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        return session.scalar(
+            select(func.count()).where(
+                PipelineRun.status == "open", PipelineRun.waiting_since.is_not(None)
+            )
+        )
