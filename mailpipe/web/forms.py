@@ -165,8 +165,9 @@ async def _forget_one(request: Request, form: FormData, email_id: int) -> Respon
     to the search, since the email's page is gone with it."""
     if form.get("confirm") != "yes":
         raise HTTPException(400, "forgetting an email cannot be undone: tick the box to confirm")
+    res = request.app.state.resources
     done = await run_in_threadpool(
-        actions.forget, request.app.state.resources, [email_id], user=_who(request)
+        lambda: actions.forget(res, [email_id], enqueue=sender(res), user=_who(request))
     )
     if not done.email_ids:
         raise HTTPException(404, f"no email with id {email_id}")
