@@ -41,7 +41,7 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
-def _sqlite_foreign_keys_off(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_foreign_keys_off(dbapi_connection, _record) -> None:
     dbapi_connection.execute("PRAGMA foreign_keys=OFF")
 
 
