@@ -5,67 +5,27 @@ or subject (`mailpipe forget` must leave them nowhere)."""
 
 from __future__ import annotations
 
-import base64
 import logging
 from types import SimpleNamespace
 from typing import Any
-from urllib.parse import urlencode
 
-import anyio
 import pytest
 import uvicorn
-from pydantic import SecretStr
 from starlette.applications import Starlette
-from starlette.types import Message
 
 from mailpipe.operations import actions
 from mailpipe.settings import Settings
 from mailpipe.web import server
 from mailpipe.web.app import create_app
-from mailpipe.web.auth import csrf_token
+from mailpipe.web.auth import LOCAL_USER, csrf_token
+from tests.unit.operations.test_filter_faces import call
 
-OPERATOR = ("ops", "ops-password")
 SENDER = "alice.target@residue.example"
-
-
-def call(
-    app: Starlette, method: str, path: str, query: dict[str, str], form: dict[str, str]
-) -> int:
-    """One request to `app` as the operator; its status."""
-    auth = base64.b64encode(":".join(OPERATOR).encode())
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": urlencode(query).encode(),
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"content-type", b"application/x-www-form-urlencoded"),
-            (b"authorization", b"Basic " + auth),
-        ],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 80),
-    }
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": urlencode(form).encode()}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    anyio.run(app, scope, receive, send)
-    return int(sent[0]["status"])
 
 
 @pytest.fixture
 def console(monkeypatch: pytest.MonkeyPatch) -> tuple[Starlette, list[dict[str, Any]]]:
-    settings = Settings(web_operators=SecretStr(":".join(OPERATOR)))
+    settings = Settings()  # no users: every request on loopback is the local operator's
     app = create_app(settings)
     app.state.resources = SimpleNamespace(settings=settings)
     asked: list[dict[str, Any]] = []
@@ -81,7 +41,7 @@ def console(monkeypatch: pytest.MonkeyPatch) -> tuple[Starlette, list[dict[str, 
 def test_the_access_log_keeps_the_path_and_not_the_query(console, caplog) -> None:  # type: ignore[no-untyped-def]
     app, _ = console
     caplog.set_level(logging.INFO)
-    assert call(app, "GET", "/healthz", {"sender": SENDER, "subject": "Payslip"}, {}) == 200
+    assert call(app, "GET", "/healthz", {"sender": SENDER, "subject": "Payslip"})[0] == 200
     lines = [r.getMessage() for r in caplog.records if r.name == "mailpipe.web.access"]
     assert lines == ['127.0.0.1:40000 - "GET /healthz HTTP/1.1" 200']
 
@@ -95,12 +55,12 @@ def test_an_action_logs_its_filters_by_name(console, caplog) -> None:  # type: i
         "from": "classify",
         "in_lane": "bulk",
         "do": "reprocess",
-        "csrf_token": csrf_token(app.state.secret, "ops"),
+        "csrf_token": csrf_token(app.state.secret, LOCAL_USER),
     }
-    assert call(app, "POST", "/reprocess", {}, form) == 303
+    assert call(app, "POST", "/reprocess", form)[0] == 303
     assert asked and asked[0]["filt"].sender == SENDER  # the action had the values
     logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert "ops: reprocess from classify, 0 emails [] (by sender, subject)" in logged
+    assert f"{LOCAL_USER}: reprocess from classify, 0 emails [] (by sender, subject)" in logged
     assert '"POST /reprocess HTTP/1.1" 303' in logged
     assert SENDER not in logged and "payslip" not in logged.lower()
 
