@@ -130,6 +130,7 @@ def main() -> None:
     os.environ.update(
         harness.base_env(database_url=database.url, prefix=prefix, blob_url=f"file://{folder}")
     )
+    from mailpipe.enqueue import sender
     from mailpipe.operations import actions, erasure
     from mailpipe.resources import get_resources
     from mailpipe.storage.migrate import upgrade
@@ -145,10 +146,10 @@ def main() -> None:
         filt = erasure.selection(sender=SENDER)
 
         started = time.perf_counter()
-        planned = actions.forget(res, filt=filt, user="bench", dry_run=True)
+        planned = actions.forget(res, filt=filt, enqueue=sender(res), user="bench", dry_run=True)
         plan_s = time.perf_counter() - started
         started = time.perf_counter()
-        done = actions.forget(res, filt=filt, user="bench")
+        done = actions.forget(res, filt=filt, enqueue=sender(res), user="bench")
         forget_s = time.perf_counter() - started
 
         after = counts(res)

@@ -859,8 +859,10 @@ def forget(
     yes: bool,
 ) -> None:
     """Erase emails everywhere: their rows, blobs, documents, labels, history and Redis state.
-    Their origins pass to their next copy; their jobs in flight are fenced off. Each leaves one
-    audit line (who, its id, the SHA-256 of its Message-ID). It cannot be undone."""
+    Their origins pass to their next copy, which keeps their labels and runs the steps a copy
+    skips; their jobs in flight are fenced off. Each leaves one audit line (who, its id, the
+    SHA-256 of its Message-ID). It cannot be undone."""
+    from mailpipe.enqueue import sender as jobs_sender
     from mailpipe.operations import actions
     from mailpipe.operations.erasure import selection
     from mailpipe.operations.search import BadSearch
@@ -874,7 +876,9 @@ def forget(
         except BadSearch as exc:
             raise BadInput(str(exc)) from None
     res = _migrated()
-    planned = actions.forget(res, email_ids or None, filt, user="", dry_run=True)
+    planned = actions.forget(
+        res, email_ids or None, filt, enqueue=jobs_sender(res), user="", dry_run=True
+    )
     if not planned.email_ids:
         if planned.refused:
             raise NotFound(f"no email with id {' '.join(map(str, planned.refused))}")
@@ -882,14 +886,29 @@ def forget(
         return
     click.echo(f"{len(planned.email_ids)} emails: {' '.join(map(str, planned.email_ids))}")
     click.echo(_forget_counts(planned))
+    if planned.completed:
+        click.echo(_completed(planned.completed))
     if dry_run:
         _name_refused(planned.refused, "forgotten")
         return
     if not yes:
         click.confirm(f"Forget these {len(planned.email_ids)} emails for good?", abort=True)
-    done = actions.forget(res, planned.email_ids, user=_user())
+    done = actions.forget(res, planned.email_ids, enqueue=jobs_sender(res), user=_user())
     click.echo(f"forgot {len(done.email_ids)}: {_forget_counts(done)}")
+    if done.completed:
+        click.echo(
+            f"copies completed: {' '.join(map(str, done.completed))}, jobs sent {done.enqueued}"
+        )
     _name_refused({**planned.refused, **done.refused}, "forgotten")
+
+
+def _completed(email_ids: list[int]) -> str:
+    """What becomes of the copies whose origin is forgotten, said before the forget."""
+    return (
+        f"copies that become their origin's first email: {' '.join(map(str, email_ids))}; "
+        "each keeps the labels of the email forgotten and runs the steps a copy skips "
+        "(documents, then classification), from its CPU stage"
+    )
 
 
 def _forget_counts(done: Any) -> str:

@@ -264,7 +264,8 @@ def reprocess(
             created_by=user,
             from_step=step.value,
             lane=lane.value,
-            search=filt.fields(),
+            search={},
+            filters=filt.names(),
             emails=emails,
         )
         session.add(record)
@@ -316,6 +317,10 @@ class Forgotten:
     handed_on: int  # origins passed to their next copy
     refused: dict[int, str] = field(default_factory=dict)  # email id -> why not
     dry_run: bool = False
+    # The copies that become their origin's first email, take the labels of the email forgotten
+    # and run the steps a copy skips (a dry run: those that would); their jobs sent.
+    completed: list[int] = field(default_factory=list)
+    enqueued: int = 0  # jobs sent for `completed` (one already queued gets none)
 
 
 def forget(
@@ -323,6 +328,7 @@ def forget(
     email_ids: Sequence[int] | None = None,
     filt: EmailFilter | None = None,
     *,
+    enqueue: Enqueue,
     user: str,
     dry_run: bool = False,
     batch: int = BATCH,
@@ -330,31 +336,29 @@ def forget(
     """Erase emails everywhere (`mailpipe.operations.erasure`): `email_ids`, or every email that
     `filt` finds (a Message-ID, a sender's address: only emails whose From holds it whole). Their
     rows, blobs and Redis state go, their origins pass to their next copy, their jobs in flight
-    are fenced off; in batches, each in a few short transactions. Each email leaves one audit
-    line: who, the email id and the SHA-256 of its Message-ID ("none" without one), nothing of
-    its content. `dry_run`: what it would delete, changing nothing."""
+    are fenced off; in batches, each in a few short transactions. A copy that becomes the first
+    email of its origin is completed: it takes the labels of the email forgotten, its run is
+    reopened and its job sent (`enqueue`, after the batch's commit) to run the steps a copy
+    skips. Each email leaves one audit line: who, the email id and the SHA-256 of its
+    Message-ID ("none" without one), nothing of its content; the copies completed one line with
+    their ids. `dry_run`: what it would delete and complete, changing nothing."""
     if (email_ids is None) == (filt is None):
         raise ValueError("either email ids or a filter")
     if batch < 1:
         raise ValueError(f"batch size {batch}: must be at least 1")
     chosen, refused = _to_forget(res, email_ids, filt, batch)
     if dry_run:
-        tally = erasure.plan(res, chosen, set(chosen), batch)
-        return Forgotten(
-            chosen,
-            dict(tally.rows),
-            tally.blobs,
-            tally.redis,
-            tally.handed_on,
-            refused,
-            dry_run=True,
-        )
+        return _forgotten(chosen, erasure.plan(res, chosen, set(chosen), batch), refused, None)
     # Without the fence, a job in flight could write a blob after the email's were deleted.
     res.redis.ping()
     done: list[int] = []
     tally = erasure.Tally()
+    enqueued = 0
     for start in range(0, len(chosen), batch):
-        erased = erasure.erase(res, chosen[start : start + batch])
+        erased = erasure.erase(res, chosen[start : start + batch], set(chosen))
+        completed = erased.tally.completed
+        _logged("forget_completes_copy", user, completed)
+        enqueued += len(in_lanes(enqueue, completed, erased.lanes, TaskName.PROCESS_EMAIL))
         for email_id in erased.email_ids:
             _audited(
                 "forget",
@@ -365,7 +369,24 @@ def forget(
         done.extend(erased.email_ids)
         tally.add(erased.tally)
     refused.update(dict.fromkeys(sorted(set(chosen) - set(done)), "no such email"))
-    return Forgotten(done, dict(tally.rows), tally.blobs, tally.redis, tally.handed_on, refused)
+    return _forgotten(done, tally, refused, enqueued)
+
+
+def _forgotten(
+    email_ids: list[int], tally: erasure.Tally, refused: dict[int, str], enqueued: int | None
+) -> Forgotten:
+    """What a forget did, or with `enqueued` None (a dry run) would do."""
+    return Forgotten(
+        email_ids,
+        dict(tally.rows),
+        tally.blobs,
+        tally.redis,
+        tally.handed_on,
+        refused,
+        dry_run=enqueued is None,
+        completed=tally.completed,
+        enqueued=enqueued or 0,
+    )
 
 
 def _to_forget(

@@ -7,13 +7,18 @@ finished by running it again:
 
 1. The fence, in Redis (`mailpipe.coordination.forgotten`): a job in flight checks it before it
    writes a blob, and deletes what it wrote when it finds itself fenced off.
-2. The runs closed, in a transaction of their own (`runs.close_to_forget`): a delivery in flight
-   is fenced off at its next write and none claims another attempt. Committed before the rows
-   are locked for deletion, so that no delivery holds a run while it waits for those rows.
+2. The runs closed, in a transaction of their own (`runs.close_to_forget`), with the fence's
+   row in the database (`forgotten_email`), which a job asks where Redis has no fence (a Redis
+   restarted without its data): a delivery in flight is fenced off at its next write and none
+   claims another attempt. Committed before the rows are locked for deletion, so that no
+   delivery holds a run while it waits for those rows.
 3. The blobs: each raw email that no other email is stored as (raw emails are stored by their
    hash, so a copy delivered twice shares one), and the folder of its document texts.
 4. The rows, in one transaction: every table that names the email, its origin handed on to its
-   next copy or deleted with its last one.
+   next copy or deleted with its last one. The copy an origin passes to has only ever been a
+   copy: it takes the labels of the email forgotten and its run is reopened (`runs.reopen_copies`)
+   to run the steps it skipped, its job sent once this commits. The stored filters of the
+   release before's reprocesses are emptied (`reprocess.search`), as they may name the sender.
 5. What Redis keeps of it, the fence aside.
 """
 
@@ -34,8 +39,9 @@ from mailpipe.coordination import forgotten
 from mailpipe.errors import MailpipeError
 from mailpipe.mail.headers import normalise_message_id
 from mailpipe.operations.search import BadSearch, EmailFilter, read_search
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import emails, runs
 from mailpipe.resources import Resources
+from mailpipe.storage.db import insert_ignore, upsert
 from mailpipe.storage.keys import document_texts
 from mailpipe.storage.models import (
     Base,
@@ -44,10 +50,14 @@ from mailpipe.storage.models import (
     EmailLabel,
     EmailMessage,
     EmailOrigin,
+    ForgottenEmail,
     ModelInput,
     PipelineRun,
+    Reprocess,
     RunAttempt,
+    RunStatus,
     table,
+    utcnow,
 )
 
 # Every table whose rows name an email by `email_id`, in the order they are deleted (a run's
@@ -70,12 +80,16 @@ class Tally:
     blobs: int = 0
     redis: int = 0  # keys and sorted-set members
     handed_on: int = 0  # origins that pass to their next copy
+    # The copies that become their origin's first email and run the steps a copy skips, each
+    # with the labels of the email forgotten until its own answer replaces them.
+    completed: list[int] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
         self.rows.update(other.rows)
         self.blobs += other.blobs
         self.redis += other.redis
         self.handed_on += other.handed_on
+        self.completed += other.completed
 
 
 def selection(message_id: str | None = None, sender: str | None = None) -> EmailFilter:
@@ -146,9 +160,10 @@ def plan(res: Resources, email_ids: list[int], chosen_ids: set[int], batch: int)
                     tally.rows[model.__tablename__] += (
                         session.scalar(select(func.count()).where(column.in_(chunk))) or 0
                     )
-            gone, handed_on = _origins_ending(session, chunk, chosen_ids)
+            gone, heirs = _origins_ending(session, chunk, chosen_ids)
             tally.rows["email_origin"] += len(gone)
-            tally.handed_on += handed_on
+            tally.handed_on += len(heirs)
+            tally.completed += _copies(session, heirs)
             stored = _stored(session, chunk, chosen_ids)
         tally.blobs += len(stored.raw_keys) + stored.texts
         tally.redis += forgotten.count(res.redis, chunk)
@@ -162,15 +177,24 @@ class Erased:
     # The SHA-256 of each one's Message-ID (normalised, as origins keep it), None for an email
     # without one: what the audit line keeps of it.
     message_ids: dict[int, str | None]
+    lanes: dict[int, str] = field(default_factory=dict)  # of each copy in `tally.completed`
 
 
-def erase(res: Resources, email_ids: list[int]) -> Erased:
+def erase(res: Resources, email_ids: list[int], chosen_ids: set[int] | None = None) -> Erased:
     """Forget the emails among `email_ids` (a batch: their rows are locked in one transaction),
-    in the module's five steps."""
+    in the module's five steps; `chosen_ids`: every email the forget takes, this batch's and
+    later ones', none of which an origin is handed on to while another email is left."""
     forgotten.fence(res.redis, email_ids, forgotten.fence_ttl(res.settings))
     with res.db.transaction() as session:
         found = existing(session, email_ids)
         if found:
+            now = utcnow()
+            upsert(
+                session,
+                ForgottenEmail,
+                [{"email_id": email_id, "forgotten_at": now} for email_id in found],
+                ["email_id"],
+            )
             runs.close_to_forget(session, found)
     if not found:
         return Erased([], Tally(), {})
@@ -191,9 +215,12 @@ def erase(res: Resources, email_ids: list[int]) -> Erased:
         res.blobs.delete_under(document_texts(email_id)) for email_id in found
     )
     with res.db.transaction() as session:
-        tally.rows, tally.handed_on = _delete_rows(session, found)
+        tally.rows, tally.handed_on, tally.completed = _delete_rows(
+            session, found, (chosen_ids or set()) | set(found)
+        )
+        lanes = emails.lanes(session, tally.completed)
     tally.redis = forgotten.clear(res.redis, found)
-    return Erased(found, tally, message_ids)
+    return Erased(found, tally, message_ids, lanes)
 
 
 @dataclass(frozen=True)
@@ -233,26 +260,36 @@ def _stored(session: Session, email_ids: list[int], chosen_ids: set[int]) -> _St
 
 def _origins_ending(
     session: Session, email_ids: list[int], chosen_ids: set[int]
-) -> tuple[list[int], int]:
+) -> tuple[list[int], list[int]]:
     """The origins of these emails that none of their emails outside `chosen_ids` is left to
-    keep, and how many others pass from one of these emails to their next copy."""
+    keep, and the emails the others pass to from one of these emails: their next copy."""
     ids = _origins_of(session, email_ids)
-    kept = {
-        origin_id
-        for origin_id in session.scalars(
-            select(EmailMessage.origin_id).where(
-                EmailMessage.origin_id.in_(ids), EmailMessage.id.not_in(chosen_ids)
-            )
-        )
-        if origin_id is not None
-    }
+    left: dict[int, int] = {}
+    for origin_id, email_id in session.execute(
+        select(EmailMessage.origin_id, EmailMessage.id)
+        .where(EmailMessage.origin_id.in_(ids), EmailMessage.id.not_in(chosen_ids))
+        .order_by(EmailMessage.id)
+    ):
+        if origin_id is not None:
+            left.setdefault(origin_id, email_id)
     firsts = dict(
         session.execute(
             select(EmailOrigin.id, EmailOrigin.first_email_id).where(EmailOrigin.id.in_(ids))
         ).all()
     )
-    handed_on = sum(1 for i in kept if firsts.get(i) in chosen_ids)
-    return sorted(set(ids) - kept), handed_on
+    heirs = sorted(heir for i, heir in left.items() if firsts.get(i) in chosen_ids)
+    return sorted(set(ids) - set(left)), heirs
+
+
+def _copies(session: Session, email_ids: list[int]) -> list[int]:
+    """The emails among these whose run ended as a copy's (`duplicate`)."""
+    return sorted(
+        session.scalars(
+            select(PipelineRun.email_id).where(
+                PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.DUPLICATE
+            )
+        )
+    )
 
 
 def _origins_of(session: Session, email_ids: list[int]) -> list[int]:
@@ -265,11 +302,16 @@ def _origins_of(session: Session, email_ids: list[int]) -> list[int]:
     return sorted(found | set(session.scalars(first)))
 
 
-def _delete_rows(session: Session, email_ids: list[int]) -> tuple[Counter[str], int]:
+def _delete_rows(
+    session: Session, email_ids: list[int], chosen_ids: set[int]
+) -> tuple[Counter[str], int, list[int]]:
     """Delete every row of the emails, their runs closed already (`runs.close_to_forget`): an
-    origin first seen as one of them passes to its next copy (the lowest id), which the other
-    copies then point at; one with no other email left is deleted. Returns the rows deleted per
-    table and the origins handed on.
+    origin first seen as one of them passes to its next copy (the lowest id, of those not in
+    `chosen_ids` if any is left), which the other copies then point at; one with no other email
+    left is deleted. A copy an origin passes to whose run ended as a copy's takes the labels of
+    the email forgotten and is reopened (`runs.reopen_copies`): it runs the steps it skipped, and
+    is never left without labels meanwhile. Returns the rows deleted per table, the origins
+    handed on and the copies reopened.
 
     Locked in this order: the origins, then the emails. A job of another copy that links it to
     one of these origins holds that copy's row and waits for the origin, then for its first
@@ -294,8 +336,16 @@ def _delete_rows(session: Session, email_ids: list[int]) -> tuple[Counter[str], 
         if origin_id is not None:
             left.setdefault(origin_id, []).append(email_id)
     handed_on = [origin_id for origin_id in left if firsts.get(origin_id) in email_ids]
+    heirs = {}
     for origin_id in handed_on:
-        first, *copies = left[origin_id]
+        staying = [i for i in left[origin_id] if i not in chosen_ids]
+        heirs[origin_id] = (staying or left[origin_id])[0]
+    # Their runs locked before their rows are written, as every transaction that locks both.
+    completed = runs.reopen_copies(session, [i for i in heirs.values() if i not in chosen_ids])
+    for origin_id, first in heirs.items():
+        if first in completed:
+            _take_labels(session, firsts[origin_id], first)
+        copies = [i for i in left[origin_id] if i != first]
         session.execute(update(origin).where(origin.id == origin_id).values(first_email_id=first))
         session.execute(update(email).where(email.id == first).values(duplicate_of=None))
         if copies:
@@ -311,7 +361,39 @@ def _delete_rows(session: Session, email_ids: list[int]) -> tuple[Counter[str], 
         column = table(model).c.email_id
         deleted[model.__tablename__] = _deleted(session, delete(model).where(column.in_(email_ids)))
     deleted["email_message"] = _deleted(session, delete(email).where(email.id.in_(email_ids)))
-    return deleted, len(handed_on)
+    _empty_stored_filters(session)
+    return deleted, len(handed_on), completed
+
+
+def _take_labels(session: Session, forgotten_id: int, copy_id: int) -> None:
+    """The labels the email forgotten showed, given to its copy: the same email's, until the
+    copy's own answer replaces the model's (`labels.sync_model_labels`)."""
+    shown = session.execute(
+        select(EmailLabel.label, EmailLabel.source, EmailLabel.confidence).where(
+            EmailLabel.email_id == forgotten_id
+        )
+    ).all()
+    rows = [
+        {"email_id": copy_id, "label": label, "source": source, "confidence": confidence}
+        for label, source, confidence in shown
+    ]
+    insert_ignore(session, EmailLabel, rows, ["email_id", "label"])
+
+
+def _empty_stored_filters(session: Session) -> None:
+    """Empty the filters the release before stored with its reprocesses, which may name a
+    sender or a subject; the names of their fields are kept (`reprocess.filters`). This release
+    stores none, and the table holds one row per operator's reprocess."""
+    for reprocess_id, search, filters in session.execute(
+        select(Reprocess.id, Reprocess.search, Reprocess.filters)
+    ).all():
+        if search:
+            names = filters if filters is not None else sorted(k for k, v in search.items() if v)
+            session.execute(
+                update(Reprocess)
+                .where(Reprocess.id == reprocess_id)
+                .values(search={}, filters=names)
+            )
 
 
 def _deleted(session: Session, statement: Delete) -> int:

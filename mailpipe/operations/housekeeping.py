@@ -9,6 +9,8 @@
 - The model input of a run that succeeded with the model's answer stored: only a retry of the
   model stage reads it, and a succeeded run has none. A reprocess from `classify` of such an
   email runs its CPU stage again (`runs.reopen_to_reprocess`).
+- The database's fences of forgotten emails (`forgotten_email`) once Redis's lapse
+  (`forgotten.fence_ttl`): no delivery of their jobs can come after.
 
 The metrics report prunes its own lane samples. Each batch is a transaction of at most
 `MAILPIPE_HOUSEKEEPING_BATCH` rows, read by primary key from where the last batch ended: row
@@ -27,8 +29,10 @@ from typing import Any
 from sqlalchemy import and_, delete, exists, not_, select
 from sqlalchemy.orm import Session
 
+from mailpipe.coordination import forgotten
 from mailpipe.resources import Resources
 from mailpipe.storage.models import (
+    ForgottenEmail,
     ModelInput,
     PipelineRun,
     RunAttempt,
@@ -47,23 +51,27 @@ class Pruned:
     attempts: int
     sweep_reports: int
     model_inputs: int
+    fences: int = 0
 
     def summary(self) -> str:
         return (
             f"{self.attempts} attempts, {self.sweep_reports} sweep reports, "
-            f"{self.model_inputs} model inputs"
+            f"{self.model_inputs} model inputs, {self.fences} fences of forgotten emails"
         )
 
 
 def prune(res: Resources, now: datetime | None = None) -> Pruned:
     """One pass: every table in turn, batch after batch until nothing is left to delete."""
     settings = res.settings
-    cutoff = (now or utcnow()) - timedelta(days=settings.keep_attempts_days)
+    now = now or utcnow()
+    cutoff = now - timedelta(days=settings.keep_attempts_days)
+    lapsed = now - timedelta(seconds=forgotten.fence_ttl(settings))
     batch = settings.housekeeping_batch
     pruned = Pruned(
         attempts=_in_batches(res, lambda s, after: _attempts(s, after, batch, cutoff)),
         sweep_reports=_in_batches(res, lambda s, after: _sweep_reports(s, after, batch, cutoff)),
         model_inputs=_in_batches(res, lambda s, after: _model_inputs(s, after, batch)),
+        fences=_in_batches(res, lambda s, after: _fences(s, after, batch, lapsed)),
     )
     log.info("housekeeping: deleted %s", pruned.summary())
     return pruned
@@ -107,13 +115,22 @@ def _attempts(session: Session, after: int, size: int, cutoff: datetime) -> tupl
 def _sweep_reports(
     session: Session, after: int, size: int, cutoff: datetime
 ) -> tuple[int | None, int]:
-    ids = _next(session, SweepReport.id, after, size, SweepReport.started_at < cutoff)
+    return _older(session, SweepReport.id, after, size, SweepReport.started_at < cutoff)
+
+
+def _fences(session: Session, after: int, size: int, lapsed: datetime) -> tuple[int | None, int]:
+    return _older(
+        session, ForgottenEmail.email_id, after, size, ForgottenEmail.forgotten_at < lapsed
+    )
+
+
+def _older(session: Session, key: Any, after: int, size: int, old: Any) -> tuple[int | None, int]:
+    """The next `size` rows after `after` whose `old` holds, every one deleted."""
+    ids = _next(session, key, after, size, old)
     if not ids:
         return None, 0
     deleted = session.execute(
-        delete(SweepReport)
-        .where(SweepReport.id.in_(ids))
-        .execution_options(synchronize_session=False)
+        delete(key.class_).where(key.in_(ids)).execution_options(synchronize_session=False)
     )
     return ids[-1], _count(deleted)
 

@@ -123,6 +123,12 @@ class EmailFilter:
         }
         return {name: value or "" for name, value in values.items()}
 
+    def names(self) -> list[str]:
+        """The names of the fields given, the email id's included: what a log line or a stored
+        reprocess keeps of the filter, since its values may be an email's sender or subject."""
+        given = [name for name, value in self.fields().items() if value]
+        return (["email_id"] if self.email_id is not None else []) + given
+
     @property
     def reads_headers(self) -> bool:
         """Whether it finds only emails whose headers a job has read."""

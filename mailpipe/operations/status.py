@@ -170,6 +170,8 @@ def reprocesses(session: Session, latest: int = 3) -> list[dict[str, Any]]:
             "created_by": r.created_by,
             "from": r.from_step,
             "lane": r.lane,
+            # By name: a filter's values are kept nowhere (a reprocess of the release before: [])
+            "filters": r.filters or [],
             "emails": r.emails,
             "done": counts[r.id].get(RunStatus.SUCCEEDED, 0)
             + counts[r.id].get(RunStatus.DUPLICATE, 0),
@@ -340,6 +342,13 @@ def email_detail(
     labels = session.scalars(
         select(EmailLabel).where(EmailLabel.email_id == email_id).order_by(EmailLabel.label)
     ).all()
+    # The next copy, which a forget of this email hands the origin on to (`erasure`).
+    next_copy = session.scalar(
+        select(EmailMessage.id)
+        .where(EmailMessage.duplicate_of == email_id)
+        .order_by(EmailMessage.id)
+        .limit(1)
+    )
     return {
         "id": email.id,
         "subject": email.subject,
@@ -348,6 +357,7 @@ def email_detail(
         "blob_key": email.blob_key,
         "received_at": _iso(email.received_at),
         "duplicate_of": email.duplicate_of,
+        "next_copy": next_copy,
         "lane": email.lane,
         "origin": None
         if origin is None

@@ -1,4 +1,5 @@
-"""The acts on an email's own row that leave its run as it is: the review mark and the lane.
+"""The acts on an email's own row that leave its run as it is: the review mark and the lane;
+and whether the email is being forgotten, as the database's fence says.
 
 A run's acts that also take an email off the review list (`runs.reopen`, `runs.dismiss`) or put
 it on (`runs.fail_stalled`) come through here for that part.
@@ -10,7 +11,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Lane
-from mailpipe.storage.models import EmailMessage, clip_error
+from mailpipe.storage.models import EmailMessage, ForgottenEmail, clip_error
 
 
 def mark_for_review(session: Session, email_ids: list[int], reason: str) -> None:
@@ -55,3 +56,13 @@ def lanes(session: Session, email_ids: list[int]) -> dict[int, str]:
             select(EmailMessage.id, EmailMessage.lane).where(EmailMessage.id.in_(email_ids))
         ).all()
     )
+
+
+def being_forgotten(session: Session, email_id: int) -> bool:
+    """Whether `mailpipe forget` fenced the email off (`forgotten_email`, kept as long as the
+    fence in Redis): what a job asks when Redis has no fence, which a Redis restarted without
+    its data would not have."""
+    found = session.scalar(
+        select(ForgottenEmail.email_id).where(ForgottenEmail.email_id == email_id)
+    )
+    return found is not None

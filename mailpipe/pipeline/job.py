@@ -57,7 +57,7 @@ from mailpipe.errors import (
     is_transient,
 )
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
-from mailpipe.pipeline import health, runs, stage_pauses
+from mailpipe.pipeline import emails, health, runs, stage_pauses
 from mailpipe.pipeline.classify import (
     classify_remote,
     email_for_classifier,
@@ -324,6 +324,9 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
             link_to_origin(session, email_id, parsed, origin)
 
     documents = convert_documents(parsed, settings)
+    # Redis's fence alone: the database's is read only where a write failed (`_if_forgotten`),
+    # so that no job pays a query for it. Blobs written past a fence Redis lost are deleted by
+    # the forget when written before its deletion, and by `_blobs_unless_forgotten` after it.
     if documents and forgotten.fenced(res.redis, email_id):
         raise runs.Superseded(f"email {email_id}: it is being forgotten")
     rows = document_rows(res.blobs, email_id, documents, settings.doc_inline_text_bytes)
@@ -394,14 +397,27 @@ def _blobs_unless_forgotten(res: Resources, email_id: int, rows: list[dict]) -> 
         raise
 
 
-def _if_forgotten(res: Resources, email_id: int) -> Outcome | None:
+def _if_forgotten(res: Resources, email_id: int, *, ask_database: bool = True) -> Outcome | None:
     """CLOSED when `mailpipe forget` fenced the email off: its rows are gone or going, whatever
-    else went wrong, and the delivery writes nothing more. None when Redis cannot say."""
+    else went wrong, and the delivery writes nothing more. The fence is Redis's, or where Redis
+    has none (a Redis restarted without its data, or unreachable) the database's, unless
+    `ask_database` is False (the error was the database's own). None when neither can say."""
+    fenced = False
     try:
         fenced = forgotten.fenced(res.redis, email_id)
-    except RedisError:
-        log.warning("email %s: whether it is being forgotten is unknown", email_id, exc_info=True)
-        return None
+    except RedisError as exc:
+        log.warning(
+            "email %s: Redis cannot say if it is being forgotten: %s", email_id, describe(exc)
+        )
+    if not fenced and ask_database:
+        try:
+            with res.db.session() as session:
+                fenced = emails.being_forgotten(session, email_id)
+        except DBAPIError as exc:
+            log.warning(
+                "email %s: if it is being forgotten is unknown: %s", email_id, describe(exc)
+            )
+            return None
     return Outcome(Kind.CLOSED, error="the email is being forgotten") if fenced else None
 
 
@@ -490,7 +506,7 @@ def _after_error(
     deferred_since: float | None,
 ) -> Outcome:
     """An attempt that raised, by whose fault it was (mailpipe.errors)."""
-    gone = _if_forgotten(res, email_id)
+    gone = _if_forgotten(res, email_id, ask_database=dependency_of(exc) is not Dependency.DATABASE)
     if gone is not None:
         return gone
     token = claim.token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from email.utils import getaddresses
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
@@ -18,6 +19,10 @@ from mailpipe.storage.db import insert_ignore
 from mailpipe.storage.models import EmailMessage, EmailOrigin, table
 
 FINGERPRINT_VERSION = "v1"
+# What `email_message` keeps of a subject and of a From header as it came; a longer From keeps
+# its addresses alone, each whole, up to MAX_ADDRESSES_CHARS (`stored_sender`).
+MAX_HEADER_CHARS = 1000
+MAX_ADDRESSES_CHARS = 64 * 1024
 
 _EMAIL = table(EmailMessage)
 # The columns to SET come from the parameters given with it.
@@ -71,7 +76,23 @@ def link_to_origin(
     link = {
         "origin_id": origin.origin_id,
         "duplicate_of": origin.duplicate_of,
-        "subject": parsed.subject[:1000],
-        "sender": parsed.sender[:1000],
+        "subject": parsed.subject[:MAX_HEADER_CHARS],
+        "sender": stored_sender(parsed.sender),
     }
     session.execute(_LINK, {"link_email_id": email_id, **link})
+
+
+def stored_sender(sender: str) -> str:
+    """The From header as `email_message.sender` keeps it, which the search and a forget by
+    sender read: as it came when it is short; else its addresses alone, each whole, without the
+    display names that made it long (a header cut short could lose the very address a forget
+    looks for). Addresses past MAX_ADDRESSES_CHARS in all are left out, whole."""
+    if len(sender) <= MAX_HEADER_CHARS:
+        return sender
+    kept: list[str] = []
+    size = 0
+    for _, address in getaddresses([sender]):
+        if address and size + len(address) + 2 <= MAX_ADDRESSES_CHARS:
+            kept.append(address)
+            size += len(address) + 2
+    return ", ".join(kept) or sender[:MAX_HEADER_CHARS]

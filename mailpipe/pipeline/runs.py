@@ -696,12 +696,7 @@ def reopen_to_reprocess(
     CPU stage again. The classification and labels stay until the new answer replaces them; the
     runs' claims go on growing, so no delivery of before is taken for a new one. Returns the
     emails whose CPU stage runs next, and those whose model stage does."""
-    runs = session.scalars(
-        select(PipelineRun)
-        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.SUCCEEDED)
-        .order_by(PipelineRun.email_id)
-        .with_for_update()
-    ).all()
+    runs = _locked_runs(session, email_ids, RunStatus.SUCCEEDED)
     with_input = set(
         session.scalars(
             select(ModelInput.email_id).where(ModelInput.email_id.in_([r.email_id for r in runs]))
@@ -717,6 +712,30 @@ def reopen_to_reprocess(
             run.converted_at = None
         (model if from_model else cpu).append(run.email_id)
     return cpu, model
+
+
+def reopen_copies(session: Session, email_ids: list[int]) -> list[int]:
+    """Reopen the runs among `email_ids` that ended as a copy's (`duplicate`), each email now
+    its origin's first (the email it copied is being forgotten), with a fresh attempt budget:
+    its job runs the steps a copy skips, the CPU stage from the parse, then the model stage.
+    Locked, so that none changes meanwhile. Returns the emails reopened."""
+    found = _locked_runs(session, email_ids, RunStatus.DUPLICATE)
+    for run in found:
+        _reopen(run)
+        run.converted_at = None
+    return [run.email_id for run in found]
+
+
+def _locked_runs(session: Session, email_ids: list[int], status: RunStatus) -> list[PipelineRun]:
+    """The runs among `email_ids` with `status`, locked, in email order."""
+    return list(
+        session.scalars(
+            select(PipelineRun)
+            .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == status)
+            .order_by(PipelineRun.email_id)
+            .with_for_update()
+        )
+    )
 
 
 def _locked_run(session: Session, email_id: int) -> PipelineRun:

@@ -192,6 +192,9 @@ class EmailMessage(Base):
             sender_words(column("sender")),
             postgresql_using="gin",
         ).ddl_if(dialect="postgresql"),
+        # An id is never given twice, the id of an email forgotten included (migration 0018):
+        # a job's fence is by id. PostgreSQL's sequence never gives one twice anyway.
+        {"sqlite_autoincrement": True},
     )
 
 
@@ -448,8 +451,26 @@ class Reprocess(Base):
     created_by: Mapped[str] = mapped_column(String(128))
     from_step: Mapped[str] = mapped_column(String(16))  # classify, documents or parse
     lane: Mapped[str] = mapped_column(String(8))
-    search: Mapped[dict[str, Any]] = mapped_column(JSON)  # the filter, as the search's fields
+    # Written empty: the filter's values may be an email's sender or subject, which a forget
+    # must leave nowhere. The release before wrote the filter as the search's fields here.
+    search: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The names of the filter's fields (["sender", "subject"]), what its progress shows of it;
+    # NULL on a reprocess of the release before.
+    filters: Mapped[list[str] | None] = mapped_column(JSON)
     emails: Mapped[int]
+
+
+class ForgottenEmail(Base):
+    """An email being forgotten (`mailpipe forget`): the fence its jobs check, beside Redis's,
+    written with its run's closing and kept as long as Redis keeps its fence (housekeeping),
+    so that a Redis that restarts without its data takes no fence with it."""
+
+    __tablename__ = "forgotten_email"
+
+    email_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    forgotten_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (Index("ix_forgotten_email_forgotten_at", "forgotten_at"),)
 
 
 class OperatorPause(Base):

@@ -135,7 +135,9 @@ async def _forget(
         raise HTTPException(400, "dry_run is true or false")
     res = request.app.state.resources
     done = await run_in_threadpool(
-        lambda: actions.forget(res, email_ids, filt, user=_who(request), dry_run=dry_run)
+        lambda: actions.forget(
+            res, email_ids, filt, enqueue=sender(res), user=_who(request), dry_run=dry_run
+        )
     )
     return JSONResponse(
         {
@@ -144,6 +146,8 @@ async def _forget(
             "blobs": done.blobs,
             "redis": done.redis,
             "handed_on": done.handed_on,
+            "completed": done.completed,
+            "enqueued": done.enqueued,
             "refused": done.refused,
             "dry_run": done.dry_run,
         }

@@ -9,6 +9,7 @@ its errors in its own format. Everything a handler uses is in `app.state`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,6 +31,8 @@ from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.web import api, api_actions, errors, forms, pages
 from mailpipe.web.auth import BasicAuth, TokenOrBasicAuth, accounts, secret_of, tokens
+
+access_log = logging.getLogger("mailpipe.web.access")
 
 # Never framed (clickjacking an operator's button), nothing from elsewhere, no inline style or
 # script: should an email's text ever reach a page unescaped, the browser would run none of it.
@@ -105,7 +108,11 @@ def create_app(settings: Settings) -> Starlette:
             ),
             Mount("", routes=CONSOLE, middleware=_answered(errors.as_text, sign_in)),
         ],
-        middleware=[Middleware(SecurityHeaders), *_loopback_names_only(settings)],
+        middleware=[
+            Middleware(AccessLog),
+            Middleware(SecurityHeaders),
+            *_loopback_names_only(settings),
+        ],
         lifespan=_closing,
     )
     app.state.resources = Resources(settings)
@@ -150,3 +157,37 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+class AccessLog:
+    """One line per request, as uvicorn's access log writes it but with the path alone: a query
+    string holds what a search was for (a sender, a subject), which no log may keep. uvicorn's
+    own access log, which writes the query string, is off (`mailpipe.web.server.serve`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the server answers when the app raises before it answers
+
+        async def noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            client = scope.get("client")
+            access_log.info(
+                '%s - "%s %s HTTP/%s" %d',
+                f"{client[0]}:{client[1]}" if client else "-",
+                scope["method"],
+                scope.get("root_path", "") + scope["path"],
+                scope["http_version"],
+                status,
+            )

@@ -95,7 +95,8 @@ async def act_on_failed(request: Request) -> Response:
         done = await run_in_threadpool(_act, res, verb, user, None, filt)
     else:
         done = await run_in_threadpool(_act, res, verb, user, _selected(form))
-    _log_action(request, f"{verb} {scope} in the failed list", done.done, fields)
+    given = [name for name, value in fields.items() if value]
+    _log_action(request, f"{verb} {scope} in the failed list", done.done, given)
     return _back(request, "failed", fields, verb, done)
 
 
@@ -164,8 +165,9 @@ async def _forget_one(request: Request, form: FormData, email_id: int) -> Respon
     to the search, since the email's page is gone with it."""
     if form.get("confirm") != "yes":
         raise HTTPException(400, "forgetting an email cannot be undone: tick the box to confirm")
+    res = request.app.state.resources
     done = await run_in_threadpool(
-        actions.forget, request.app.state.resources, [email_id], user=_who(request)
+        lambda: actions.forget(res, [email_id], enqueue=sender(res), user=_who(request))
     )
     if not done.email_ids:
         raise HTTPException(404, f"no email with id {email_id}")
@@ -198,7 +200,7 @@ async def reprocess_matching(request: Request) -> Response:
         )
     )
     if not plan:
-        _log_action(request, f"reprocess from {step.value}", [], fields)
+        _log_action(request, f"reprocess from {step.value}", [], filt.names())
     counts = {"done": done.emails, "enqueued": done.enqueued, "calls": done.model_calls}
     action = "reprocess-plan" if plan else "reprocess"
     path = request.app.url_path_for("search")
@@ -325,11 +327,12 @@ def _log_action(
     request: Request,
     action: str,
     email_ids: Sequence[int],
-    filters: Mapping[str, str] | None = None,
+    filters: Sequence[str] = (),
 ) -> None:
+    """One line per action: who, what, the emails' ids, and the names of the filters it was
+    given, never their values, which may be an email's sender or subject."""
     named = list(email_ids[:LOGGED_IDS])
     more = f" and {len(email_ids) - LOGGED_IDS} more" if len(email_ids) > LOGGED_IDS else ""
-    shown = {key: value for key, value in (filters or {}).items() if value}
     log.info(
         "%s: %s, %d emails %s%s%s",
         request.user.username,
@@ -337,6 +340,6 @@ def _log_action(
         len(email_ids),
         named,
         more,
-        f" (filters {shown})" if shown else "",
+        f" (by {', '.join(filters)})" if filters else "",
         extra={"user": request.user.username, "action": action, "email_ids": named},
     )

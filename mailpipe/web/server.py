@@ -28,10 +28,17 @@ def serve(settings: Settings) -> None:
     _log_to_stderr(settings)
     app = create_app(settings)
     # log_config=None: uvicorn's records go through the handler set up here, in the same format.
+    # access_log=False: the app writes its own (`app.AccessLog`), without the query string.
     # uvicorn takes the client's address from X-Forwarded-For when the peer is named in
     # FORWARDED_ALLOW_IPS (uvicorn's own variable, loopback by default): behind a load balancer
     # it names the balancer's subnets, or the sign-in's per-address limit counts the balancer.
-    uvicorn.run(app, host=settings.web_host, port=settings.web_port, log_config=None)
+    uvicorn.run(
+        app,
+        host=settings.web_host,
+        port=settings.web_port,
+        log_config=None,
+        access_log=False,
+    )
 
 
 def _log_to_stderr(settings: Settings) -> None:

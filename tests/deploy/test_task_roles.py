@@ -29,6 +29,7 @@ from cfnlint.decode import decode
 from sqlalchemy import select
 
 from mailpipe.cli.ingest import store_emails
+from mailpipe.enqueue import sender
 from mailpipe.errors import BlobAccessDenied, BlobMissing, Dependency
 from mailpipe.operations import actions
 from mailpipe.pipeline import health, job
@@ -233,7 +234,7 @@ def test_the_web_role_forgets_under_its_own_policy(res, as_role) -> None:  # typ
     assert texts["KeyCount"] == 1
 
     web = as_role("web")
-    forgotten = actions.forget(web, [read, unread], user="operator")
+    forgotten = actions.forget(web, [read, unread], enqueue=sender(web), user="operator")
     assert sorted(forgotten.email_ids) == sorted([read, unread])
     with res.db.session() as session:
         assert session.scalars(select(EmailMessage.id)).all() == []

@@ -652,3 +652,4 @@ def test_reprocess_by_filter_says_what_it_takes_then_takes_it_once(res) -> None:
     assert again.stdout.strip().startswith("0 succeeded emails match")
     [progress] = json.loads(mailpipe("status", "--json").stdout)["reprocesses"]
     assert (progress["emails"], progress["left"], progress["lane"]) == (2, 2, "bulk")
+    assert progress["filters"] == ["label"]  # by name: its values may name an email's sender

@@ -19,7 +19,7 @@ from mailpipe.broker import layout
 from mailpipe.broker.queues import job_queues
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
-from mailpipe.enqueue import enqueue_emails
+from mailpipe.enqueue import enqueue_emails, sender
 from mailpipe.operations import actions
 from mailpipe.resources import Resources
 from mailpipe.storage.keys import document_texts
@@ -94,7 +94,7 @@ def test_an_origin_with_two_copies_passes_to_the_first_copy(res, model_fleet) ->
         copy2: "duplicate",
     }
 
-    actions.forget(res, [first], user=USER)
+    actions.forget(res, [first], enqueue=sender(res), user=USER)
 
     assert_forgotten(res, first, raw_key=None)
     with res.db.session() as session:
@@ -124,7 +124,7 @@ def test_a_job_held_at_its_model_call_writes_nothing_once_forgotten(  # type: ig
     enqueue_emails([email_id], res)
     wait_for(lambda: len(server.requests) == 1, 60, "the model call")
 
-    actions.forget(res, [email_id], user=USER)
+    actions.forget(res, [email_id], enqueue=sender(res), user=USER)
     answer.set()
     # The job goes on once the model answers, finds its run gone and gives its lease back.
     wait_for(lambda: not res.redis.exists(redis_keys.lease(email_id)), 30, "the job to end")
@@ -146,7 +146,7 @@ def test_a_failed_email_is_forgotten(res, model_fleet) -> None:  # noqa: F811  #
     assert wait_until_closed(res, [email_id], timeout=60) == {email_id: "failed"}
     assert "run_attempt.email_id" in rows_naming(res, email_id)
 
-    done = actions.forget(res, [email_id], user=USER)
+    done = actions.forget(res, [email_id], enqueue=sender(res), user=USER)
 
     assert done.email_ids == [email_id]
     assert_forgotten(res, email_id, raw_key)

@@ -13,9 +13,11 @@ from sqlalchemy import func, select
 from mailpipe.cli.demo import fleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
+from mailpipe.operations import actions
+from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
-from mailpipe.storage import flags
+from mailpipe.storage import flags, models
 from mailpipe.storage.migrate import upgrade
 from mailpipe.storage.models import Document, EmailLabel, PipelineRun, RunAttempt
 from tests.support.waits import wait_until_closed
@@ -84,3 +86,37 @@ def test_eighty_emails_through_a_worker_on_sqlite(res, tmp_path: Path) -> None: 
     assert [(email_id, outcome) for email_id, outcome, _ in ended] == sorted(statuses.items())
     assert ended[-1].error_class == failed.error_class == "InputRejected"
     local.close()
+
+
+def test_an_id_forgotten_on_sqlite_is_never_given_again(res, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Migrated from the release before with emails and their runs stored (the migration builds
+    the email table again under them): the highest id forgotten, the next email stored gets
+    another, so no fence of the forget holds it back."""
+    database = f"sqlite:///{tmp_path / 'mailpipe.db'}"
+    settings = Settings(
+        **{
+            **res.settings.model_dump(),
+            "database_url": database,
+            "blob_url": f"file://{tmp_path / 'blobs'}",
+        }
+    )
+    local = Resources(settings)
+    try:
+        upgrade(database, "0016")
+        kept, last = store_emails(local, [invoice(1, False), invoice(2, False)])
+        with local.db.transaction() as session:
+            runs.ensure_runs(session, [kept, last])  # rows that refer to the emails
+        upgrade(database)
+        done = actions.forget(local, [last], enqueue=lambda ids, task, lane: list(ids), user="t")
+        assert done.email_ids == [last]
+        [stored] = store_emails(local, [invoice(3, False)])
+        assert stored > last
+        with local.db.session() as session:
+            assert session.scalars(
+                select(models.EmailMessage.id).order_by(models.EmailMessage.id)
+            ).all() == [
+                kept,
+                stored,
+            ]
+    finally:
+        local.close()

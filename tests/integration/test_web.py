@@ -645,6 +645,25 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
     assert f"forget by web:{OPERATOR[0]} email_id={failed} " in web.output()
 
 
+def test_an_email_s_page_says_what_its_forget_makes_of_its_copy(res, console) -> None:  # type: ignore[no-untyped-def]
+    raw = email("copied")
+    first, copy = store_emails(res, [raw, raw])
+    assert [job.process_email(res, i).kind.value for i in (first, copy)][1] == "duplicate"
+    web = console()
+
+    def note(email_id: int) -> str | None:
+        page = requests.get(f"{web.url}/emails/{email_id}", auth=OPERATOR, timeout=10).text
+        found = re.search(r'<p id="forget-copy">(.*?)</p>', page, re.S)
+        return None if found is None else re.sub(r"<[^>]+>", "", found[1])
+
+    assert note(first) == (
+        f"Its copy email {copy} then becomes the first email of its origin: it keeps this "
+        "email's labels and runs the steps a copy skips (documents, then classification), from "
+        "its CPU stage."
+    )
+    assert note(copy) is None
+
+
 # --- the overview's activity charts -------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import Connection, event
 
 from mailpipe.settings import get_settings
 from mailpipe.storage.db import make_engine
@@ -22,6 +23,12 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = make_engine(url)
+    sqlite = engine.dialect.name == "sqlite"
+    if sqlite:
+        # A batch migration builds a table again, dropping the old one, which SQLite's foreign
+        # keys refuse while other tables refer to it; the pragma takes effect only outside a
+        # transaction, so it is set as each connection opens. Every key is checked at the end.
+        event.listen(engine, "connect", _sqlite_foreign_keys_off)
     with engine.connect() as connection:
         # Batch mode lets later migrations alter columns on SQLite, which has no ALTER COLUMN.
         context.configure(
@@ -29,7 +36,19 @@ def run_migrations_online() -> None:
         )
         with context.begin_transaction():
             context.run_migrations()
+            if sqlite:
+                _check_foreign_keys(connection)
     engine.dispose()
+
+
+def _sqlite_foreign_keys_off(dbapi_connection, _record) -> None:
+    dbapi_connection.execute("PRAGMA foreign_keys=OFF")
+
+
+def _check_foreign_keys(connection: Connection) -> None:
+    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if broken:
+        raise RuntimeError(f"the migrations leave {len(broken)} rows with a broken foreign key")
 
 
 if context.is_offline_mode():

@@ -10,6 +10,7 @@ from click.testing import CliRunner, Result
 from mailpipe.cli import main as cli
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
+from mailpipe.pipeline import job
 from tests.support.erasure import rows_naming, with_document
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -73,3 +74,22 @@ def test_a_selection_is_one_of_ids_a_message_id_and_an_address(  # type: ignore[
     refused = forget(*args, "--yes")
     assert refused.exit_code == code, refused.output
     assert error in refused.stderr
+
+
+def test_forget_says_what_becomes_of_a_copy_before_it_forgets(res) -> None:  # type: ignore[no-untyped-def]
+    raw = with_document()
+    first, copy = store_emails(res, [raw, raw])
+    for email_id in (first, copy):
+        job.process_email(res, email_id)
+
+    dry = forget(str(first), "--dry-run")
+
+    assert dry.exit_code == 0, dry.output
+    assert (
+        f"copies that become their origin's first email: {copy}; each keeps the labels of the "
+        "email forgotten and runs the steps a copy skips (documents, then classification), from "
+        "its CPU stage\n"
+    ) in dry.output
+    done = forget(str(first), "--yes")
+    assert done.exit_code == 0, done.output
+    assert f"copies completed: {copy}, jobs sent 1\n" in done.output

@@ -7,7 +7,13 @@ from mailpipe.classifiers import LabelScore
 from mailpipe.cli.ingest import store_emails
 from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline.labels import sync_model_labels
-from mailpipe.pipeline.origin import find_origin, fingerprint, link_to_origin
+from mailpipe.pipeline.origin import (
+    MAX_ADDRESSES_CHARS,
+    find_origin,
+    fingerprint,
+    link_to_origin,
+    stored_sender,
+)
 from mailpipe.storage.models import EmailLabel, EmailMessage, EmailOrigin
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -67,3 +73,16 @@ def test_label_sync_adds_removes_and_keeps_other_sources(res) -> None:  # type: 
         }
     # spam removed (stale model label); invoice updated; vip kept as the person's label.
     assert rows == {("invoice", "model", 0.9), ("vip", "person", None)}
+
+
+def test_a_long_from_header_is_kept_as_its_addresses_whole() -> None:
+    name = " ".join(f"Dora{n:04d}" for n in range(150))  # 1,349 characters
+    assert stored_sender("Dora <dora@acme.example>") == "Dora <dora@acme.example>"
+    assert stored_sender(f"{name} <dora@acme.example>") == "dora@acme.example"
+    assert stored_sender(f"{name} <dora@acme.example>, b@x.example") == (
+        "dora@acme.example, b@x.example"
+    )
+    many = ", ".join(f"user{n:05d}@example.org" for n in range(5000))  # 130,000 characters
+    kept = stored_sender(many).split(", ")
+    assert kept[0] == "user00000@example.org" and len(", ".join(kept)) <= MAX_ADDRESSES_CHARS
+    assert all(address.endswith("@example.org") for address in kept)
