@@ -33,7 +33,7 @@ from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
-from mailpipe.storage.models import Classification, EmailLabel, PipelineRun
+from mailpipe.storage.models import Classification, EmailLabel, EmailMessage, PipelineRun
 from tests.support.bedrock_server import (
     BedrockServer,
     TimedBedrockServer,
@@ -319,6 +319,50 @@ def test_model_calls_switched_on_over_a_backlog_parse_no_email_twice(
     assert set(wait_until_closed(res, ids, timeout=90).values()) == {"succeeded"}
     assert parses(res, ids) == [1] * 30  # no email parsed twice
     assert len(server.arrivals()) == 30  # nor classified twice
+
+
+def test_an_incidents_switch_sequence_fails_no_waiting_email(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """Ten emails wait with model calls off. An operator runs, four times, `pause model`,
+    `model-calls on`, `model-calls off`, `resume model`, then `model-calls on` for good, with
+    the CLI on the workers' fleet: every one succeeds, no sweep is counted against any, none is
+    marked for review."""
+    server = model_fleet(workers=1, concurrency=8, delay=0.05)
+    env = model_env(server, tmp_path)
+
+    def mailpipe(*args: str) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "mailpipe.cli.main", *args],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+    mailpipe("model-calls", "off")
+    ids = store_emails(res, invoices(10))
+    enqueue_emails(ids, res)
+    wait_for(lambda: converted(res) == 10, 60, "the CPU stage of every email")
+    for _ in range(4):
+        mailpipe("pause", "model")
+        mailpipe("model-calls", "on")
+        mailpipe("model-calls", "off")
+        mailpipe("resume", "model")
+    mailpipe("model-calls", "on")
+    assert set(wait_until_closed(res, ids, timeout=90).values()) == {"succeeded"}
+    ended = runs(res)
+    assert [(run.sweep_count, run.status.value) for run in ended] == [(0, "succeeded")] * 10
+    with res.db.session() as session:
+        marked = session.scalar(
+            select(func.count()).where(
+                EmailMessage.id.in_(ids), EmailMessage.needs_review.is_(True)
+            )
+        )
+    assert marked == 0
+    assert len(server.arrivals()) == 10  # each classified once
 
 
 def test_a_crash_between_the_stages_is_recovered_by_the_sweeper_with_the_model_stage(
