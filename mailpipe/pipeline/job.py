@@ -57,7 +57,7 @@ from mailpipe.errors import (
     is_transient,
 )
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
-from mailpipe.pipeline import emails, health, runs, stage_pauses
+from mailpipe.pipeline import emails, health, policy, runs, stage_pauses
 from mailpipe.pipeline.classify import (
     classify_remote,
     email_for_classifier,
@@ -243,9 +243,10 @@ def _claim(
     """Claim an attempt in a transaction of its own: its `Claim`, or what a claim that counted
     none means for the job."""
     settings = res.settings
+    limits = policy.Limits.of(settings)
     with res.db.transaction() as session:
         if cut_off is None:
-            ready = runs.claim_if_ready(session, email_id, settings.max_attempts, stage)
+            ready = runs.claim_if_ready(session, email_id, limits, stage)
             if ready is not None:
                 return ready
         # Any other state of the run: locked and looked at, with the shutdown mark that tells a
@@ -253,11 +254,10 @@ def _claim(
         claim = runs.claim_attempt(
             session,
             email_id,
-            settings.max_attempts,
+            limits,
             stage=stage,
             cut_off=cut_off,
             shutdown_cut_off_at=shutdowns.cut_off_at(res.redis, email_id),
-            max_shutdown_cutoffs=settings.max_shutdown_cutoffs,
         )
         if isinstance(claim, runs.Refused) and claim.reason is runs.Refusal.CONVERTED:
             # A second delivery of a CPU stage already done (redelivered, or sent again once
@@ -268,6 +268,7 @@ def _claim(
     if isinstance(claim, runs.Claim):
         return claim
     if isinstance(claim, runs.Failed):
+        log.error("email %s: failed: %s", email_id, claim.error)
         return Outcome(Kind.FAILED, error=claim.error)
     if claim.reason is runs.Refusal.UNFINISHED:
         # Killed by the hard time limit, or its process died: a failed attempt like any other,
@@ -573,7 +574,7 @@ def _after_failed_attempt(
             email_id,
             claim.token,
             error,
-            settings.max_attempts,
+            policy.Limits.of(settings),
             error_class=error_class(exc),
         ),
         None,
@@ -581,6 +582,7 @@ def _after_failed_attempt(
     if isinstance(failed, Outcome):
         return failed
     if failed is not None:
+        log.error("email %s: failed: %s", email_id, failed.error)
         return Outcome(Kind.FAILED, error=failed.error)
     delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
     log.info("email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error)

@@ -1,7 +1,8 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
-This module records and answers facts; what they mean for the job is decided in
-mailpipe.pipeline.job. A delivery claims an attempt: in the usual case, a run that is new or
+This module records and answers facts. How an ended attempt is judged (counted, given back,
+the run failed) is the policy's (mailpipe.pipeline.policy), which this module records in one
+write; what the rest means for the job is decided in mailpipe.pipeline.job. A delivery claims an attempt: in the usual case, a run that is new or
 ready for the stage, in one statement (`claim_if_ready`); in any other, by locking the run and
 looking at it (`claim_attempt`), which answers with the `Claim` to run the steps under, or with
 why none was counted (`Refused`, or `Failed` when the claim failed the run). Each transaction of the steps then writes through this module once, with
@@ -32,9 +33,8 @@ starts with a fresh budget. `sweep_count` covers both stages and only a reopen r
 from __future__ import annotations
 
 import enum
-import logging
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any
@@ -43,7 +43,7 @@ from sqlalchemy import ColumnElement, and_, bindparam, case, func, insert, liter
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Stage
-from mailpipe.pipeline import emails
+from mailpipe.pipeline import emails, policy
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import (
     AttemptOutcome,
@@ -57,8 +57,6 @@ from mailpipe.storage.models import (
     table,
     utcnow,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,19 +114,18 @@ class _AttemptEnd:
 def claim_attempt(
     session: Session,
     email_id: int,
-    max_attempts: int,
+    limits: policy.Limits,
     *,
     stage: Stage = Stage.CPU,
     cut_off: float | None = None,
     shutdown_cut_off_at: float | None = None,
-    max_shutdown_cutoffs: int = 10,
 ) -> Claim | Refused | Failed:
     """Lock the run, count one attempt of `stage` and return its `Claim`; or say why no attempt
-    was counted (`Refused`); or fail the run, when its attempts or shutdown windows are used up
-    (`Failed`). A run that is ready is counted as `claim_if_ready` counts it.
+    was counted (`Refused`); or fail the run, when the policy says its attempts or shutdown
+    windows are used up (`Failed`). A run that is ready is counted as `claim_if_ready` counts it.
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
-    still counts: a job that crashes its child every time stops after `max_attempts`.
+    still counts: a job that crashes its child every time stops after the policy's attempts.
     `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
     `shutdown_cut_off_at`: when the email's job was last cut off at the end of its worker's
     shutdown window (unix time); a last attempt that ended without a result and started before
@@ -147,17 +144,17 @@ def claim_attempt(
     if stage is Stage.MODEL and not converted:
         return Refused(Refusal.NOT_CONVERTED)
     if run.attempt_started_at is not None:
-        failed = _end_unfinished(
-            session, run, max_attempts, cut_off, shutdown_cut_off_at, max_shutdown_cutoffs
+        shutdown = cut_off is None and _cut_off_after(shutdown_cut_off_at, run.attempt_started_at)
+        verdict = policy.unfinished(
+            run.attempts, run.cutoffs, limits, cut_off=cut_off, shutdown=shutdown
         )
+        failed = _record_verdict(session, run, verdict)
         if failed is not None:
             return failed
         if run.error_class != ErrorClass.SHUTDOWN_CUTOFFS:
             return Refused(Refusal.UNFINISHED, run.attempts, run.error)
-    elif run.attempts >= max_attempts:
-        # The last attempt ended with attempts left under a limit lowered since: no attempt
-        # ends here, the run fails without another.
-        return _give_up(run, run.error_class, _used_up(run.attempts, run.error))
+    elif past := policy.past_lowered_limit(run.attempts, limits, run.error_class, run.error):
+        return _fail_run(run, past)
     run.attempts += 1
     run.claims += 1
     run.attempt_started_at = utcnow()
@@ -171,60 +168,15 @@ def claim_attempt(
     )
 
 
-def _end_unfinished(
-    session: Session,
-    run: PipelineRun,
-    max_attempts: int,
-    cut_off: float | None,
-    marked_at: float | None,
-    max_shutdown_cutoffs: int,
-) -> Failed | None:
-    """End the run's last attempt, which ended without a result: its row written by the claim
-    that finds it so, and its error on the run. Returns `Failed` when the run fails for it (its
-    attempts, or its shutdown windows, used up), None when the claim goes on.
-
-    The attempt was cut off by the hard time limit (`cut_off`), or by its worker's shutdown
-    (`marked_at`, after it started: its attempt is given back), or else lost: its process died
-    or its lease lapsed."""
-    assert run.attempt_started_at is not None
-    shutdown = cut_off is None and _cut_off_after(marked_at, run.attempt_started_at)
-    attempts = max(0, run.attempts - 1) if shutdown else run.attempts
-    cutoffs = run.cutoffs + 1 if shutdown else run.cutoffs
-    if cut_off is not None:
-        ended = _AttemptEnd(
-            AttemptOutcome.CUT_OFF,
-            ErrorClass.HARD_TIME_LIMIT,
-            f"attempt {run.attempts} was cut off by the hard time limit ({cut_off:g} s)",
-        )
-    elif shutdown:
-        ended = _AttemptEnd(
-            AttemptOutcome.CUT_OFF,
-            ErrorClass.SHUTDOWN_CUTOFFS,
-            f"cut off by shutdown ({cutoffs} of at most {max_shutdown_cutoffs}): its worker "
-            "stopped before the job ended; the attempt was given back",
-        )
-    else:
-        ended = _AttemptEnd(
-            AttemptOutcome.LOST,
-            ErrorClass.LOST,
-            f"attempt {run.attempts} ended without a result: its worker process died or was "
-            "killed, or stopped renewing its lease",
-        )
-    failed: tuple[str, str] | None = None
-    if shutdown and cutoffs >= max_shutdown_cutoffs:
-        failed = (
-            ErrorClass.SHUTDOWN_CUTOFFS,
-            f"cut off by shutdown {cutoffs} times: the job runs longer than any worker's "
-            "soft-shutdown window (MAILPIPE_SOFT_SHUTDOWN_TIMEOUT) lets it",
-        )
-    elif attempts >= max_attempts:
-        failed = (ended.error_class or ErrorClass.LOST, _used_up(attempts, ended.error))
-    _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED) if failed else ended)
+def _record_verdict(session: Session, run: PipelineRun, verdict: policy.Verdict) -> Failed | None:
+    """Record how the locked run's attempt ended, as `verdict` says: its row, while the run
+    still holds the attempt, then the run's counts and error, or its failure (`Failed`)."""
+    _record(session, run, _AttemptEnd(verdict.outcome, verdict.error_class, verdict.error))
     run.attempt_started_at = None
-    run.attempts, run.cutoffs = attempts, cutoffs
-    if failed is not None:
-        return _give_up(run, *failed)
-    _set_error(run, ended.error_class, ended.error)
+    run.attempts, run.cutoffs = verdict.attempts, verdict.cutoffs
+    if verdict.failure is not None:
+        return _fail_run(run, verdict.failure)
+    _set_error(run, verdict.error_class, verdict.error)
     return None
 
 
@@ -236,14 +188,14 @@ def _cut_off_after(marked_at: float | None, started: datetime) -> bool:
 
 
 def claim_if_ready(
-    session: Session, email_id: int, max_attempts: int, stage: Stage = Stage.CPU
+    session: Session, email_id: int, limits: policy.Limits, stage: Stage = Stage.CPU
 ) -> Claim | None:
     """Count an attempt of a run that is open, has no attempt running, has attempts left and is
     at `stage`, in one statement, and return its `Claim`; None when the run is in any other
     state (or missing, for the model stage; or when there is no such email): `claim_attempt`
     then looks at it. For the CPU stage a missing run is created with its first attempt counted,
     and the statement returns the email's blob key with the run."""
-    given = {"run_email_id": email_id, "max_attempts": max_attempts, "now": utcnow()}
+    given = {"run_email_id": email_id, "max_attempts": limits.max_attempts, "now": utcnow()}
     if stage is Stage.CPU:
         statement = _count_or_create(session.get_bind().dialect.name)
     else:
@@ -523,22 +475,16 @@ def record_failed_attempt(
     email_id: int,
     token: int,
     error: str,
-    max_attempts: int,
+    limits: policy.Limits,
     *,
     error_class: str,
 ) -> Failed | None:
-    """Record a failed attempt: the run goes on while attempts remain (None), and fails for
-    good once none do (`Failed`). The attempt's row keeps its own error; a run failed here says
-    its attempts are used up."""
+    """Record a failed attempt as the policy judges it: the run goes on while attempts remain
+    (None), and fails for good once none do (`Failed`). The attempt's row keeps its own error;
+    a run failed here says its attempts are used up."""
     run = lock_current(session, email_id, token)
-    ended = _AttemptEnd(AttemptOutcome.RETRYING, error_class, error)
-    if run.attempts >= max_attempts:
-        _record(session, run, replace(ended, outcome=AttemptOutcome.FAILED))
-        return _give_up(run, error_class, _used_up(run.attempts, error))
-    _record(session, run, ended)
-    run.attempt_started_at = None
-    _set_error(run, error_class, error)
-    return None
+    verdict = policy.failed_attempt(run.attempts, run.cutoffs, limits, error_class, error)
+    return _record_verdict(session, run, verdict)
 
 
 def fail(session: Session, email_id: int, error: str, *, error_class: str) -> bool:
@@ -774,17 +720,11 @@ def _fail(run: PipelineRun, error: str, error_class: str) -> None:
         setattr(run, column, value)
 
 
-def _give_up(run: PipelineRun, error_class: str | None, error: str) -> Failed:
-    """Fail a locked run whose attempts, or shutdown windows, are used up (the row of an
-    attempt that ends with it is written by the caller, before the run forgets the attempt).
-    `error_class`: its last error's, so that the failed list names what failed it."""
-    _fail(run, error, error_class or ErrorClass.ATTEMPTS_USED_UP)
-    log.error("email %s: failed: %s", run.email_id, run.error)
-    return Failed(run.error or error)
-
-
-def _used_up(attempts: int, error: str | None) -> str:
-    return f"gave up after {attempts} attempts: {error or 'no error recorded'}"
+def _fail_run(run: PipelineRun, failure: policy.Failure) -> Failed:
+    """Fail a locked run as the policy said (the row of an attempt that ends with it is written
+    by the caller, before the run forgets the attempt)."""
+    _fail(run, failure.error, failure.error_class)
+    return Failed(run.error or failure.error)
 
 
 def _record(

@@ -22,7 +22,7 @@ from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.operations import status, sweeper
-from mailpipe.pipeline import job, runs
+from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.classify import store_classification
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
@@ -70,7 +70,7 @@ def set_model_calls(res: Resources, on: bool) -> None:
 def start_attempt(res: Resources, email_id: int) -> int:
     """A delivery's claim: what a job whose worker then vanished with its message leaves."""
     with res.db.transaction() as session:
-        return runs.claim_attempt(session, email_id, res.settings.max_attempts).attempt
+        return runs.claim_attempt(session, email_id, policy.Limits.of(res.settings)).attempt
 
 
 def classify_then_die(res: Resources, email_id: int) -> None:
@@ -81,7 +81,7 @@ def classify_then_die(res: Resources, email_id: int) -> None:
     set_model_calls(res, model_calls)
     with res.db.transaction() as session:
         token = runs.claim_attempt(
-            session, email_id, res.settings.max_attempts, stage=queues.Stage.MODEL
+            session, email_id, policy.Limits.of(res.settings), stage=queues.Stage.MODEL
         ).token
     with res.db.transaction() as session:
         run = runs.lock_current(session, email_id, token)

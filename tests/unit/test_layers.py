@@ -44,6 +44,8 @@ EXPECTED = {
     "mailpipe.classifiers.rules": {"base", "classifiers"},
     "mailpipe.classifiers.bedrock": {"base", "classifiers"},
     "mailpipe.resources": {"base", "resources"},
+    # The policy: the storage layer's enums of outcomes and error classes, nothing that calls out.
+    "mailpipe.pipeline.policy": {"base", "storage", "pipeline"},
     "mailpipe.pipeline.job": {
         "base",
         "storage",

@@ -27,7 +27,7 @@ from mailpipe.broker.queues import Lane, Stage, TaskName, stage_queue
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses, redis_keys
 from mailpipe.errors import RunFailed
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import policy, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, SweepReport
@@ -203,7 +203,7 @@ def test_a_bulk_job_s_follow_up_stays_in_the_bulk_lane(
     [email_id] = store_emails(res, [email(f"bulk-{follow_up}")])
     if follow_up == "retry":
         with res.db.transaction() as session:
-            runs.claim_attempt(session, email_id, res.settings.max_attempts)
+            runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
     elif follow_up == "deferral":
         res.redis.set(redis_keys.lease(email_id), "elsewhere:1:holder", px=60_000)
     else:

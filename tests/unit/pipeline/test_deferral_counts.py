@@ -14,7 +14,7 @@ from mailpipe.coordination import redis_keys
 from mailpipe.operations import metrics
 from mailpipe.operations.activity import HOUR, fleet_activity
 from mailpipe.operations.status import HISTORY_PAGE, email_detail, history
-from mailpipe.pipeline import job, runs
+from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import QueueSample, RunAttempt, utcnow
@@ -33,7 +33,7 @@ def remote(res: Resources) -> Resources:
 def claimed(res: Resources, email_id: int) -> int:
     """A delivery's claim of the run: its token."""
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(session, email_id, res.settings.max_attempts)
+        claim = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
     assert isinstance(claim, runs.Claim), claim
     return claim.token
 
@@ -85,7 +85,7 @@ def test_a_deferral_after_another_end_starts_a_row_of_its_own(res) -> None:  # t
     token = claimed(res, email_id)
     with res.db.transaction() as session:
         failed = runs.record_failed_attempt(
-            session, email_id, token, "it broke", 4, error_class="TransientError"
+            session, email_id, token, "it broke", policy.Limits(4, 10), error_class="TransientError"
         )
     assert failed is None  # attempts remain
     deferred(3)

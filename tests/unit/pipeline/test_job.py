@@ -15,7 +15,7 @@ from mailpipe.coordination import forgotten, redis_keys
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import TransientError
 from mailpipe.operations import sweeper
-from mailpipe.pipeline import job, runs
+from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -74,11 +74,11 @@ def start_attempt(res: Resources, email_id: int) -> int:
     leaves exactly this behind. When the attempt before died too, the claim records that and
     asks for the backoff first: the retry sent after it claims."""
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(session, email_id, res.settings.max_attempts)
+        claim = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
     if isinstance(claim, runs.Refused):
         assert claim.reason is runs.Refusal.UNFINISHED, claim
         with res.db.transaction() as session:
-            claim = runs.claim_attempt(session, email_id, res.settings.max_attempts)
+            claim = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
     assert isinstance(claim, runs.Claim), claim
     return claim.attempt
 
@@ -321,16 +321,20 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
     claim, which only grows, not the attempts, which a new stage resets."""
     [email_id] = store_emails(res, [INVOICE])
     with res.db.transaction() as session:
-        a = runs.claim_attempt(session, email_id, 4)
+        a = runs.claim_attempt(session, email_id, policy.Limits(4, 10))
     with res.db.transaction() as session:
-        died = runs.claim_attempt(session, email_id, 4)  # finds A unfinished: A's process died
+        died = runs.claim_attempt(
+            session, email_id, policy.Limits(4, 10)
+        )  # finds A unfinished: A's process died
     assert isinstance(died, runs.Refused) and died.reason is runs.Refusal.UNFINISHED
     with res.db.transaction() as session:
-        b = runs.claim_attempt(session, email_id, 4)  # the retry, after its backoff
+        b = runs.claim_attempt(
+            session, email_id, policy.Limits(4, 10)
+        )  # the retry, after its backoff
     with res.db.transaction() as session:
         runs.mark_converted(session, email_id, b.token, model_calls=True)
     with res.db.transaction() as session:
-        c = runs.claim_attempt(session, email_id, 4, stage=Stage.MODEL)
+        c = runs.claim_attempt(session, email_id, policy.Limits(4, 10), stage=Stage.MODEL)
     assert (a.attempt, b.attempt, c.attempt) == (1, 2, 1)
     assert (a.token, b.token, c.token) == (1, 2, 3)
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
@@ -347,7 +351,9 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
     # A mark from before the attempt started (a job that had ended inside an earlier window)
     # counts for nothing: this attempt died, and it counts.
     with res.db.transaction() as session:
-        died = runs.claim_attempt(session, email_id, 4, shutdown_cut_off_at=marked_before)
+        died = runs.claim_attempt(
+            session, email_id, policy.Limits(4, 10), shutdown_cut_off_at=marked_before
+        )
     assert isinstance(died, runs.Refused) and died.reason is runs.Refusal.UNFINISHED
     run = run_of(res, email_id)
     assert (run.attempts, run.cutoffs) == (1, 0)
@@ -357,14 +363,14 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
     for cut in (1, 2):
         with res.db.transaction() as session:
             claim = runs.claim_attempt(
-                session, email_id, 4, shutdown_cut_off_at=time.time(), max_shutdown_cutoffs=3
+                session, email_id, policy.Limits(4, 3), shutdown_cut_off_at=time.time()
             )
         run = run_of(res, email_id)
         assert (type(claim), run.attempts, run.cutoffs) == (runs.Claim, 2, cut)
         assert run.error.startswith(f"cut off by shutdown ({cut} of at most 3)")
     with res.db.transaction() as session:
         claim = runs.claim_attempt(
-            session, email_id, 4, shutdown_cut_off_at=time.time(), max_shutdown_cutoffs=3
+            session, email_id, policy.Limits(4, 3), shutdown_cut_off_at=time.time()
         )
     run = run_of(res, email_id)
     assert (type(claim), run.status, run.cutoffs) == (runs.Failed, RunStatus.FAILED, 3)
