@@ -61,7 +61,7 @@ from sqlalchemy import delete, func, insert, select
 
 from mailpipe.broker.layout import queue_stats
 from mailpipe.broker.queues import Lane, Stage, lane_of, stage_of, stage_queue
-from mailpipe.coordination import redis_keys
+from mailpipe.coordination import deferrals, redis_keys
 from mailpipe.coordination.heartbeat import live_versions, live_workers
 from mailpipe.errors import describe
 from mailpipe.pipeline import stage_pauses
@@ -399,13 +399,12 @@ def collect(res: Resources) -> list[BacklogMetrics]:
     except Exception:
         log.warning("could not keep the lanes' samples for the console", exc_info=True)
     email, *others = readings
-    counted = res.redis.getdel(redis_keys.deferrals_counter())
+    counted = deferrals.take_total(res.redis)
     try:
         window = claim_window(res, lookback=settings.metrics_interval)
     except Exception:
         log.warning("could not count failed runs and ended jobs", exc_info=True)
         window = None
-    deferrals = int(counted) if counted is not None else None
     if window is not None:
         window = window.with_deferrals(readings)
     return [
@@ -413,7 +412,7 @@ def collect(res: Resources) -> list[BacklogMetrics]:
             email,
             failed_runs=window.failed_runs if window else None,
             stage_jobs=window.stage_jobs if window else None,
-            deferrals=deferrals,
+            deferrals=counted,
             paused_stages=frozenset(paused),
             versions=live_versions(res.redis, settings.worker_dead_after),
         ),
@@ -457,15 +456,11 @@ def read_backlog(
 def take_lane_deferrals(res: Resources) -> dict[str, int]:
     """Each lane's deferrals since the last report, taken: the next report counts from 0. The
     queue's name -> deferrals; empty if Redis can't be read (those figures are lost)."""
-    pipe = res.redis.pipeline(transaction=True)
-    pipe.hgetall(redis_keys.lane_deferrals())
-    pipe.delete(redis_keys.lane_deferrals())
     try:
-        counted, _ = pipe.execute()
+        return deferrals.take_by_lane(res.redis)
     except RedisError:
         log.warning("could not read the lanes' deferrals; they are dropped", exc_info=True)
         return {}
-    return {queue.decode(): int(count) for queue, count in counted.items()}
 
 
 def keep_samples(res: Resources, readings: Sequence[BacklogMetrics]) -> None:

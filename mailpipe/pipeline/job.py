@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
-from mailpipe.coordination import forgotten, leases, pauses, redis_keys, shutdowns
+from mailpipe.coordination import deferrals, forgotten, leases, pauses, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import (
@@ -680,11 +680,7 @@ def _deferral(
             ErrorClass.DEFERRED_TOO_LONG,
         )
     try:
-        pipe = res.redis.pipeline(transaction=False)
-        pipe.zadd(redis_keys.deferred(queue), {str(email_id): now + delay})
-        pipe.incr(redis_keys.deferrals_counter())
-        pipe.hincrby(redis_keys.lane_deferrals(), queue, 1)
-        pipe.execute()
+        deferrals.record(res.redis, queue, email_id, now + delay)
     except RedisError:
         log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)
     log.info("email %s: deferred %.1fs: %s", email_id, delay, outcome.error)
