@@ -16,10 +16,10 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, and_, false, func, not_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
@@ -231,10 +231,68 @@ class Step(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Reprocessed:
-    emails: int  # the succeeded runs the filter found (a dry run: what it would take)
+    """A reprocess's plan (a dry run: what it would take), or what it took."""
+
+    emails: int  # the succeeded runs the filter finds that no other reprocess holds
     model_calls: int  # what it costs: one call per email with a remote model, none with rules
+    as_of: int  # the latest reprocess when counted: what one after it took is left to that one
+    most: int  # MAILPIPE_REPROCESS_MAX: more only with `over_max`
     reprocess_id: int | None = None  # None for a dry run
     enqueued: int = 0  # jobs sent (an email whose job is queued already gets none)
+    taken: int = 0  # runs reopened: at most `emails`, fewer when some changed meanwhile
+
+
+class Refused(Exception):
+    """A mass action refused before it changed anything: why (the exception's text), and its
+    figures as they are now (`plan`: a `Reprocessed`), for the face to show, so
+    that the operator can confirm those instead."""
+
+    def __init__(self, why: str, plan: Reprocessed) -> None:
+        super().__init__(why)
+        self.plan = plan
+
+
+class NotAFilter(Refused):
+    """The filter takes every succeeded email: reprocessing every email is not a filter."""
+
+
+class OverMax(Refused):
+    """More emails than MAILPIPE_REPROCESS_MAX, without the override."""
+
+
+class Changed(Refused):
+    """The figures are not those the operator confirmed (`expect`)."""
+
+
+def plan_reprocess(res: Resources, filt: EmailFilter, *, as_of: int | None = None) -> Reprocessed:
+    """What `reprocess` would take and cost: the emails `filt` finds whose run succeeded, as of
+    `as_of` (a plan's, confirmed later; by default the latest reprocess now), leaving out the
+    emails a reprocess still under way took and those one after `as_of` took
+    (`runs.Reprocessing`). NotAFilter when the filter takes every succeeded email and more than
+    one: a state of `succeeded`, `review=no` with none marked or a time range around every
+    email narrows nothing."""
+    return _planned(res, filt, as_of)[0]
+
+
+def _planned(
+    res: Resources, filt: EmailFilter, as_of: int | None
+) -> tuple[Reprocessed, runs.Reprocessing]:
+    """The plan, and what it left alone: the batches leave alone the same."""
+    with res.db.session() as session:
+        leaving = runs.reprocessing(session, as_of)
+        found = _succeeded(session, filt, leaving).subquery()
+        emails = session.scalar(select(func.count()).select_from(found)) or 0
+        every = filt == EmailFilter() or (emails > 1 and not _leaves_out_one(session, filt))
+    plan = Reprocessed(
+        emails, emails if res.classifier.remote else 0, leaving.as_of, res.settings.reprocess_max
+    )
+    if every:
+        raise NotAFilter(
+            "a reprocess needs a filter that leaves out some succeeded email: every email is "
+            "not a filter",
+            plan,
+        )
+    return plan, leaving
 
 
 def reprocess(
@@ -245,19 +303,29 @@ def reprocess(
     lane: Lane = Lane.BULK,
     enqueue: Enqueue,
     user: str,
-    dry_run: bool = False,
+    expect: int | None = None,
+    as_of: int | None = None,
+    over_max: bool = False,
     batch: int = BATCH,
 ) -> Reprocessed:
-    """Run again, from `step`, the emails `filt` finds whose run succeeded: reopened in batches
-    under one reprocess (its progress: `status.reprocesses`), their jobs sent in `lane`, the bulk
-    one by default. Their classification and labels stay until the new answer replaces them. A
-    run already reopened is open, so the same filter twice reopens and sends nothing twice."""
-    with res.db.session() as session:
-        found = _succeeded(session, filt).subquery()
-        emails = session.scalar(select(func.count()).select_from(found)) or 0
-    model_calls = emails if res.classifier.remote else 0
-    if dry_run or not emails:
-        return Reprocessed(emails, model_calls)
+    """Run again, from `step`, the emails its plan (`plan_reprocess`) counts: reopened in
+    batches under one reprocess (its progress: `status.reprocesses`), their jobs sent in `lane`,
+    the bulk one by default, at most as many as the plan counted. The same request sent again,
+    or twice at once, takes no email twice. Their classification and labels stay until the new
+    answer replaces them. Refused (`Refused`, nothing changed) as the plan is, when the count
+    is not `expect`, the one the operator confirmed (`Changed`), or past MAILPIPE_REPROCESS_MAX
+    without `over_max` (`OverMax`)."""
+    plan, leaving = _planned(res, filt, as_of)
+    emails = plan.emails
+    if expect is not None and expect != emails:
+        raise Changed(f"the plan confirmed took {expect} emails; it takes {emails} now", plan)
+    if emails > plan.most and not over_max:
+        raise OverMax(
+            f"{emails} emails is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once",
+            plan,
+        )
+    if not emails:
+        return plan
     res.redis.ping()  # reopened runs wait for a job: with Redis down, change nothing
     with res.db.transaction() as session:
         record = Reprocess(
@@ -266,45 +334,76 @@ def reprocess(
             lane=lane.value,
             search=filt.fields(),
             emails=emails,
+            taken=0,
         )
         session.add(record)
         session.flush()
         reprocess_id = record.id
     _audited(f"reprocess_{reprocess_id}_from_{step.value}", user)
-    enqueued, after = 0, 0
-    while True:
+    enqueued, taken, after = 0, 0, 0
+    # No more than the plan counted: an email that succeeded since is the next plan's.
+    while (room := min(batch, emails - taken)) > 0:
         with res.db.transaction() as session:
             chunk = list(
                 session.scalars(
-                    _succeeded(session, filt)
+                    _succeeded(session, filt, leaving)
                     .where(EmailMessage.id > after)
                     .order_by(EmailMessage.id)
-                    .limit(batch)
+                    .limit(room)
                 )
             )
             if not chunk:
                 break
             cpu, model = runs.reopen_to_reprocess(
-                session, chunk, reprocess_id, keep_documents=step is Step.CLASSIFY
+                session,
+                chunk,
+                reprocess_id,
+                keep_documents=step is Step.CLASSIFY,
+                leaving=leaving,
+            )
+            session.execute(
+                update(Reprocess)
+                .where(Reprocess.id == reprocess_id)
+                .values(taken=Reprocess.taken + len(cpu) + len(model))
             )
         after = chunk[-1]
+        taken += len(cpu) + len(model)
         _logged(f"reprocess_{reprocess_id}", user, cpu + model)
         enqueued += len(enqueue(cpu, TaskName.PROCESS_EMAIL, lane)) if cpu else 0
         enqueued += len(enqueue(model, TaskName.CLASSIFY_EMAIL, lane)) if model else 0
-    return Reprocessed(emails, model_calls, reprocess_id, enqueued)
+    return replace(plan, reprocess_id=reprocess_id, enqueued=enqueued, taken=taken)
 
 
-def _succeeded(session: Session, filt: EmailFilter) -> Select[Any]:
-    """The emails `filt` finds whose run succeeded, by id, as the search finds them in
-    `session`'s transaction (`search.matching`: the same words, through the same indexes). The
-    filter's conditions on a run are EXISTS over `pipeline_run`; the run read here is an alias,
-    so that they stay its own."""
+def _succeeded(session: Session, filt: EmailFilter, leaving: runs.Reprocessing) -> Select[Any]:
+    """The emails `filt` finds whose run succeeded and is free to take (`leaving`), by id, as
+    the search finds them in `session`'s transaction (`search.matching`: the same words,
+    through the same indexes). The filter's conditions on a run are EXISTS over
+    `pipeline_run`; the run read here is an alias, so that they stay its own."""
     run = aliased(PipelineRun)
     return (
         select(EmailMessage.id)
         .join(run, run.email_id == EmailMessage.id)
-        .where(*search.matching(session, filt), run.status == RunStatus.SUCCEEDED)
+        .where(
+            *search.matching(session, filt),
+            run.status == RunStatus.SUCCEEDED,
+            leaving.free(run),
+        )
     )
+
+
+def _leaves_out_one(session: Session, filt: EmailFilter) -> bool:
+    """Whether some succeeded email is one `filt` does not find: a state of `succeeded`, a
+    time range around every email or `review=no` with none marked narrow nothing. A search's
+    condition on a column without a value is unknown, which leaves that email out too."""
+    run = aliased(PipelineRun)
+    found = and_(*search.matching(session, filt))
+    left_out = (
+        select(EmailMessage.id)
+        .join(run, run.email_id == EmailMessage.id)
+        .where(run.status == RunStatus.SUCCEEDED, not_(func.coalesce(found, false())))
+        .limit(1)
+    )
+    return session.scalar(left_out) is not None
 
 
 @dataclass(frozen=True)

@@ -449,7 +449,10 @@ class Reprocess(Base):
     from_step: Mapped[str] = mapped_column(String(16))  # classify, documents or parse
     lane: Mapped[str] = mapped_column(String(8))
     search: Mapped[dict[str, Any]] = mapped_column(JSON)  # the filter, as the search's fields
-    emails: Mapped[int]
+    emails: Mapped[int]  # what its plan counted, which it takes at most
+    # The runs it reopened, counted in each batch's transaction; NULL on a reprocess of the
+    # release before, which took `emails`.
+    taken: Mapped[int | None]
 
 
 class RuntimeFlag(Base):

@@ -64,6 +64,7 @@ CONSOLE = [
     Route("/emails/{email_id}", pages.email, name="email"),
     Route("/emails/{email_id}/lane", forms.move_to_lane, methods=["POST"], name="move_to_lane"),
     Route("/emails/{email_id}/act", forms.act_on_email, methods=["POST"], name="act_on_email"),
+    Route("/reprocess", pages.reprocess_plan, name="reprocess_plan"),
     Route("/reprocess", forms.reprocess_matching, methods=["POST"], name="reprocess_matching"),
     Mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static"),
 ]

@@ -18,7 +18,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from mailpipe.broker.queues import Lane, Stage
-from mailpipe.operations.actions import Step
+from mailpipe.operations.actions import NotAFilter, Step, plan_reprocess
 from mailpipe.operations.activity import fleet_activity
 from mailpipe.operations.search import (
     FIELDS,
@@ -149,6 +149,90 @@ def _search_page(
         lanes=[lane.value for lane in Lane],
         labels=request.app.state.resources.settings.labels,
         query=lambda **changes: params.query(fields, **changes),
+    )
+
+
+def reprocess_plan(request: Request) -> Response:
+    """A reprocess's plan, from the search's form: how many emails it takes, the model calls
+    that costs, and the form that takes them (with the plan's count and `as_of`)."""
+    query = request.query_params
+    try:
+        filt, _ = read_search({name: query.get(name, "") for name in FIELDS})
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    step, lane = query.get("from"), query.get("in_lane")
+    if step not in tuple(Step) or lane not in tuple(Lane):
+        raise HTTPException(400, "from is a step and in_lane a lane, as the search's form has them")
+    res = request.app.state.resources
+    try:
+        plan = plan_reprocess(res, filt, as_of=params.count(query, "as_of"))
+    except NotAFilter as refused:
+        raise HTTPException(400, str(refused)) from None
+    fields = filt.fields()
+    shown = {name: value for name, value in fields.items() if value}
+    over = plan.emails > plan.most
+    return _confirm(
+        request,
+        title=f"Reprocess {plan.emails} succeeded emails from {step}?",
+        figures=[
+            ("emails", str(plan.emails)),
+            ("model calls", f"{plan.model_calls} ({res.settings.model_backend})"),
+            ("from", str(step)),
+            ("in the lane", str(lane)),
+            *_filters_shown(shown),
+        ],
+        count=plan.emails,
+        problems=[
+            f"That is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once: narrow "
+            "the search, or tick the box to take them all the same."
+        ]
+        if over
+        else [],
+        over_max=over,
+        action=request.app.url_path_for("reprocess_matching"),
+        fields={
+            **fields,
+            "from": str(step),
+            "in_lane": str(lane),
+            "expect": str(plan.emails),
+            "as_of": str(plan.as_of),
+        },
+        button=f"Reprocess {plan.emails} emails",
+        back=f"{request.app.url_path_for('search')}?{params.query(fields)}",
+    )
+
+
+def _filters_shown(fields: dict[str, str]) -> list[tuple[str, str]]:
+    return (
+        [("filters", ", ".join(f"{name} {value}" for name, value in fields.items()))]
+        if fields
+        else []
+    )
+
+
+def _confirm(
+    request: Request,
+    *,
+    count: int,
+    problems: list[str] | None = None,
+    over_max: bool = False,
+    **context: Any,
+) -> Response:
+    """The confirmation of a mass action: its figures, and a form that posts them back with
+    the count it showed, which the action checks (`actions.Changed`: back here, with the
+    figures now). `changed` in the query: the count a confirmation showed before."""
+    said = list(problems or [])
+    before = params.count(request.query_params, "changed")
+    if before is not None:
+        said.insert(0, f"It was {before} when you confirmed; it is {count} now: nothing was done.")
+    return _render(
+        request,
+        "confirm.html",
+        count=count,
+        problems=said,
+        notes=[],
+        over_max=over_max,
+        **context,
     )
 
 

@@ -45,12 +45,16 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 NOT_AN_EMAIL = b"\x00 not an email"
 
 
-def mailpipe(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
-    """`mailpipe ARGS` in a subprocess; `env`: MAILPIPE_ variables to set for it alone."""
+def mailpipe(
+    *args: str, cwd: Path | None = None, answer: str = "", **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`mailpipe ARGS` in a subprocess, `answer` on its stdin (none: the end of input at once);
+    `env`: MAILPIPE_ variables to set for it alone."""
     return subprocess.run(
         [sys.executable, "-m", "mailpipe.cli.main", *args],
         capture_output=True,
         text=True,
+        input=answer,
         env={**os.environ, **env},
         cwd=cwd,
         timeout=300,
@@ -611,23 +615,46 @@ def test_find_refuses_bad_input_in_one_line_with_exit_2(
 
 
 def test_reprocess_by_filter_says_what_it_takes_then_takes_it_once(res) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.operations.test_reprocess import OTHER
     from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
 
     model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
-    assert [job.process_email(res, i).kind.value for i in ids] == ["succeeded"] * 2
-    assert mailpipe("reprocess", "--from", "classify").returncode == 2  # no filter
+    [other] = store_emails(res, [OTHER])
+    assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3
+    # No filter, or one that leaves out no succeeded email: refused.
+    for everything in ((), ("--state", "succeeded"), ("--no-review",), ("--since", "1970-01-01")):
+        refused = mailpipe("reprocess", *everything, "--from", "classify")
+        assert refused.returncode == 2, refused.stdout
+        assert "every email is not a filter" in one_error_line(refused)
     dry = mailpipe("reprocess", "--label", "invoice", "--from", "classify", "--dry-run")
     assert dry.stdout.strip() == (
         "2 succeeded emails match, from classify, in the bulk lane: 0 model calls"
     )
-    assert statuses(res) == dict.fromkeys(ids, "succeeded")
-    done = mailpipe("reprocess", "--label", "invoice", "--from", "parse", "--yes")
+    no = mailpipe("reprocess", "--label", "invoice", "--from", "parse", answer="n\n")
+    assert (no.returncode, no.stdout.splitlines()[-1]) == (0, "Reprocess them? [y/N]: nothing done")
+    over = mailpipe(
+        "reprocess", "--label", "invoice", "--from", "parse", "--yes", MAILPIPE_REPROCESS_MAX="1"
+    )
+    assert over.returncode == 2
+    assert one_error_line(over).endswith("narrow the filters, or --over-max takes them")
+    assert statuses(res) == dict.fromkeys([*ids, other], "succeeded")
+    done = mailpipe(
+        "reprocess",
+        *("--label", "invoice", "--from", "parse", "--over-max"),
+        answer="y\n",
+        MAILPIPE_REPROCESS_MAX="1",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].endswith("reopened 2, enqueued 2")
-    assert statuses(res) == dict.fromkeys(ids, "open")
+    assert statuses(res) == {**dict.fromkeys(ids, "open"), other: "succeeded"}
     assert f"_from_parse by cli:{getpass.getuser()}" in done.stderr
     again = mailpipe("reprocess", "--label", "invoice", "--from", "parse", "--yes")
     assert again.stdout.strip().startswith("0 succeeded emails match")
     [progress] = json.loads(mailpipe("status", "--json").stdout)["reprocesses"]
-    assert (progress["emails"], progress["left"], progress["lane"]) == (2, 2, "bulk")
+    assert (progress["emails"], progress["taken"], progress["left"], progress["lane"]) == (
+        2,
+        2,
+        2,
+        "bulk",
+    )
