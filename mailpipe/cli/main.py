@@ -396,6 +396,7 @@ _YES = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
     "--dismissed", is_flag=True, help="List the dismissed runs instead (`dismiss --undo`)."
 )
+@_YES
 def failed(
     retry_ids: tuple[int, ...],
     retry_all: bool,
@@ -403,9 +404,11 @@ def failed(
     limit: int,
     as_json: bool,
     dismissed: bool,
+    yes: bool,
     **filters: str | None,
 ) -> None:
-    """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them."""
+    """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them;
+    `--retry-all` says how many it takes and asks first."""
     from mailpipe.operations.status import failed_page
 
     if retry_ids and retry_all:
@@ -414,8 +417,13 @@ def failed(
         raise BadInput("--dismissed lists; retry a dismissed run with --retry EMAIL_ID")
     filt = _failed_filter(retry_ids, filters, dismissed)
     res = _migrated()
+    if retry_ids:
+        _retry(res, retry_ids, None, None)
+    elif retry_all:
+        counted = _confirmed_count(res, filt, "Retry", yes)
+        if counted is not None:
+            _retry(res, None, filt, None if yes else counted)
     if retry_ids or retry_all:
-        _retry(res, retry_ids or None, filt)
         return
     with res.db.session() as session:
         listed = failed_page(session, filt, page, limit)
@@ -445,19 +453,17 @@ def _to_second(iso: str | None) -> str:
     return "" if iso is None else iso[: len("YYYY-MM-DDTHH:MM:SS")].replace("T", " ")
 
 
-def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any) -> None:
-    """Reopen the failed runs of `email_ids` (None: every listed one `filt` matches) and
-    enqueue their jobs. The ids not retried are named on stderr, and make the exit code
-    NotFound's."""
+def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any, expect: int | None) -> None:
+    """Reopen the failed runs of `email_ids` (None: every listed one `filt` matches, `expect`
+    of them) and enqueue their jobs. The ids not retried are named on stderr, and make the exit
+    code NotFound's."""
     from mailpipe.enqueue import sender
     from mailpipe.operations import actions
 
-    done = actions.retry(
-        res,
-        email_ids,
-        None if email_ids else filt,
-        enqueue=sender(res),
-        user=_user(),
+    done = _as_confirmed(
+        lambda: actions.retry(
+            res, email_ids, filt, enqueue=sender(res), user=_user(), expect=expect
+        )
     )
     click.echo(f"reopened {len(done.done)}, enqueued {done.enqueued}")
     _name_refused(done.refused, "retried")
@@ -473,6 +479,24 @@ def _asked(question: str) -> bool:
         raise BadInput("no answer, so nothing done: --yes acts without asking") from None
     click.echo("nothing done")
     return False
+
+
+def _confirmed_count(res: Resources, filt: Any, verb: str, yes: bool) -> int | None:
+    """How many failed runs `filt` lists, said with those that failed as rejected input (a
+    retry fails again); that count once confirmed (`yes`: without asking), None when there is
+    nothing to do or the answer was no."""
+    from mailpipe.errors import input_rejections
+    from mailpipe.operations import actions
+
+    counted = actions.count_failed(res, filt)
+    rejections = " or ".join(input_rejections())
+    click.echo(
+        f"{counted.runs} failed runs match; {counted.rejected} of them failed as {rejections}"
+        + (": their input is rejected, and a retry fails again" if counted.rejected else "")
+    )
+    if not counted.runs or not (yes or _asked(f"{verb} these {counted.runs}?")):
+        return None
+    return counted.runs
 
 
 def _as_confirmed(act: Callable[[], T]) -> T:
@@ -502,15 +526,18 @@ def _name_refused(refused: dict[int, str], act: str) -> None:
     "--undo", is_flag=True, help="Take the dismiss back: the runs are on the failed list again."
 )
 @_failed_filters
+@_YES
 def dismiss(
     email_ids: tuple[int, ...],
     dismiss_all: bool,
     undo: bool,
+    yes: bool,
     **filters: str | None,
 ) -> None:
     """Give up on failed runs: each stays failed, leaves the failed and review lists, and no
     retry-all or sweep takes it up again (`failed --retry EMAIL_ID` still does). `failed
-    --dismissed` lists them; `dismiss --undo EMAIL_ID...` takes the dismiss back."""
+    --dismissed` lists them; `dismiss --undo EMAIL_ID...` takes the dismiss back. `--all` says
+    how many it takes and asks first."""
     from mailpipe.operations import actions
 
     if bool(email_ids) == dismiss_all:
@@ -524,7 +551,17 @@ def dismiss(
         click.echo(f"back on the failed list: {len(undone.done)}")
         _name_refused(undone.refused, "taken back")
         return
-    done = actions.dismiss(res, email_ids or None, None if email_ids else filt, user=_user())
+    expect = None
+    if dismiss_all:
+        counted = _confirmed_count(res, filt, "Dismiss", yes)
+        if counted is None:
+            return
+        expect = None if yes else counted
+    done = _as_confirmed(
+        lambda: actions.dismiss(
+            res, email_ids or None, None if email_ids else filt, user=_user(), expect=expect
+        )
+    )
     click.echo(f"dismissed {len(done.done)}")
     _name_refused(done.refused, "dismissed")
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.coordination import pauses
+from mailpipe.errors import input_rejections
 from mailpipe.operations import erasure, search
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
@@ -52,12 +53,14 @@ def retry(
     *,
     enqueue: Enqueue,
     user: str,
+    expect: int | None = None,
     batch: int = BATCH,
 ) -> Done:
     """Reopen failed runs with a fresh attempt budget and enqueue their jobs, which run the whole
     job again, each in its email's lane. `email_ids`: those (a dismissed one included); else
     every listed failed run that `filt` matches (no dismissed one). The review mark of each
-    reopened email is cleared."""
+    reopened email is cleared. `expect`: the count the operator confirmed (`confirmed`)."""
+    most = confirmed(res, email_ids, filt, expect)
     # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
     res.redis.ping()
     done: list[int] = []
@@ -70,7 +73,7 @@ def retry(
         lanes.update(emails.lanes(session, reopened))
         return reopened
 
-    for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen):
+    for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen, most=most):
         _logged("retry", user, reopened)
         done.extend(reopened)
         refused.update(not_reopened)
@@ -106,14 +109,17 @@ def dismiss(
     filt: FailedFilter | None = None,
     *,
     user: str,
+    expect: int | None = None,
     batch: int = BATCH,
 ) -> Done:
     """Dismiss failed runs: each stays failed, leaves the failed list and the review list, and
     no retry-all or sweep reopens it. `email_ids`: those; else every listed failed run that
-    `filt` matches."""
+    `filt` matches. `expect`: the count the operator confirmed (`confirmed`)."""
+    most = confirmed(res, email_ids, filt, expect)
     done: list[int] = []
     refused: dict[int, str] = {}
-    for dismissed, not_dismissed in _in_batches(res, email_ids, filt, batch, runs.dismiss):
+    batches = _in_batches(res, email_ids, filt, batch, runs.dismiss, most=most)
+    for dismissed, not_dismissed in batches:
         _logged("dismiss", user, dismissed)
         done.extend(dismissed)
         refused.update(not_dismissed)
@@ -134,9 +140,16 @@ def undo_dismiss(
 
 
 def clear_review(
-    res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
+    res: Resources,
+    email_ids: Sequence[int],
+    *,
+    user: str,
+    expect: int | None = None,
+    batch: int = BATCH,
 ) -> Done:
-    """Take emails off the review list without a retry; their runs are left as they are."""
+    """Take emails off the review list without a retry; their runs are left as they are.
+    `expect`: the count the operator confirmed (`confirmed`)."""
+    confirmed(res, email_ids, None, expect)
     done: list[int] = []
     refused: dict[int, str] = {}
     for cleared, not_cleared in _in_batches(
@@ -146,6 +159,75 @@ def clear_review(
         done.extend(cleared)
         refused.update(not_cleared)
     return Done(done, refused=refused)
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What a mass action on failed runs or marked emails would take, for its confirmation."""
+
+    runs: int  # the runs (or emails) it takes
+    # Of them, runs failed as an input rejection (`errors.input_rejections`): a retry reads the
+    # same bytes and fails again.
+    rejected: int = 0
+
+
+def count_failed(res: Resources, filt: FailedFilter) -> Counted:
+    """The failed runs `filt` lists, as retry and dismiss take them, and the rejected ones."""
+    with res.db.session() as session:
+        return _counted(session, filt.where())
+
+
+def count_of(res: Resources, email_ids: Sequence[int]) -> Counted:
+    """The emails `email_ids` names, and those among them whose run failed as rejected input."""
+    ids = list(dict.fromkeys(email_ids))
+    with res.db.session() as session:
+        rejected = sum(
+            _counted(session, [PipelineRun.email_id.in_(ids[at : at + BATCH])]).rejected
+            for at in range(0, len(ids), BATCH)
+        )
+    return Counted(len(ids), rejected)
+
+
+def _counted(session: Session, where: list[Any]) -> Counted:
+    rejected = PipelineRun.error_class.in_(input_rejections()) & (
+        PipelineRun.status == RunStatus.FAILED
+    )
+    total, rejections = session.execute(
+        select(func.count(), func.count().filter(rejected)).select_from(PipelineRun).where(*where)
+    ).one()
+    return Counted(total, rejections)
+
+
+def marked(res: Resources) -> list[int]:
+    """Every email on the review list, by id: what its "all" actions take."""
+    with res.db.session() as session:
+        # The bare column, as the partial index over the marked emails is written.
+        return list(
+            session.scalars(
+                select(EmailMessage.id).where(EmailMessage.needs_review).order_by(EmailMessage.id)
+            )
+        )
+
+
+def confirmed(
+    res: Resources,
+    email_ids: Sequence[int] | None,
+    filt: FailedFilter | None,
+    expect: int | None,
+) -> int | None:
+    """The most a mass action may take: `expect`, the count its operator confirmed, once the
+    selection holds that many now (the emails named, or the failed runs `filt` lists), or
+    Changed with the count now. None when nothing was confirmed (ids an operator ticked)."""
+    if expect is None:
+        return None
+    now = (
+        count_of(res, email_ids)
+        if email_ids is not None
+        else count_failed(res, filt or FailedFilter())
+    )
+    if now.runs != expect:
+        raise Changed(f"{expect} were confirmed; {now.runs} are there now", now)
+    return expect
 
 
 Act = Callable[[Session, list[int]], list[int]]
@@ -159,21 +241,25 @@ def _in_batches(
     size: int,
     act: Act,
     why_not: Why | None = None,
+    most: int | None = None,
 ) -> Iterator[tuple[list[int], dict[int, str]]]:
     """`act` on batches of emails, each in a transaction of its own; yields after each commit
     the emails acted on, and why not (`why_not`, by default `_why_not`) for the others.
     The batches: `email_ids` in chunks, or the failed runs `filt` lists in keyset batches,
-    locked in the batch's transaction so that none changes before it is acted on."""
+    locked in the batch's transaction so that none changes before it is acted on, `most` of
+    them at the most (what its operator confirmed)."""
     if email_ids is not None and filt is not None:
         raise ValueError("either email ids or a filter, not both")
     if size < 1:
         raise ValueError(f"batch size {size}: must be at least 1")
     pending = None if email_ids is None else list(dict.fromkeys(email_ids))
-    after = 0
+    after, listed = 0, 0
     while True:
         with res.db.transaction() as session:
             if pending is None:
-                chunk = _listed(session, filt or FailedFilter(), after, size)
+                room = size if most is None else min(size, most - listed)
+                chunk = _listed(session, filt or FailedFilter(), after, room) if room else []
+                listed += len(chunk)
             else:
                 chunk, pending = pending[:size], pending[size:]
             if not chunk:
@@ -244,10 +330,10 @@ class Reprocessed:
 
 class Refused(Exception):
     """A mass action refused before it changed anything: why (the exception's text), and its
-    figures as they are now (`plan`: a `Reprocessed`), for the face to show, so
+    figures as they are now (`plan`: a `Reprocessed` or a `Counted`), for the face to show, so
     that the operator can confirm those instead."""
 
-    def __init__(self, why: str, plan: Reprocessed) -> None:
+    def __init__(self, why: str, plan: Reprocessed | Counted) -> None:
         super().__init__(why)
         self.plan = plan
 

@@ -131,8 +131,9 @@ def _reprocessed(done: actions.Reprocessed) -> dict[str, Any]:
     }
 
 
-def _refused(status: int, why: str, plan: actions.Reprocessed) -> Response:
+def _refused(status: int, why: str, plan: actions.Reprocessed | actions.Counted) -> Response:
     """A refusal with the plan as it is now, to look at and confirm instead."""
+    assert isinstance(plan, actions.Reprocessed)
     return JSONResponse({"error": why, "plan": _reprocessed(plan)}, status)
 
 

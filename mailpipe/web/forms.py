@@ -22,7 +22,7 @@ from mailpipe.broker.queues import Lane, Stage
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
 from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed, read_search
-from mailpipe.operations.status import FailedFilter, review_page
+from mailpipe.operations.status import FailedFilter
 from mailpipe.resources import Resources
 from mailpipe.web import params
 from mailpipe.web.auth import ACT, csrf_refusal
@@ -83,6 +83,8 @@ async def pause_or_resume(request: Request) -> Response:
 
 
 async def act_on_failed(request: Request) -> Response:
+    """The failed list's actions: on the ticked runs at once; on every run the filters match
+    only with the count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
     verb, scope = _choice(form, "do", _VERBS).split("-")
     try:
@@ -91,23 +93,40 @@ async def act_on_failed(request: Request) -> Response:
         raise HTTPException(400, str(exc)) from None
     fields = failed_fields(filt)
     res, user = request.app.state.resources, request.user.username
-    if scope == "matching":
-        done = await run_in_threadpool(_act, res, verb, user, None, filt)
-    else:
+    if scope == "selected":
         done = await run_in_threadpool(_act, res, verb, user, _selected(form))
+    else:
+        expect = params.count(form, "expect")
+        confirm = request.app.url_path_for("confirm_failed")
+        if expect is None:
+            return _to(confirm, fields, do=verb)
+        try:
+            done = await run_in_threadpool(_act, res, verb, user, None, filt, expect)
+        except actions.Changed:
+            return _to(confirm, fields, do=verb, changed=expect)
     _log_action(request, f"{verb} {scope} in the failed list", done.done, fields)
     return _back(request, "failed", fields, verb, done)
 
 
 async def act_on_review(request: Request) -> Response:
+    """The review list's actions: on the ticked emails at once; on all of them only with the
+    count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
     verb, scope = _choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split("-")
     res = request.app.state.resources
-    if scope == "matching":
-        email_ids = await run_in_threadpool(_all_marked_for_review, res)
+    if scope == "selected":
+        email_ids, expect = _selected(form), None
     else:
-        email_ids = _selected(form)
-    done = await run_in_threadpool(_act, res, verb, request.user.username, email_ids)
+        expect = params.count(form, "expect")
+        if expect is None:
+            return _to(request.app.url_path_for("confirm_review"), {}, do=verb)
+        email_ids = await run_in_threadpool(actions.marked, res)
+    try:
+        done = await run_in_threadpool(
+            _act, res, verb, request.user.username, email_ids, None, expect
+        )
+    except actions.Changed:
+        return _to(request.app.url_path_for("confirm_review"), {}, do=verb, changed=expect)
     _log_action(request, f"{verb} {scope} in the review list", done.done)
     return _back(request, "review", {}, verb, done)
 
@@ -298,32 +317,21 @@ def _act(
     user: str,
     email_ids: list[int] | None,
     filt: FailedFilter | None = None,
+    expect: int | None = None,
 ) -> actions.Done:
-    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None;
-    done by `user` as the operations' log names them."""
-    if email_ids is not None and not email_ids:
+    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None,
+    `expect` of them when it is confirmed; done by `user` as the operations' log names them."""
+    if email_ids is not None and not email_ids and expect is None:
         return actions.Done([])  # nothing selected: never "every failed run"
     who = f"web:{user}"
     if verb == "retry":
-        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who)
+        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who, expect=expect)
     if verb == "dismiss":
-        return actions.dismiss(res, email_ids, filt, user=who)
+        return actions.dismiss(res, email_ids, filt, user=who, expect=expect)
     assert email_ids is not None
     if verb == "undo":
         return actions.undo_dismiss(res, email_ids, user=who)
-    return actions.clear_review(res, email_ids, user=who)
-
-
-def _all_marked_for_review(res: Resources) -> list[int]:
-    email_ids: list[int] = []
-    page = 1
-    with res.db.session() as session:
-        while True:
-            listed = review_page(session, page, 500)
-            email_ids += [row["email_id"] for row in listed.rows]
-            if page >= listed.pages:
-                return email_ids
-            page += 1
+    return actions.clear_review(res, email_ids, user=who, expect=expect)
 
 
 def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:

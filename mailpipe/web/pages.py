@@ -18,7 +18,16 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from mailpipe.broker.queues import Lane, Stage
-from mailpipe.operations.actions import NotAFilter, Step, plan_reprocess
+from mailpipe.errors import input_rejections
+from mailpipe.operations.actions import (
+    Counted,
+    NotAFilter,
+    Step,
+    count_failed,
+    count_of,
+    marked,
+    plan_reprocess,
+)
 from mailpipe.operations.activity import fleet_activity
 from mailpipe.operations.search import (
     FIELDS,
@@ -152,6 +161,52 @@ def _search_page(
     )
 
 
+# The confirmations of the lists' actions on all they list: what each does, by its `do`.
+FAILED_VERBS = {"retry": "Retry", "dismiss": "Dismiss"}
+REVIEW_VERBS = {"retry": "Retry", "dismiss": "Dismiss", "clear": "Clear the mark of"}
+
+
+def confirm_failed(request: Request) -> Response:
+    """What "Retry all" or "Dismiss all" of the failed list takes, and the form that does it:
+    the count, and for a retry the runs whose input was rejected, which fail again."""
+    verb = _verb(request, FAILED_VERBS)
+    try:
+        filt = read_failed(request.query_params)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    counted = count_failed(request.app.state.resources, filt)
+    fields = failed_fields(filt)
+    shown = {name: value for name, value in fields.items() if value and name != "view"}
+    return _confirm(
+        request,
+        title=f"{FAILED_VERBS[verb]} all {counted.runs} failed runs the filters match?",
+        figures=[("failed runs", str(counted.runs)), *_filters_shown(shown)],
+        counted=counted,
+        rejections=verb == "retry",
+        action=request.app.url_path_for("act_on_failed"),
+        fields={**fields, "do": f"{verb}-matching", "expect": str(counted.runs)},
+        button=f"{FAILED_VERBS[verb]} {counted.runs} runs",
+        back=f"{request.app.url_path_for('failed')}?{params.query(fields)}",
+    )
+
+
+def confirm_review(request: Request) -> Response:
+    """What an action on every email of the review list takes, and the form that does it."""
+    verb = _verb(request, REVIEW_VERBS)
+    counted = count_of(request.app.state.resources, marked(request.app.state.resources))
+    return _confirm(
+        request,
+        title=f"{REVIEW_VERBS[verb]} all {counted.runs} emails on the review list?",
+        figures=[("emails marked", str(counted.runs))],
+        counted=counted,
+        rejections=verb == "retry",
+        action=request.app.url_path_for("act_on_review"),
+        fields={"do": f"{verb}-matching", "expect": str(counted.runs)},
+        button=f"{REVIEW_VERBS[verb]} {counted.runs} emails",
+        back=request.app.url_path_for("review"),
+    )
+
+
 def reprocess_plan(request: Request) -> Response:
     """A reprocess's plan, from the search's form: how many emails it takes, the model calls
     that costs, and the form that takes them (with the plan's count and `as_of`)."""
@@ -181,7 +236,7 @@ def reprocess_plan(request: Request) -> Response:
             ("in the lane", str(lane)),
             *_filters_shown(shown),
         ],
-        count=plan.emails,
+        counted=Counted(plan.emails),
         problems=[
             f"That is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once: narrow "
             "the search, or tick the box to take them all the same."
@@ -202,6 +257,13 @@ def reprocess_plan(request: Request) -> Response:
     )
 
 
+def _verb(request: Request, verbs: dict[str, str]) -> str:
+    verb = request.query_params.get("do", "")
+    if verb not in verbs:
+        raise HTTPException(400, f"do is one of {', '.join(verbs)}")
+    return verb
+
+
 def _filters_shown(fields: dict[str, str]) -> list[tuple[str, str]]:
     return (
         [("filters", ", ".join(f"{name} {value}" for name, value in fields.items()))]
@@ -213,7 +275,8 @@ def _filters_shown(fields: dict[str, str]) -> list[tuple[str, str]]:
 def _confirm(
     request: Request,
     *,
-    count: int,
+    counted: Counted,
+    rejections: bool = False,
     problems: list[str] | None = None,
     over_max: bool = False,
     **context: Any,
@@ -224,13 +287,27 @@ def _confirm(
     said = list(problems or [])
     before = params.count(request.query_params, "changed")
     if before is not None:
-        said.insert(0, f"It was {before} when you confirmed; it is {count} now: nothing was done.")
+        said.insert(
+            0, f"It was {before} when you confirmed; it is {counted.runs} now: nothing was done."
+        )
+    notes = []  # (its class, its text)
+    if rejections:
+        names = " or ".join(input_rejections())
+        notes.append(
+            (
+                "warning",
+                f"{counted.rejected} of them failed as {names}: their input is rejected, and a "
+                "retry fails again.",
+            )
+            if counted.rejected
+            else ("muted", f"None of them failed as {names}.")
+        )
     return _render(
         request,
         "confirm.html",
-        count=count,
+        count=counted.runs,
         problems=said,
-        notes=[],
+        notes=notes,
         over_max=over_max,
         **context,
     )

@@ -225,9 +225,18 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
         row["email_id"] for row in rows
     ]
 
-    retried = mailpipe("failed", "--retry-all")
+    said = "3 failed runs match; 3 of them failed as InputRejected: their input is rejected"
+    no = mailpipe("failed", "--retry-all", answer="n\n")
+    assert no.returncode == 0, no.stderr
+    assert no.stdout.startswith(said) and no.stdout.endswith("nothing done\n")
+    unanswered = mailpipe("failed", "--retry-all")
+    assert unanswered.returncode == 2
+    assert one_error_line(unanswered).endswith("--yes acts without asking")
+    assert statuses(res) == {email_id: "failed" for email_id in ids}
+    retried = mailpipe("failed", "--retry-all", answer="y\n")
     assert retried.returncode == 0, retried.stderr
-    assert retried.stdout.strip() == "reopened 3, enqueued 3"
+    assert retried.stdout.startswith(said)
+    assert retried.stdout.splitlines()[-1].endswith("Retry these 3? [y/N]: reopened 3, enqueued 3")
     assert statuses(res) == {email_id: "open" for email_id in ids}
     assert all(res.redis.exists(redis_keys.job_marker(i)) for i in ids)
     assert json.loads(mailpipe("failed", "--json").stdout)["rows"] == []
@@ -489,9 +498,11 @@ def test_failed_filters_apply_to_the_list_and_to_retry_all(res) -> None:  # type
     assert mailpipe("failed", "--stage", "gpu").returncode == 2
     assert mailpipe("failed", "--retry", str(early), "--stage", "cpu").returncode == 2
 
-    retried = mailpipe("failed", "--retry-all", "--error-class", "BlobMissing", "--stage", "cpu")
+    retried = mailpipe(
+        "failed", "--retry-all", "--error-class", "BlobMissing", "--stage", "cpu", "--yes"
+    )
     assert retried.returncode == 0, retried.stderr
-    assert retried.stdout.strip() == "reopened 1, enqueued 1"
+    assert retried.stdout.splitlines()[-1] == "reopened 1, enqueued 1"
     assert statuses(res) == {early: "open", model: "failed", late: "failed"}
     assert queued_email_ids(res) == [early]
 
@@ -507,14 +518,23 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
     assert one.returncode == 3
     assert one.stdout.strip() == "dismissed 1"
     assert errors(one) == ["email 424242: not dismissed, it has no run"]
-    rest = mailpipe("dismiss", "--all", "--error-class", "Stalled")
-    assert (rest.returncode, rest.stdout.strip()) == (0, "dismissed 1")
+    rest = mailpipe("dismiss", "--all", "--error-class", "Stalled", answer="y\n")
+    assert (rest.returncode, rest.stdout.splitlines()[0]) == (
+        0,
+        "1 failed runs match; 0 of them failed as InputRejected",
+    )
+    assert rest.stdout.endswith("Dismiss these 1? [y/N]: dismissed 1\n")
     assert statuses(res) == {first: "failed", second: "failed", kept: "failed"}
     assert [row["email_id"] for row in json.loads(mailpipe("failed", "--json").stdout)["rows"]] == [
         kept
     ]
     assert json.loads(mailpipe("review", "--json").stdout)["total"] == 0
-    assert mailpipe("failed", "--retry-all").stdout.strip() == "reopened 1, enqueued 1"
+    retried = mailpipe("failed", "--retry-all", "--yes").stdout.splitlines()
+    assert retried == [
+        "1 failed runs match; 1 of them failed as InputRejected: their input is rejected, and "
+        "a retry fails again",
+        "reopened 1, enqueued 1",
+    ]
     assert statuses(res) == {first: "failed", second: "failed", kept: "open"}
 
     dismissed = json.loads(mailpipe("failed", "--dismissed", "--json").stdout)["rows"]

@@ -16,6 +16,7 @@ over the test's database and Redis.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -794,6 +795,78 @@ def test_a_reprocess_past_the_ceiling_needs_its_box_ticked(res, console) -> None
     assert [run_status(res, i) for i in ids] == ["succeeded"] * 2
     assert post(over_max="yes").startswith("/search?label=invoice&action=reprocess&done=2")
     assert [run_status(res, i) for i in ids] == ["open"] * 2
+
+
+def test_an_action_on_all_a_list_holds_shows_its_count_and_needs_it_back(res, console) -> None:  # type: ignore[no-untyped-def]
+    """The failed list's "Retry all", and the review list's "Dismiss all" and "Clear all", go
+    to a page that shows how many they take (and, for a retry, how many were rejected input,
+    which fails again), with a form that posts that count back. A post without it, or with
+    another count, does nothing and goes back to that page."""
+    from tests.support.failed_runs import add_failed
+
+    rejected = [add_failed(res, n, "InputRejected", review=True) for n in (1, 2)]
+    stalled = add_failed(res, 3, "Stalled", review=True)
+    web = console()
+    token = web.csrf(OPERATOR)
+    listed = requests.get(f"{web.url}/failed", auth=OPERATOR, timeout=10).text
+    assert '<form id="matching" method="get" action="/failed/confirm">' in listed
+    assert (
+        '<button form="matching" name="do" value="retry">Retry all 3 matching…</button>' in listed
+    )
+
+    def confirm(path: str, **query: str) -> str:
+        shown = requests.get(f"{web.url}{path}", params=query, auth=OPERATOR, timeout=10)
+        assert shown.status_code == 200, shown.text
+        return shown.text
+
+    def post(path: str, **form: str) -> str:
+        return redirected(web, path, token, form)
+
+    page = confirm("/failed/confirm", do="retry")
+    assert "Retry all 3 failed runs the filters match?" in page
+    assert (
+        "2 of them failed as InputRejected: their input is rejected, and a retry fails again."
+        in page
+    )
+    assert re.search(r'name="do" value="retry-matching">.*name="expect" value="3"', page, re.S)
+    narrowed = confirm("/failed/confirm", do="retry", error_class="Stalled")
+    assert "None of them failed as InputRejected." in narrowed
+    assert "<dt>filters</dt><dd>error_class Stalled</dd>" in narrowed
+
+    assert post("/failed", do="retry-matching") == "/failed/confirm?do=retry"
+    assert post("/failed", do="dismiss-matching") == "/failed/confirm?do=dismiss"
+    assert post("/failed", do="retry-matching", expect="2") == "/failed/confirm?do=retry&changed=2"
+    assert {run_status(res, i) for i in [*rejected, stalled]} == {"failed"}
+    done = post("/failed", do="retry-matching", error_class="Stalled", expect="1")
+    assert done == "/failed?error_class=Stalled&action=retry&done=1&enqueued=1&refused=0"
+    assert run_status(res, stalled) == "open"
+
+    review = requests.get(f"{web.url}/review", auth=OPERATOR, timeout=10).text
+    assert (
+        '<button form="all" name="do" value="clear" class="danger">Clear all 2 marks…</button>'
+        in review
+    )
+    assert "Clear the mark of all 2 emails on the review list?" in confirm(
+        "/review/confirm", do="clear"
+    )
+    assert "2 of them failed as InputRejected" in confirm("/review/confirm", do="retry")
+    assert post("/review", do="clear-matching") == "/review/confirm?do=clear"
+    assert (
+        post("/review", do="dismiss-matching", expect="3") == "/review/confirm?do=dismiss&changed=3"
+    )
+    assert (
+        json.loads(requests.get(f"{web.url}/api/review", auth=VIEWER, timeout=10).text)["total"]
+        == 2
+    )
+    assert post("/review", do="clear-matching", expect="2").startswith(
+        "/review?action=clear&done=2"
+    )
+    assert (
+        json.loads(requests.get(f"{web.url}/api/review", auth=VIEWER, timeout=10).text)["total"]
+        == 0
+    )
+    assert {run_status(res, i) for i in rejected} == {"failed"}  # cleared, not retried
+    assert confirm("/review/confirm", do="retry").count('id="confirm"') == 0  # nothing to do
 
 
 def test_an_email_page_counts_deferrals_and_pages_its_history(res, console) -> None:  # type: ignore[no-untyped-def]
