@@ -707,6 +707,8 @@ def api_calls(
         done = {"emails": 1, "reprocess_id": None} if dry_run else {"emails": 1, "enqueued": 1}
         for n in targets[name]:
             body = {"subject": str(n), "from": "classify", "dry_run": dry_run}
+            if not dry_run:
+                body["expect"] = 1  # the count its plan gives, echoed
             yield Call("POST", "/api/reprocess", bearer, body, done)
 
     def again(method: str, path: str, body: Any = None, expect: Any = None) -> Iterator[Call]:

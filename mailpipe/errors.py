@@ -259,3 +259,15 @@ def mask_aws(text: str) -> str:
 def error_class(exc: BaseException) -> str:
     """The class `describe` names `exc` by, kept apart for the failed list's filter."""
     return type(exc).__name__
+
+
+def input_rejections() -> tuple[str, ...]:
+    """The error classes (`error_class`) of a run failed because its email breaks a limit or is
+    no email (`InputRejected` and its subclasses): a retry reads the same bytes and fails again.
+    A missing blob is not one of them: put back, its email runs."""
+    found, classes = [], [InputRejected]
+    while classes:
+        cls = classes.pop()
+        found.append(cls.__name__)
+        classes.extend(cls.__subclasses__())
+    return tuple(sorted(found))

@@ -193,6 +193,10 @@ class Settings(BaseSettings):
     max_sweeps: int = Field(3, ge=1)
     beat_lock_timeout: int = Field(60, ge=5, le=LONGEST_S)
 
+    # The most emails one operator's reprocess takes (a model call each with a remote model);
+    # more only with the override every face names (`reprocess --over-max`, `over_max`).
+    reprocess_max: int = Field(10_000, ge=1)
+
     # Housekeeping (mailpipe.operations.housekeeping), by beat's lock holder.
     housekeeping_interval: float = Field(3600.0, gt=0, le=LONGEST_S)  # seconds between passes
     # Closed runs' attempts, sweep reports.

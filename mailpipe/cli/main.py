@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from pydantic import ValidationError
@@ -23,6 +23,7 @@ from rich.table import Table
 from mailpipe.resources import Resources, get_resources
 
 console = Console(stderr=False)
+T = TypeVar("T")
 
 
 # The failures: one line on stderr ("Error: ..."), then the exit code of the kind (0 is done, 1 a
@@ -142,7 +143,7 @@ def main() -> None:
 
     \b
     Exit codes:
-      0  done
+      0  done, or nothing to do: nothing matched, or the question was answered no
       1  an unexpected error (a bug), printed with its traceback
       2  bad input: a bad command, option, argument or MAILPIPE_ setting
       3  not found: an unknown email id, or one without a failed run to retry
@@ -359,6 +360,7 @@ def _user() -> str:
 _PAGE = click.option(
     "--page", type=click.IntRange(min=1), default=1, show_default=True, help="Which page."
 )
+_YES = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 
 
 @main.command()
@@ -394,6 +396,7 @@ _PAGE = click.option(
 @click.option(
     "--dismissed", is_flag=True, help="List the dismissed runs instead (`dismiss --undo`)."
 )
+@_YES
 def failed(
     retry_ids: tuple[int, ...],
     retry_all: bool,
@@ -401,9 +404,11 @@ def failed(
     limit: int,
     as_json: bool,
     dismissed: bool,
+    yes: bool,
     **filters: str | None,
 ) -> None:
-    """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them."""
+    """List failed runs (dismissed runs are not listed), or reopen and re-enqueue them;
+    `--retry-all` says how many it takes and asks first."""
     from mailpipe.operations.status import failed_page
 
     if retry_ids and retry_all:
@@ -412,8 +417,13 @@ def failed(
         raise BadInput("--dismissed lists; retry a dismissed run with --retry EMAIL_ID")
     filt = _failed_filter(retry_ids, filters, dismissed)
     res = _migrated()
+    if retry_ids:
+        _retry(res, retry_ids, None, None)
+    elif retry_all:
+        counted = _confirmed_count(res, filt, "Retry", yes)
+        if counted is not None:
+            _retry(res, None, filt, None if yes else counted)
     if retry_ids or retry_all:
-        _retry(res, retry_ids or None, filt)
         return
     with res.db.session() as session:
         listed = failed_page(session, filt, page, limit)
@@ -443,22 +453,61 @@ def _to_second(iso: str | None) -> str:
     return "" if iso is None else iso[: len("YYYY-MM-DDTHH:MM:SS")].replace("T", " ")
 
 
-def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any) -> None:
-    """Reopen the failed runs of `email_ids` (None: every listed one `filt` matches) and
-    enqueue their jobs. The ids not retried are named on stderr, and make the exit code
-    NotFound's."""
+def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any, expect: int | None) -> None:
+    """Reopen the failed runs of `email_ids` (None: every listed one `filt` matches, `expect`
+    of them) and enqueue their jobs. The ids not retried are named on stderr, and make the exit
+    code NotFound's."""
     from mailpipe.enqueue import sender
     from mailpipe.operations import actions
 
-    done = actions.retry(
-        res,
-        email_ids,
-        None if email_ids else filt,
-        enqueue=sender(res),
-        user=_user(),
+    done = _as_confirmed(
+        lambda: actions.retry(
+            res, email_ids, filt, enqueue=sender(res), user=_user(), expect=expect
+        )
     )
     click.echo(f"reopened {len(done.done)}, enqueued {done.enqueued}")
     _name_refused(done.refused, "retried")
+
+
+def _asked(question: str) -> bool:
+    """The operator's answer to `question`: no says so and does nothing (exit 0); no answer at
+    all (no terminal on stdin, end of input, Ctrl-C) is refused, since a script says --yes."""
+    try:
+        if click.confirm(question):
+            return True
+    except click.exceptions.Abort:
+        raise BadInput("no answer, so nothing done: --yes acts without asking") from None
+    click.echo("nothing done")
+    return False
+
+
+def _confirmed_count(res: Resources, filt: Any, verb: str, yes: bool) -> int | None:
+    """How many failed runs `filt` lists, said with those that failed as rejected input (a
+    retry fails again); that count once confirmed (`yes`: without asking), None when there is
+    nothing to do or the answer was no."""
+    from mailpipe.errors import input_rejections
+    from mailpipe.operations import actions
+
+    counted = actions.count_failed(res, filt)
+    rejections = " or ".join(input_rejections())
+    click.echo(
+        f"{counted.runs} failed runs match; {counted.rejected} of them failed as {rejections}"
+        + (": their input is rejected, and a retry fails again" if counted.rejected else "")
+    )
+    if not counted.runs or not (yes or _asked(f"{verb} these {counted.runs}?")):
+        return None
+    return counted.runs
+
+
+def _as_confirmed(act: Callable[[], T]) -> T:
+    """`act`, or BadInput when it refused, nothing done: what it takes changed since it was
+    confirmed (look again, and confirm that), or its filter or count is refused now."""
+    from mailpipe.operations import actions
+
+    try:
+        return act()
+    except actions.Refused as refused:
+        raise BadInput(f"{refused}, so nothing done") from None
 
 
 def _name_refused(refused: dict[int, str], act: str) -> None:
@@ -477,15 +526,18 @@ def _name_refused(refused: dict[int, str], act: str) -> None:
     "--undo", is_flag=True, help="Take the dismiss back: the runs are on the failed list again."
 )
 @_failed_filters
+@_YES
 def dismiss(
     email_ids: tuple[int, ...],
     dismiss_all: bool,
     undo: bool,
+    yes: bool,
     **filters: str | None,
 ) -> None:
     """Give up on failed runs: each stays failed, leaves the failed and review lists, and no
     retry-all or sweep takes it up again (`failed --retry EMAIL_ID` still does). `failed
-    --dismissed` lists them; `dismiss --undo EMAIL_ID...` takes the dismiss back."""
+    --dismissed` lists them; `dismiss --undo EMAIL_ID...` takes the dismiss back. `--all` says
+    how many it takes and asks first."""
     from mailpipe.operations import actions
 
     if bool(email_ids) == dismiss_all:
@@ -499,7 +551,17 @@ def dismiss(
         click.echo(f"back on the failed list: {len(undone.done)}")
         _name_refused(undone.refused, "taken back")
         return
-    done = actions.dismiss(res, email_ids or None, None if email_ids else filt, user=_user())
+    expect = None
+    if dismiss_all:
+        counted = _confirmed_count(res, filt, "Dismiss", yes)
+        if counted is None:
+            return
+        expect = None if yes else counted
+    done = _as_confirmed(
+        lambda: actions.dismiss(
+            res, email_ids or None, None if email_ids else filt, user=_user(), expect=expect
+        )
+    )
     click.echo(f"dismissed {len(done.done)}")
     _name_refused(done.refused, "dismissed")
 
@@ -800,43 +862,71 @@ def web() -> None:
     help="The lane the jobs are sent in.",
 )
 @click.option("--dry-run", is_flag=True, help="Say what it would take and cost; change nothing.")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--over-max",
+    is_flag=True,
+    help="Take them even when they are more than MAILPIPE_REPROCESS_MAX.",
+)
+@_YES
 def reprocess(
     text: str | None,
     review: bool | None,
     step: str,
     in_lane: str,
     dry_run: bool,
+    over_max: bool,
     yes: bool,
     **options: str | None,
 ) -> None:
     """Run again the emails the filters find whose run succeeded, from a step (after a change to
-    the rules, the prompt or the labels). Their classification and labels stay until the new
-    ones replace them; the overview and `status --json` ("reprocesses") show the progress."""
+    the rules, the prompt or the labels). Says how many it takes and the model calls that costs,
+    then asks; takes each email once however often it is sent, and at most
+    MAILPIPE_REPROCESS_MAX of them unless --over-max. Their classification and labels stay until
+    the new ones replace them; the overview and `status --json` ("reprocesses") show the
+    progress."""
     from mailpipe.broker.queues import Lane
     from mailpipe.enqueue import sender
     from mailpipe.operations import actions
-    from mailpipe.operations.search import EmailFilter
 
     filt, _ = _email_filter(text, review, options)
-    if filt == EmailFilter():
-        raise BadInput("give a filter: reprocessing every email is not a filter")
     res = _migrated()
     step_ = actions.Step(step)
     lane = Lane(in_lane)
-    planned = actions.reprocess(
-        res, filt, step_, lane=lane, enqueue=sender(res), user="", dry_run=True
-    )
+
+    try:
+        planned = actions.plan_reprocess(res, filt)
+    except actions.NotAFilter as refused:
+        raise BadInput(str(refused)) from None
     click.echo(
         f"{planned.emails} succeeded emails match, from {step}, in the {lane} lane: "
         f"{planned.model_calls} model calls"
     )
-    if dry_run or not planned.emails:
+    if planned.emails > planned.most and not over_max:
+        over = (
+            f"{planned.emails} emails is more than MAILPIPE_REPROCESS_MAX ({planned.most}) "
+            "takes at once: narrow the filters, or --over-max takes them"
+        )
+        if not dry_run:
+            raise BadInput(over)
+        click.echo(over)
+    if dry_run or not planned.emails or not (yes or _asked("Reprocess them?")):
         return
-    if not yes:
-        click.confirm("Reprocess them?", abort=True)
-    done = actions.reprocess(res, filt, step_, lane=lane, enqueue=sender(res), user=_user())
-    click.echo(f"reprocess {done.reprocess_id}: reopened {done.emails}, enqueued {done.enqueued}")
+    # Asked, the count must still be the one confirmed; told --yes, a script takes what the
+    # filters find then, as of its plan all the same.
+    done = _as_confirmed(
+        lambda: actions.reprocess(
+            res,
+            filt,
+            step_,
+            lane=lane,
+            enqueue=sender(res),
+            user=_user(),
+            expect=None if yes else planned.emails,
+            as_of=planned.as_of,
+            over_max=over_max,
+        )
+    )
+    click.echo(f"reprocess {done.reprocess_id}: reopened {done.taken}, enqueued {done.enqueued}")
 
 
 @main.command()
@@ -850,7 +940,7 @@ def reprocess(
 @click.option(
     "--dry-run", is_flag=True, help="List what it would delete (ids, counts); change nothing."
 )
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_YES
 def forget(
     email_ids: tuple[int, ...],
     message_id: str | None,
@@ -891,8 +981,8 @@ def forget(
     if dry_run:
         _name_refused(planned.refused, "forgotten")
         return
-    if not yes:
-        click.confirm(f"Forget these {len(planned.email_ids)} emails for good?", abort=True)
+    if not (yes or _asked(f"Forget these {len(planned.email_ids)} emails for good?")):
+        return
     done = actions.forget(res, planned.email_ids, enqueue=jobs_sender(res), user=_user())
     click.echo(f"forgot {len(done.email_ids)}: {_forget_counts(done)}")
     if done.completed:

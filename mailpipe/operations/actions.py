@@ -16,14 +16,15 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, and_, false, func, not_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.coordination import pauses
+from mailpipe.errors import input_rejections
 from mailpipe.operations import erasure, search
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
@@ -52,12 +53,14 @@ def retry(
     *,
     enqueue: Enqueue,
     user: str,
+    expect: int | None = None,
     batch: int = BATCH,
 ) -> Done:
     """Reopen failed runs with a fresh attempt budget and enqueue their jobs, which run the whole
     job again, each in its email's lane. `email_ids`: those (a dismissed one included); else
     every listed failed run that `filt` matches (no dismissed one). The review mark of each
-    reopened email is cleared."""
+    reopened email is cleared. `expect`: the count the operator confirmed (`confirmed`)."""
+    most = confirmed(res, email_ids, filt, expect)
     # Reopened runs wait for a job: with Redis down, change nothing rather than strand them.
     res.redis.ping()
     done: list[int] = []
@@ -70,7 +73,7 @@ def retry(
         lanes.update(emails.lanes(session, reopened))
         return reopened
 
-    for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen):
+    for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen, most=most):
         _logged("retry", user, reopened)
         done.extend(reopened)
         refused.update(not_reopened)
@@ -106,14 +109,17 @@ def dismiss(
     filt: FailedFilter | None = None,
     *,
     user: str,
+    expect: int | None = None,
     batch: int = BATCH,
 ) -> Done:
     """Dismiss failed runs: each stays failed, leaves the failed list and the review list, and
     no retry-all or sweep reopens it. `email_ids`: those; else every listed failed run that
-    `filt` matches."""
+    `filt` matches. `expect`: the count the operator confirmed (`confirmed`)."""
+    most = confirmed(res, email_ids, filt, expect)
     done: list[int] = []
     refused: dict[int, str] = {}
-    for dismissed, not_dismissed in _in_batches(res, email_ids, filt, batch, runs.dismiss):
+    batches = _in_batches(res, email_ids, filt, batch, runs.dismiss, most=most)
+    for dismissed, not_dismissed in batches:
         _logged("dismiss", user, dismissed)
         done.extend(dismissed)
         refused.update(not_dismissed)
@@ -134,9 +140,16 @@ def undo_dismiss(
 
 
 def clear_review(
-    res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
+    res: Resources,
+    email_ids: Sequence[int],
+    *,
+    user: str,
+    expect: int | None = None,
+    batch: int = BATCH,
 ) -> Done:
-    """Take emails off the review list without a retry; their runs are left as they are."""
+    """Take emails off the review list without a retry; their runs are left as they are.
+    `expect`: the count the operator confirmed (`confirmed`)."""
+    confirmed(res, email_ids, None, expect)
     done: list[int] = []
     refused: dict[int, str] = {}
     for cleared, not_cleared in _in_batches(
@@ -146,6 +159,75 @@ def clear_review(
         done.extend(cleared)
         refused.update(not_cleared)
     return Done(done, refused=refused)
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What a mass action on failed runs or marked emails would take, for its confirmation."""
+
+    runs: int  # the runs (or emails) it takes
+    # Of them, runs failed as an input rejection (`errors.input_rejections`): a retry reads the
+    # same bytes and fails again.
+    rejected: int = 0
+
+
+def count_failed(res: Resources, filt: FailedFilter) -> Counted:
+    """The failed runs `filt` lists, as retry and dismiss take them, and the rejected ones."""
+    with res.db.session() as session:
+        return _counted(session, filt.where())
+
+
+def count_of(res: Resources, email_ids: Sequence[int]) -> Counted:
+    """The emails `email_ids` names, and those among them whose run failed as rejected input."""
+    ids = list(dict.fromkeys(email_ids))
+    with res.db.session() as session:
+        rejected = sum(
+            _counted(session, [PipelineRun.email_id.in_(ids[at : at + BATCH])]).rejected
+            for at in range(0, len(ids), BATCH)
+        )
+    return Counted(len(ids), rejected)
+
+
+def _counted(session: Session, where: list[Any]) -> Counted:
+    rejected = PipelineRun.error_class.in_(input_rejections()) & (
+        PipelineRun.status == RunStatus.FAILED
+    )
+    total, rejections = session.execute(
+        select(func.count(), func.count().filter(rejected)).select_from(PipelineRun).where(*where)
+    ).one()
+    return Counted(total, rejections)
+
+
+def marked(res: Resources) -> list[int]:
+    """Every email on the review list, by id: what its "all" actions take."""
+    with res.db.session() as session:
+        # The bare column, as the partial index over the marked emails is written.
+        return list(
+            session.scalars(
+                select(EmailMessage.id).where(EmailMessage.needs_review).order_by(EmailMessage.id)
+            )
+        )
+
+
+def confirmed(
+    res: Resources,
+    email_ids: Sequence[int] | None,
+    filt: FailedFilter | None,
+    expect: int | None,
+) -> int | None:
+    """The most a mass action may take: `expect`, the count its operator confirmed, once the
+    selection holds that many now (the emails named, or the failed runs `filt` lists), or
+    Changed with the count now. None when nothing was confirmed (ids an operator ticked)."""
+    if expect is None:
+        return None
+    now = (
+        count_of(res, email_ids)
+        if email_ids is not None
+        else count_failed(res, filt or FailedFilter())
+    )
+    if now.runs != expect:
+        raise Changed(f"{expect} were confirmed; {now.runs} are there now", now)
+    return expect
 
 
 Act = Callable[[Session, list[int]], list[int]]
@@ -159,21 +241,25 @@ def _in_batches(
     size: int,
     act: Act,
     why_not: Why | None = None,
+    most: int | None = None,
 ) -> Iterator[tuple[list[int], dict[int, str]]]:
     """`act` on batches of emails, each in a transaction of its own; yields after each commit
     the emails acted on, and why not (`why_not`, by default `_why_not`) for the others.
     The batches: `email_ids` in chunks, or the failed runs `filt` lists in keyset batches,
-    locked in the batch's transaction so that none changes before it is acted on."""
+    locked in the batch's transaction so that none changes before it is acted on, `most` of
+    them at the most (what its operator confirmed)."""
     if email_ids is not None and filt is not None:
         raise ValueError("either email ids or a filter, not both")
     if size < 1:
         raise ValueError(f"batch size {size}: must be at least 1")
     pending = None if email_ids is None else list(dict.fromkeys(email_ids))
-    after = 0
+    after, listed = 0, 0
     while True:
         with res.db.transaction() as session:
             if pending is None:
-                chunk = _listed(session, filt or FailedFilter(), after, size)
+                room = size if most is None else min(size, most - listed)
+                chunk = _listed(session, filt or FailedFilter(), after, room) if room else []
+                listed += len(chunk)
             else:
                 chunk, pending = pending[:size], pending[size:]
             if not chunk:
@@ -231,10 +317,68 @@ class Step(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Reprocessed:
-    emails: int  # the succeeded runs the filter found (a dry run: what it would take)
+    """A reprocess's plan (a dry run: what it would take), or what it took."""
+
+    emails: int  # the succeeded runs the filter finds that no other reprocess holds
     model_calls: int  # what it costs: one call per email with a remote model, none with rules
+    as_of: int  # the latest reprocess when counted: what one after it took is left to that one
+    most: int  # MAILPIPE_REPROCESS_MAX: more only with `over_max`
     reprocess_id: int | None = None  # None for a dry run
     enqueued: int = 0  # jobs sent (an email whose job is queued already gets none)
+    taken: int = 0  # runs reopened: at most `emails`, fewer when some changed meanwhile
+
+
+class Refused(Exception):
+    """A mass action refused before it changed anything: why (the exception's text), and its
+    figures as they are now (`plan`: a `Reprocessed` or a `Counted`), for the face to show, so
+    that the operator can confirm those instead."""
+
+    def __init__(self, why: str, plan: Reprocessed | Counted) -> None:
+        super().__init__(why)
+        self.plan = plan
+
+
+class NotAFilter(Refused):
+    """The filter takes every succeeded email: reprocessing every email is not a filter."""
+
+
+class OverMax(Refused):
+    """More emails than MAILPIPE_REPROCESS_MAX, without the override."""
+
+
+class Changed(Refused):
+    """The figures are not those the operator confirmed (`expect`)."""
+
+
+def plan_reprocess(res: Resources, filt: EmailFilter, *, as_of: int | None = None) -> Reprocessed:
+    """What `reprocess` would take and cost: the emails `filt` finds whose run succeeded, as of
+    `as_of` (a plan's, confirmed later; by default the latest reprocess now), leaving out the
+    emails a reprocess still under way took and those one after `as_of` took
+    (`runs.Reprocessing`). NotAFilter when the filter takes every succeeded email and more than
+    one: a state of `succeeded`, `review=no` with none marked or a time range around every
+    email narrows nothing."""
+    return _planned(res, filt, as_of)[0]
+
+
+def _planned(
+    res: Resources, filt: EmailFilter, as_of: int | None
+) -> tuple[Reprocessed, runs.Reprocessing]:
+    """The plan, and what it left alone: the batches leave alone the same."""
+    with res.db.session() as session:
+        leaving = runs.reprocessing(session, as_of)
+        found = _succeeded(session, filt, leaving).subquery()
+        emails = session.scalar(select(func.count()).select_from(found)) or 0
+        every = filt == EmailFilter() or (emails > 1 and not _leaves_out_one(session, filt))
+    plan = Reprocessed(
+        emails, emails if res.classifier.remote else 0, leaving.as_of, res.settings.reprocess_max
+    )
+    if every:
+        raise NotAFilter(
+            "a reprocess needs a filter that leaves out some succeeded email: every email is "
+            "not a filter",
+            plan,
+        )
+    return plan, leaving
 
 
 def reprocess(
@@ -245,19 +389,29 @@ def reprocess(
     lane: Lane = Lane.BULK,
     enqueue: Enqueue,
     user: str,
-    dry_run: bool = False,
+    expect: int | None = None,
+    as_of: int | None = None,
+    over_max: bool = False,
     batch: int = BATCH,
 ) -> Reprocessed:
-    """Run again, from `step`, the emails `filt` finds whose run succeeded: reopened in batches
-    under one reprocess (its progress: `status.reprocesses`), their jobs sent in `lane`, the bulk
-    one by default. Their classification and labels stay until the new answer replaces them. A
-    run already reopened is open, so the same filter twice reopens and sends nothing twice."""
-    with res.db.session() as session:
-        found = _succeeded(session, filt).subquery()
-        emails = session.scalar(select(func.count()).select_from(found)) or 0
-    model_calls = emails if res.classifier.remote else 0
-    if dry_run or not emails:
-        return Reprocessed(emails, model_calls)
+    """Run again, from `step`, the emails its plan (`plan_reprocess`) counts: reopened in
+    batches under one reprocess (its progress: `status.reprocesses`), their jobs sent in `lane`,
+    the bulk one by default, at most as many as the plan counted. The same request sent again,
+    or twice at once, takes no email twice. Their classification and labels stay until the new
+    answer replaces them. Refused (`Refused`, nothing changed) as the plan is, when the count
+    is not `expect`, the one the operator confirmed (`Changed`), or past MAILPIPE_REPROCESS_MAX
+    without `over_max` (`OverMax`)."""
+    plan, leaving = _planned(res, filt, as_of)
+    emails = plan.emails
+    if expect is not None and expect != emails:
+        raise Changed(f"the plan confirmed took {expect} emails; it takes {emails} now", plan)
+    if emails > plan.most and not over_max:
+        raise OverMax(
+            f"{emails} emails is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once",
+            plan,
+        )
+    if not emails:
+        return plan
     res.redis.ping()  # reopened runs wait for a job: with Redis down, change nothing
     with res.db.transaction() as session:
         record = Reprocess(
@@ -267,45 +421,76 @@ def reprocess(
             search={},
             filters=filt.names(),
             emails=emails,
+            taken=0,
         )
         session.add(record)
         session.flush()
         reprocess_id = record.id
     _audited(f"reprocess_{reprocess_id}_from_{step.value}", user)
-    enqueued, after = 0, 0
-    while True:
+    enqueued, taken, after = 0, 0, 0
+    # No more than the plan counted: an email that succeeded since is the next plan's.
+    while (room := min(batch, emails - taken)) > 0:
         with res.db.transaction() as session:
             chunk = list(
                 session.scalars(
-                    _succeeded(session, filt)
+                    _succeeded(session, filt, leaving)
                     .where(EmailMessage.id > after)
                     .order_by(EmailMessage.id)
-                    .limit(batch)
+                    .limit(room)
                 )
             )
             if not chunk:
                 break
             cpu, model = runs.reopen_to_reprocess(
-                session, chunk, reprocess_id, keep_documents=step is Step.CLASSIFY
+                session,
+                chunk,
+                reprocess_id,
+                keep_documents=step is Step.CLASSIFY,
+                leaving=leaving,
+            )
+            session.execute(
+                update(Reprocess)
+                .where(Reprocess.id == reprocess_id)
+                .values(taken=Reprocess.taken + len(cpu) + len(model))
             )
         after = chunk[-1]
+        taken += len(cpu) + len(model)
         _logged(f"reprocess_{reprocess_id}", user, cpu + model)
         enqueued += len(enqueue(cpu, TaskName.PROCESS_EMAIL, lane)) if cpu else 0
         enqueued += len(enqueue(model, TaskName.CLASSIFY_EMAIL, lane)) if model else 0
-    return Reprocessed(emails, model_calls, reprocess_id, enqueued)
+    return replace(plan, reprocess_id=reprocess_id, enqueued=enqueued, taken=taken)
 
 
-def _succeeded(session: Session, filt: EmailFilter) -> Select[Any]:
-    """The emails `filt` finds whose run succeeded, by id, as the search finds them in
-    `session`'s transaction (`search.matching`: the same words, through the same indexes). The
-    filter's conditions on a run are EXISTS over `pipeline_run`; the run read here is an alias,
-    so that they stay its own."""
+def _succeeded(session: Session, filt: EmailFilter, leaving: runs.Reprocessing) -> Select[Any]:
+    """The emails `filt` finds whose run succeeded and is free to take (`leaving`), by id, as
+    the search finds them in `session`'s transaction (`search.matching`: the same words,
+    through the same indexes). The filter's conditions on a run are EXISTS over
+    `pipeline_run`; the run read here is an alias, so that they stay its own."""
     run = aliased(PipelineRun)
     return (
         select(EmailMessage.id)
         .join(run, run.email_id == EmailMessage.id)
-        .where(*search.matching(session, filt), run.status == RunStatus.SUCCEEDED)
+        .where(
+            *search.matching(session, filt),
+            run.status == RunStatus.SUCCEEDED,
+            leaving.free(run),
+        )
     )
+
+
+def _leaves_out_one(session: Session, filt: EmailFilter) -> bool:
+    """Whether some succeeded email is one `filt` does not find: a state of `succeeded`, a
+    time range around every email or `review=no` with none marked narrow nothing. A search's
+    condition on a column without a value is unknown, which leaves that email out too."""
+    run = aliased(PipelineRun)
+    found = and_(*search.matching(session, filt))
+    left_out = (
+        select(EmailMessage.id)
+        .join(run, run.email_id == EmailMessage.id)
+        .where(run.status == RunStatus.SUCCEEDED, not_(func.coalesce(found, false())))
+        .limit(1)
+    )
+    return session.scalar(left_out) is not None
 
 
 @dataclass(frozen=True)

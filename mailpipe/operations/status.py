@@ -153,8 +153,9 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
 
 
 def reprocesses(session: Session, latest: int = 3) -> list[dict[str, Any]]:
-    """The latest reprocesses, newest first, with their progress: runs done (succeeded or
-    duplicate), failed, and left (open: queued, running or retrying)."""
+    """The latest reprocesses, newest first, with their progress: of the runs each took, those
+    done (succeeded or duplicate), failed, left (open: queued, running or retrying), and taken
+    again by a later reprocess once it had ended (`retaken`), which add up to `taken`."""
     found = session.scalars(select(Reprocess).order_by(Reprocess.id.desc()).limit(latest)).all()
     counts: dict[int | None, dict[RunStatus, int]] = {r.id: {} for r in found}
     for reprocess_id, status, n in session.execute(
@@ -163,23 +164,30 @@ def reprocesses(session: Session, latest: int = 3) -> list[dict[str, Any]]:
         .group_by(PipelineRun.reprocess_id, PipelineRun.status)
     ):
         counts[reprocess_id][status] = n
-    return [
-        {
-            "id": r.id,
-            "created_at": _iso(r.created_at),
-            "created_by": r.created_by,
-            "from": r.from_step,
-            "lane": r.lane,
-            # By name: a filter's values are kept nowhere (a reprocess of the release before: [])
-            "filters": r.filters or [],
-            "emails": r.emails,
-            "done": counts[r.id].get(RunStatus.SUCCEEDED, 0)
-            + counts[r.id].get(RunStatus.DUPLICATE, 0),
-            "failed": counts[r.id].get(RunStatus.FAILED, 0),
-            "left": counts[r.id].get(RunStatus.OPEN, 0),
-        }
-        for r in found
-    ]
+    return [_progress(r, counts[r.id]) for r in found]
+
+
+def _progress(reprocess: Reprocess, runs: dict[RunStatus, int]) -> dict[str, Any]:
+    # A reprocess of the release before kept no count of its own: it took what it counted.
+    taken = reprocess.emails if reprocess.taken is None else reprocess.taken
+    progress = {
+        "done": runs.get(RunStatus.SUCCEEDED, 0) + runs.get(RunStatus.DUPLICATE, 0),
+        "failed": runs.get(RunStatus.FAILED, 0),
+        "left": runs.get(RunStatus.OPEN, 0),
+    }
+    return {
+        "id": reprocess.id,
+        "created_at": _iso(reprocess.created_at),
+        "created_by": reprocess.created_by,
+        "from": reprocess.from_step,
+        "lane": reprocess.lane,
+        # By name: a filter's values are kept nowhere (a reprocess of the release before: [])
+        "filters": reprocess.filters or [],
+        "emails": reprocess.emails,
+        "taken": taken,
+        **progress,
+        "retaken": max(0, taken - sum(progress.values())),
+    }
 
 
 # Exact counts where an operator acts on the figure; each has a partial index, so that the count

@@ -39,7 +39,18 @@ from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, bindparam, case, func, insert, literal, select, update
+from sqlalchemy import (
+    ColumnElement,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Stage
@@ -51,6 +62,7 @@ from mailpipe.storage.models import (
     ErrorClass,
     ModelInput,
     PipelineRun,
+    Reprocess,
     RunAttempt,
     RunStatus,
     clip_error,
@@ -633,16 +645,57 @@ def undismiss(session: Session, email_ids: list[int]) -> list[int]:
     )
 
 
+@dataclass(frozen=True)
+class Reprocessing:
+    """The runs a reprocess counted at `as_of` (the latest reprocess then) leaves alone: those a
+    reprocess after it took, since it was counted, and those of the reprocesses up to it that
+    are still under way (`busy`: a run of theirs is open). So the same reprocess sent again, or
+    twice at once, takes no email twice; one sent once the first has ended takes them anew."""
+
+    as_of: int
+    busy: tuple[int, ...]
+
+    def free(self, run: Any = PipelineRun) -> ColumnElement[bool]:
+        """Whether `run` (the model or an alias of it) is one a reprocess may take."""
+        taken = run.reprocess_id
+        return or_(taken.is_(None), and_(taken <= self.as_of, taken.not_in(self.busy)))
+
+
+def reprocessing(session: Session, as_of: int | None = None) -> Reprocessing:
+    """What a reprocess counted now leaves alone; `as_of`: as counted when the latest reprocess
+    was that one (a plan confirmed later), never past the latest there is."""
+    latest = session.scalar(select(func.max(Reprocess.id))) or 0
+    as_of = latest if as_of is None else min(as_of, latest)
+    busy = session.scalars(
+        select(Reprocess.id)
+        .where(
+            Reprocess.id <= as_of,
+            select(PipelineRun.id)
+            .where(PipelineRun.reprocess_id == Reprocess.id, PipelineRun.status == RunStatus.OPEN)
+            .exists(),
+        )
+        .order_by(Reprocess.id)
+    )
+    return Reprocessing(as_of, tuple(busy))
+
+
 def reopen_to_reprocess(
-    session: Session, email_ids: list[int], reprocess_id: int, *, keep_documents: bool
+    session: Session,
+    email_ids: list[int],
+    reprocess_id: int,
+    *,
+    keep_documents: bool,
+    leaving: Reprocessing,
 ) -> tuple[list[int], list[int]]:
     """Reopen the succeeded runs among `email_ids` for an operator's reprocess `reprocess_id`,
-    with a fresh attempt budget, locked so that none changes meanwhile. `keep_documents`: a run
-    whose documents and model input are stored goes on from its model stage; any other runs its
-    CPU stage again. The classification and labels stay until the new answer replaces them; the
-    runs' claims go on growing, so no delivery of before is taken for a new one. Returns the
-    emails whose CPU stage runs next, and those whose model stage does."""
-    runs = _locked_runs(session, email_ids, RunStatus.SUCCEEDED)
+    with a fresh attempt budget, locked so that none changes meanwhile, but those `leaving`
+    leaves alone, as they are once locked (another reprocess may have taken one since it was
+    read). `keep_documents`: a run whose documents and model input are stored goes on from its
+    model stage; any other runs its CPU stage again. The classification and labels stay until
+    the new answer replaces them; the runs' claims go on growing, so no delivery of before is
+    taken for a new one. Returns the emails whose CPU stage runs next, and those whose model
+    stage does."""
+    runs = _locked_runs(session, email_ids, RunStatus.SUCCEEDED, leaving.free())
     with_input = set(
         session.scalars(
             select(ModelInput.email_id).where(ModelInput.email_id.in_([r.email_id for r in runs]))
@@ -672,12 +725,15 @@ def reopen_copies(session: Session, email_ids: list[int]) -> list[int]:
     return [run.email_id for run in found]
 
 
-def _locked_runs(session: Session, email_ids: list[int], status: RunStatus) -> list[PipelineRun]:
-    """The runs among `email_ids` with `status`, locked, in email order."""
+def _locked_runs(
+    session: Session, email_ids: list[int], status: RunStatus, *also: ColumnElement[bool]
+) -> list[PipelineRun]:
+    """The runs among `email_ids` with `status` (and the conditions `also`), locked, in email
+    order."""
     return list(
         session.scalars(
             select(PipelineRun)
-            .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == status)
+            .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == status, *also)
             .order_by(PipelineRun.email_id)
             .with_for_update()
         )

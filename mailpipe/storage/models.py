@@ -457,7 +457,10 @@ class Reprocess(Base):
     # The names of the filter's fields (["sender", "subject"]), what its progress shows of it;
     # NULL on a reprocess of the release before.
     filters: Mapped[list[str] | None] = mapped_column(JSON)
-    emails: Mapped[int]
+    emails: Mapped[int]  # what its plan counted, which it takes at most
+    # The runs it reopened, counted in each batch's transaction; NULL on a reprocess of the
+    # release before, which took `emails`.
+    taken: Mapped[int | None]
 
 
 class ForgottenEmail(Base):

@@ -67,41 +67,97 @@ async def act_on_email(request: Request) -> Response:
     return JSONResponse({"done": done.done, "enqueued": done.enqueued, "refused": done.refused})
 
 
+# What POST /api/reprocess takes beside the search's fields.
+REPROCESS_FIELDS = ("from", "lane", "dry_run", "expect", "as_of", "over_max")
+
+
 async def reprocess(request: Request) -> Response:
     """POST /api/reprocess: the emails the search's fields find ({"label": "invoice", ...}, as
-    GET /api/search takes them), from {"from": ...}, in {"lane": ...} (bulk by default); with
-    {"dry_run": true}, how many it would take and the model calls that costs."""
+    GET /api/search takes them), from {"from": ...}, in {"lane": ...} (bulk by default). With
+    {"dry_run": true}, its plan: how many it would take, the model calls that costs, and
+    `as_of`. Without, it takes them only with the plan's count echoed ({"expect": N}, and its
+    `as_of`), or answers 409 with the plan as it is now; past MAILPIPE_REPROCESS_MAX, only with
+    {"over_max": true}."""
     body = await _body(request)
-    fields = {k: str(v) for k, v in body.items() if k not in ("from", "lane", "dry_run")}
+    fields = {k: str(v) for k, v in body.items() if k not in REPROCESS_FIELDS}
     try:
         filt, _ = read_search(fields)
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
-    if filt == EmailFilter():
-        raise HTTPException(400, "a reprocess needs a filter: every email is not a filter")
-    return await _reprocess(request, body, filt)
+    return await _reprocess(request, body, filt, planned=True)
 
 
-async def _reprocess(request: Request, body: dict[str, Any], filt: EmailFilter) -> Response:
+async def _reprocess(
+    request: Request, body: dict[str, Any], filt: EmailFilter, *, planned: bool = False
+) -> Response:
+    """A reprocess; `planned`: only of the count its plan gave, echoed as `expect` (one email's
+    own needs none)."""
     step = actions.Step(_choice(body, "from", actions.Step))
     lane = Lane(_choice({"lane": Lane.BULK.value, **body}, "lane", Lane))
-    dry_run = body.get("dry_run", False)
-    if not isinstance(dry_run, bool):
-        raise HTTPException(400, "dry_run is true or false")
+    dry_run, over_max = _flag(body, "dry_run"), _flag(body, "over_max")
+    expect, as_of = _count(body, "expect"), _count(body, "as_of")
     res = request.app.state.resources
-    done = await run_in_threadpool(
-        lambda: actions.reprocess(
-            res, filt, step, lane=lane, enqueue=sender(res), user=_who(request), dry_run=dry_run
+    try:
+        if dry_run:
+            plan = await run_in_threadpool(actions.plan_reprocess, res, filt, as_of=as_of)
+            return JSONResponse(_reprocessed(plan))
+        if planned and expect is None:
+            plan = await run_in_threadpool(actions.plan_reprocess, res, filt, as_of=as_of)
+            return _refused(409, "a reprocess takes its plan's count: give it as expect", plan)
+        done = await run_in_threadpool(
+            lambda: actions.reprocess(
+                res,
+                filt,
+                step,
+                lane=lane,
+                enqueue=sender(res),
+                user=_who(request),
+                expect=expect,
+                as_of=as_of,
+                over_max=over_max,
+            )
         )
-    )
-    return JSONResponse(
-        {
-            "emails": done.emails,
-            "model_calls": done.model_calls,
-            "reprocess_id": done.reprocess_id,
-            "enqueued": done.enqueued,
-        }
-    )
+    except actions.NotAFilter as refused:
+        raise HTTPException(400, str(refused)) from None
+    except actions.OverMax as refused:
+        return _refused(400, f"{refused}: over_max takes them", refused.plan)
+    except actions.Changed as refused:
+        return _refused(409, str(refused), refused.plan)
+    return JSONResponse(_reprocessed(done))
+
+
+def _reprocessed(done: actions.Reprocessed) -> dict[str, Any]:
+    return {
+        "emails": done.emails,
+        "model_calls": done.model_calls,
+        "reprocess_id": done.reprocess_id,
+        "enqueued": done.enqueued,
+        "taken": done.taken,
+        "as_of": done.as_of,
+        "max": done.most,
+    }
+
+
+def _refused(status: int, why: str, plan: actions.Reprocessed | actions.Counted) -> Response:
+    """A refusal with the plan as it is now, to look at and confirm instead."""
+    assert isinstance(plan, actions.Reprocessed)
+    return JSONResponse({"error": why, "plan": _reprocessed(plan)}, status)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise HTTPException(400, f"{name} is true or false")
+    return value
+
+
+def _count(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= params.MAX_ID:
+        raise HTTPException(400, f"{name} is a whole number from 0 to {params.MAX_ID}")
+    return value
 
 
 async def forget(request: Request) -> Response:
@@ -130,9 +186,7 @@ async def forget(request: Request) -> Response:
 async def _forget(
     request: Request, body: dict[str, Any], email_ids: list[int] | None, filt: EmailFilter | None
 ) -> Response:
-    dry_run = body.get("dry_run", False)
-    if not isinstance(dry_run, bool):
-        raise HTTPException(400, "dry_run is true or false")
+    dry_run = _flag(body, "dry_run")
     res = request.app.state.resources
     done = await run_in_threadpool(
         lambda: actions.forget(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -20,8 +21,8 @@ from starlette.responses import RedirectResponse, Response
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.enqueue import sender
 from mailpipe.operations import actions
-from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed
-from mailpipe.operations.status import FailedFilter, review_page
+from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed, read_search
+from mailpipe.operations.status import FailedFilter
 from mailpipe.resources import Resources
 from mailpipe.web import params
 from mailpipe.web.auth import ACT, csrf_refusal
@@ -39,7 +40,6 @@ ACTIONS = {
     "clear": "review mark cleared",
     "clear-review": "review mark cleared",
     "reprocess": "reprocessed",
-    "reprocess-plan": "would be reprocessed",
     "forget": "forgotten",
 }
 _VERBS = (
@@ -51,7 +51,7 @@ _VERBS = (
 )
 _COUNTS = ("done", "enqueued", "refused")
 # What the redirect after an action adds to a page's query, for its notice alone.
-NOTICE_KEYS = ("action", *_COUNTS, "calls")
+NOTICE_KEYS = ("action", *_COUNTS)
 
 
 async def switch_model_calls(request: Request) -> Response:
@@ -83,6 +83,8 @@ async def pause_or_resume(request: Request) -> Response:
 
 
 async def act_on_failed(request: Request) -> Response:
+    """The failed list's actions: on the ticked runs at once; on every run the filters match
+    only with the count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
     verb, scope = _choice(form, "do", _VERBS).split("-")
     try:
@@ -91,24 +93,45 @@ async def act_on_failed(request: Request) -> Response:
         raise HTTPException(400, str(exc)) from None
     fields = failed_fields(filt)
     res, user = request.app.state.resources, request.user.username
-    if scope == "matching":
-        done = await run_in_threadpool(_act, res, verb, user, None, filt)
-    else:
+    if scope == "selected":
         done = await run_in_threadpool(_act, res, verb, user, _selected(form))
-    given = [name for name, value in fields.items() if value]
-    _log_action(request, f"{verb} {scope} in the failed list", done.done, given)
+    else:
+        expect = params.count(form, "expect")
+        confirm = request.app.url_path_for("confirm_failed")
+        if expect is None:
+            return _to(confirm, fields, do=verb)
+        try:
+            done = await run_in_threadpool(_act, res, verb, user, None, filt, expect)
+        except actions.Changed:
+            return _to(confirm, fields, do=verb, changed=expect)
+    _log_action(
+        request,
+        f"{verb} {scope} in the failed list",
+        done.done,
+        [name for name, value in fields.items() if value],
+    )
     return _back(request, "failed", fields, verb, done)
 
 
 async def act_on_review(request: Request) -> Response:
+    """The review list's actions: on the ticked emails at once; on all of them only with the
+    count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
     verb, scope = _choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split("-")
     res = request.app.state.resources
-    if scope == "matching":
-        email_ids = await run_in_threadpool(_all_marked_for_review, res)
+    if scope == "selected":
+        email_ids, expect = _selected(form), None
     else:
-        email_ids = _selected(form)
-    done = await run_in_threadpool(_act, res, verb, request.user.username, email_ids)
+        expect = params.count(form, "expect")
+        if expect is None:
+            return _to(request.app.url_path_for("confirm_review"), {}, do=verb)
+        email_ids = await run_in_threadpool(actions.marked, res)
+    try:
+        done = await run_in_threadpool(
+            _act, res, verb, request.user.username, email_ids, None, expect
+        )
+    except actions.Changed:
+        return _to(request.app.url_path_for("confirm_review"), {}, do=verb, changed=expect)
     _log_action(request, f"{verb} {scope} in the review list", done.done)
     return _back(request, "review", {}, verb, done)
 
@@ -176,35 +199,52 @@ async def _forget_one(request: Request, form: FormData, email_id: int) -> Respon
 
 
 async def reprocess_matching(request: Request) -> Response:
-    """The search page's reprocess: its filter's succeeded emails, from the step chosen; `plan`
-    says how many and the model calls they cost, `reprocess` takes them. Back to the search,
-    with what it did."""
-    from mailpipe.operations.search import EmailFilter, read_search
-
+    """The search's reprocess, as its plan page (`pages.reprocess_plan`) confirms it: the
+    succeeded emails of its filter, from the step chosen, only with the plan's count (`expect`)
+    and `as_of`, and past MAILPIPE_REPROCESS_MAX only with `over_max` ticked; else back to the
+    plan page, as it is now. Then to the search, with what it did."""
     form = await _action_form(request)
     fields = {name: str(form.get(name) or "") for name in FIELDS}
     try:
         filt, _ = read_search(fields)
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
-    if filt == EmailFilter():
-        raise HTTPException(400, "a reprocess needs a filter: every email is not a filter")
     step = actions.Step(_choice(form, "from", tuple(actions.Step)))
     # `lane` is the search's filter; the jobs' lane is `in_lane`.
     lane = Lane(_choice(form, "in_lane", tuple(Lane)))
-    plan = _choice(form, "do", ("plan", "reprocess")) == "plan"
+    expect, as_of = params.count(form, "expect"), params.count(form, "as_of")
+    plan_page = request.app.url_path_for("reprocess_plan")
+    chosen = {**fields, "from": step.value, "in_lane": lane.value}
+    if expect is None:
+        return _to(plan_page, chosen)
+    # Back to the plan as of its own `as_of`, should it be refused: what was taken since stays
+    # left out.
+    planned = {**chosen, "as_of": "" if as_of is None else str(as_of)}
     res = request.app.state.resources
-    done = await run_in_threadpool(
-        lambda: actions.reprocess(
-            res, filt, step, lane=lane, enqueue=sender(res), user=_who(request), dry_run=plan
+    try:
+        done = await run_in_threadpool(
+            lambda: actions.reprocess(
+                res,
+                filt,
+                step,
+                lane=lane,
+                enqueue=sender(res),
+                user=_who(request),
+                expect=expect,
+                as_of=as_of,
+                over_max=form.get("over_max") == "yes",
+            )
         )
-    )
-    if not plan:
-        _log_action(request, f"reprocess from {step.value}", [], filt.names())
-    counts = {"done": done.emails, "enqueued": done.enqueued, "calls": done.model_calls}
-    action = "reprocess-plan" if plan else "reprocess"
+    except actions.NotAFilter as refused:
+        raise HTTPException(400, str(refused)) from None
+    except actions.Changed:
+        return _to(plan_page, planned, changed=expect)
+    except actions.OverMax:  # the plan page says so, with the box to tick
+        return _to(plan_page, planned)
+    _log_action(request, f"reprocess from {step.value}", [], filt.names())
+    counts = {"done": done.taken, "enqueued": done.enqueued}
     path = request.app.url_path_for("search")
-    return RedirectResponse(f"{path}?{params.query(fields, action=action, **counts)}", 303)
+    return RedirectResponse(f"{path}?{params.query(fields, action='reprocess', **counts)}", 303)
 
 
 def _reprocess_one(
@@ -215,8 +255,10 @@ def _reprocess_one(
     done = actions.reprocess(
         res, EmailFilter(email_id=email_id), step, lane=lane, enqueue=sender(res), user=who
     )
-    if not done.emails:
-        return actions.Done([], refused={email_id: "its run has not succeeded"})
+    if not done.taken:
+        return actions.Done(
+            [], refused={email_id: "its run has not succeeded, or a reprocess under way took it"}
+        )
     return actions.Done([email_id], done.enqueued)
 
 
@@ -230,9 +272,6 @@ def notice(query: Mapping[str, str]) -> str | None:
     except ValueError:
         return None
     parts = [f"{done} {verb}"]
-    if query.get("action") == "reprocess-plan":
-        calls = query.get("calls", "0")
-        return f"{done} {verb}, at {int(calls) if calls.isdigit() else 0} model calls"
     if query.get("action") in ("retry", "reprocess"):
         parts.append(f"{enqueued} jobs sent")
     if refused:
@@ -284,32 +323,26 @@ def _act(
     user: str,
     email_ids: list[int] | None,
     filt: FailedFilter | None = None,
+    expect: int | None = None,
 ) -> actions.Done:
-    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None;
-    done by `user` as the operations' log names them."""
-    if email_ids is not None and not email_ids:
+    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None,
+    `expect` of them when it is confirmed; done by `user` as the operations' log names them."""
+    if email_ids is not None and not email_ids and expect is None:
         return actions.Done([])  # nothing selected: never "every failed run"
     who = f"web:{user}"
     if verb == "retry":
-        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who)
+        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who, expect=expect)
     if verb == "dismiss":
-        return actions.dismiss(res, email_ids, filt, user=who)
+        return actions.dismiss(res, email_ids, filt, user=who, expect=expect)
     assert email_ids is not None
     if verb == "undo":
         return actions.undo_dismiss(res, email_ids, user=who)
-    return actions.clear_review(res, email_ids, user=who)
+    return actions.clear_review(res, email_ids, user=who, expect=expect)
 
 
-def _all_marked_for_review(res: Resources) -> list[int]:
-    email_ids: list[int] = []
-    page = 1
-    with res.db.session() as session:
-        while True:
-            listed = review_page(session, page, 500)
-            email_ids += [row["email_id"] for row in listed.rows]
-            if page >= listed.pages:
-                return email_ids
-            page += 1
+def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:
+    """To a page of the console, with `fields` and `changes` in its query."""
+    return RedirectResponse(f"{path}?{params.query(fields, **changes)}", status_code=303)
 
 
 def _back(

@@ -18,7 +18,16 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from mailpipe.broker.queues import Lane, Stage
-from mailpipe.operations.actions import Step
+from mailpipe.errors import input_rejections
+from mailpipe.operations.actions import (
+    Counted,
+    NotAFilter,
+    Step,
+    count_failed,
+    count_of,
+    marked,
+    plan_reprocess,
+)
 from mailpipe.operations.activity import fleet_activity
 from mailpipe.operations.search import (
     FIELDS,
@@ -149,6 +158,158 @@ def _search_page(
         lanes=[lane.value for lane in Lane],
         labels=request.app.state.resources.settings.labels,
         query=lambda **changes: params.query(fields, **changes),
+    )
+
+
+# The confirmations of the lists' actions on all they list: what each does, by its `do`.
+FAILED_VERBS = {"retry": "Retry", "dismiss": "Dismiss"}
+REVIEW_VERBS = {"retry": "Retry", "dismiss": "Dismiss", "clear": "Clear the mark of"}
+
+
+def confirm_failed(request: Request) -> Response:
+    """What "Retry all" or "Dismiss all" of the failed list takes, and the form that does it:
+    the count, and for a retry the runs whose input was rejected, which fail again."""
+    verb = _verb(request, FAILED_VERBS)
+    try:
+        filt = read_failed(request.query_params)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    counted = count_failed(request.app.state.resources, filt)
+    fields = failed_fields(filt)
+    shown = {name: value for name, value in fields.items() if value and name != "view"}
+    return _confirm(
+        request,
+        title=f"{FAILED_VERBS[verb]} all {counted.runs} failed runs the filters match?",
+        figures=[("failed runs", str(counted.runs)), *_filters_shown(shown)],
+        counted=counted,
+        rejections=verb == "retry",
+        action=request.app.url_path_for("act_on_failed"),
+        fields={**fields, "do": f"{verb}-matching", "expect": str(counted.runs)},
+        button=f"{FAILED_VERBS[verb]} {counted.runs} runs",
+        back=f"{request.app.url_path_for('failed')}?{params.query(fields)}",
+    )
+
+
+def confirm_review(request: Request) -> Response:
+    """What an action on every email of the review list takes, and the form that does it."""
+    verb = _verb(request, REVIEW_VERBS)
+    counted = count_of(request.app.state.resources, marked(request.app.state.resources))
+    return _confirm(
+        request,
+        title=f"{REVIEW_VERBS[verb]} all {counted.runs} emails on the review list?",
+        figures=[("emails marked", str(counted.runs))],
+        counted=counted,
+        rejections=verb == "retry",
+        action=request.app.url_path_for("act_on_review"),
+        fields={"do": f"{verb}-matching", "expect": str(counted.runs)},
+        button=f"{REVIEW_VERBS[verb]} {counted.runs} emails",
+        back=request.app.url_path_for("review"),
+    )
+
+
+def reprocess_plan(request: Request) -> Response:
+    """A reprocess's plan, from the search's form: how many emails it takes, the model calls
+    that costs, and the form that takes them (with the plan's count and `as_of`)."""
+    query = request.query_params
+    try:
+        filt, _ = read_search({name: query.get(name, "") for name in FIELDS})
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+    step, lane = query.get("from"), query.get("in_lane")
+    if step not in tuple(Step) or lane not in tuple(Lane):
+        raise HTTPException(400, "from is a step and in_lane a lane, as the search's form has them")
+    res = request.app.state.resources
+    try:
+        plan = plan_reprocess(res, filt, as_of=params.count(query, "as_of"))
+    except NotAFilter as refused:
+        raise HTTPException(400, str(refused)) from None
+    fields = filt.fields()
+    shown = {name: value for name, value in fields.items() if value}
+    over = plan.emails > plan.most
+    return _confirm(
+        request,
+        title=f"Reprocess {plan.emails} succeeded emails from {step}?",
+        figures=[
+            ("emails", str(plan.emails)),
+            ("model calls", f"{plan.model_calls} ({res.settings.model_backend})"),
+            ("from", str(step)),
+            ("in the lane", str(lane)),
+            *_filters_shown(shown),
+        ],
+        counted=Counted(plan.emails),
+        problems=[
+            f"That is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once: narrow "
+            "the search, or tick the box to take them all the same."
+        ]
+        if over
+        else [],
+        over_max=over,
+        action=request.app.url_path_for("reprocess_matching"),
+        fields={
+            **fields,
+            "from": str(step),
+            "in_lane": str(lane),
+            "expect": str(plan.emails),
+            "as_of": str(plan.as_of),
+        },
+        button=f"Reprocess {plan.emails} emails",
+        back=f"{request.app.url_path_for('search')}?{params.query(fields)}",
+    )
+
+
+def _verb(request: Request, verbs: dict[str, str]) -> str:
+    verb = request.query_params.get("do", "")
+    if verb not in verbs:
+        raise HTTPException(400, f"do is one of {', '.join(verbs)}")
+    return verb
+
+
+def _filters_shown(fields: dict[str, str]) -> list[tuple[str, str]]:
+    return (
+        [("filters", ", ".join(f"{name} {value}" for name, value in fields.items()))]
+        if fields
+        else []
+    )
+
+
+def _confirm(
+    request: Request,
+    *,
+    counted: Counted,
+    rejections: bool = False,
+    problems: list[str] | None = None,
+    over_max: bool = False,
+    **context: Any,
+) -> Response:
+    """The confirmation of a mass action: its figures, and a form that posts them back with
+    the count it showed, which the action checks (`actions.Changed`: back here, with the
+    figures now). `changed` in the query: the count a confirmation showed before."""
+    said = list(problems or [])
+    before = params.count(request.query_params, "changed")
+    if before is not None:
+        said.insert(
+            0, f"It was {before} when you confirmed; it is {counted.runs} now: nothing was done."
+        )
+    notes = []  # (its class, its text)
+    if rejections:
+        names = " or ".join(input_rejections())
+        notes.append(
+            (
+                "warning",
+                f"{counted.rejected} of them failed as {names}: their input is rejected, and a "
+                "retry fails again.",
+            )
+            if counted.rejected
+            else ("muted", f"None of them failed as {names}.")
+        )
+    return _render(
+        request,
+        "confirm.html",
+        count=counted.runs,
+        problems=said,
+        notes=notes,
+        over_max=over_max,
+        **context,
     )
 
 

@@ -44,6 +44,17 @@ def whole_number(text: str, name: str, most: int) -> int:
     raise HTTPException(400, f"{name} is a whole number from 1 to {most}")
 
 
+def count(params: Mapping[str, Any], name: str) -> int | None:
+    """A count a confirmation carries (`expect`, `as_of`): a whole number from 0, or None when
+    it is not there."""
+    text = str(params.get(name) or "")
+    if not text:
+        return None
+    if text.isascii() and text.isdigit() and len(text) <= len(str(MAX_ID)) and int(text) <= MAX_ID:
+        return int(text)
+    raise HTTPException(400, f"{name} is a whole number from 0 to {MAX_ID}")
+
+
 def filter_fields(params: Mapping[str, Any]) -> dict[str, str]:
     """The failed list's filters as the query or form sent them (`search.read_failed` reads
     them), for the form that shows them again."""

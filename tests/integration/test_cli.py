@@ -45,12 +45,16 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 NOT_AN_EMAIL = b"\x00 not an email"
 
 
-def mailpipe(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
-    """`mailpipe ARGS` in a subprocess; `env`: MAILPIPE_ variables to set for it alone."""
+def mailpipe(
+    *args: str, cwd: Path | None = None, answer: str = "", **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`mailpipe ARGS` in a subprocess, `answer` on its stdin (none: the end of input at once);
+    `env`: MAILPIPE_ variables to set for it alone."""
     return subprocess.run(
         [sys.executable, "-m", "mailpipe.cli.main", *args],
         capture_output=True,
         text=True,
+        input=answer,
         env={**os.environ, **env},
         cwd=cwd,
         timeout=300,
@@ -229,9 +233,18 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
         row["email_id"] for row in rows
     ]
 
-    retried = mailpipe("failed", "--retry-all")
+    said = "3 failed runs match; 3 of them failed as InputRejected: their input is rejected"
+    no = mailpipe("failed", "--retry-all", answer="n\n")
+    assert no.returncode == 0, no.stderr
+    assert no.stdout.startswith(said) and no.stdout.endswith("nothing done\n")
+    unanswered = mailpipe("failed", "--retry-all")
+    assert unanswered.returncode == 2
+    assert one_error_line(unanswered).endswith("--yes acts without asking")
+    assert statuses(res) == {email_id: "failed" for email_id in ids}
+    retried = mailpipe("failed", "--retry-all", answer="y\n")
     assert retried.returncode == 0, retried.stderr
-    assert retried.stdout.strip() == "reopened 3, enqueued 3"
+    assert retried.stdout.startswith(said)
+    assert retried.stdout.splitlines()[-1].endswith("Retry these 3? [y/N]: reopened 3, enqueued 3")
     assert statuses(res) == {email_id: "open" for email_id in ids}
     assert all(res.redis.exists(redis_keys.job_marker(i)) for i in ids)
     assert json.loads(mailpipe("failed", "--json").stdout)["rows"] == []
@@ -505,9 +518,11 @@ def test_failed_filters_apply_to_the_list_and_to_retry_all(res) -> None:  # type
     assert mailpipe("failed", "--stage", "gpu").returncode == 2
     assert mailpipe("failed", "--retry", str(early), "--stage", "cpu").returncode == 2
 
-    retried = mailpipe("failed", "--retry-all", "--error-class", "BlobMissing", "--stage", "cpu")
+    retried = mailpipe(
+        "failed", "--retry-all", "--error-class", "BlobMissing", "--stage", "cpu", "--yes"
+    )
     assert retried.returncode == 0, retried.stderr
-    assert retried.stdout.strip() == "reopened 1, enqueued 1"
+    assert retried.stdout.splitlines()[-1] == "reopened 1, enqueued 1"
     assert statuses(res) == {early: "open", model: "failed", late: "failed"}
     assert queued_email_ids(res) == [early]
 
@@ -523,14 +538,23 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
     assert one.returncode == 3
     assert one.stdout.strip() == "dismissed 1"
     assert errors(one) == ["email 424242: not dismissed, it has no run"]
-    rest = mailpipe("dismiss", "--all", "--error-class", "Stalled")
-    assert (rest.returncode, rest.stdout.strip()) == (0, "dismissed 1")
+    rest = mailpipe("dismiss", "--all", "--error-class", "Stalled", answer="y\n")
+    assert (rest.returncode, rest.stdout.splitlines()[0]) == (
+        0,
+        "1 failed runs match; 0 of them failed as InputRejected",
+    )
+    assert rest.stdout.endswith("Dismiss these 1? [y/N]: dismissed 1\n")
     assert statuses(res) == {first: "failed", second: "failed", kept: "failed"}
     assert [row["email_id"] for row in json.loads(mailpipe("failed", "--json").stdout)["rows"]] == [
         kept
     ]
     assert json.loads(mailpipe("review", "--json").stdout)["total"] == 0
-    assert mailpipe("failed", "--retry-all").stdout.strip() == "reopened 1, enqueued 1"
+    retried = mailpipe("failed", "--retry-all", "--yes").stdout.splitlines()
+    assert retried == [
+        "1 failed runs match; 1 of them failed as InputRejected: their input is rejected, and "
+        "a retry fails again",
+        "reopened 1, enqueued 1",
+    ]
     assert statuses(res) == {first: "failed", second: "failed", kept: "open"}
 
     dismissed = json.loads(mailpipe("failed", "--dismissed", "--json").stdout)["rows"]
@@ -632,24 +656,47 @@ def test_find_refuses_bad_input_in_one_line_with_exit_2(
 
 
 def test_reprocess_by_filter_says_what_it_takes_then_takes_it_once(res) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.operations.test_reprocess import OTHER
     from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
 
     model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
-    assert [job.process_email(res, i).kind.value for i in ids] == ["succeeded"] * 2
-    assert mailpipe("reprocess", "--from", "classify").returncode == 2  # no filter
+    [other] = store_emails(res, [OTHER])
+    assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3
+    # No filter, or one that leaves out no succeeded email: refused.
+    for everything in ((), ("--state", "succeeded"), ("--no-review",), ("--since", "1970-01-01")):
+        refused = mailpipe("reprocess", *everything, "--from", "classify")
+        assert refused.returncode == 2, refused.stdout
+        assert "every email is not a filter" in one_error_line(refused)
     dry = mailpipe("reprocess", "--label", "invoice", "--from", "classify", "--dry-run")
     assert dry.stdout.strip() == (
         "2 succeeded emails match, from classify, in the bulk lane: 0 model calls"
     )
-    assert statuses(res) == dict.fromkeys(ids, "succeeded")
-    done = mailpipe("reprocess", "--label", "invoice", "--from", "parse", "--yes")
+    no = mailpipe("reprocess", "--label", "invoice", "--from", "parse", answer="n\n")
+    assert (no.returncode, no.stdout.splitlines()[-1]) == (0, "Reprocess them? [y/N]: nothing done")
+    over = mailpipe(
+        "reprocess", "--label", "invoice", "--from", "parse", "--yes", MAILPIPE_REPROCESS_MAX="1"
+    )
+    assert over.returncode == 2
+    assert one_error_line(over).endswith("narrow the filters, or --over-max takes them")
+    assert statuses(res) == dict.fromkeys([*ids, other], "succeeded")
+    done = mailpipe(
+        "reprocess",
+        *("--label", "invoice", "--from", "parse", "--over-max"),
+        answer="y\n",
+        MAILPIPE_REPROCESS_MAX="1",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].endswith("reopened 2, enqueued 2")
-    assert statuses(res) == dict.fromkeys(ids, "open")
+    assert statuses(res) == {**dict.fromkeys(ids, "open"), other: "succeeded"}
     assert f"_from_parse by cli:{getpass.getuser()}" in done.stderr
     again = mailpipe("reprocess", "--label", "invoice", "--from", "parse", "--yes")
     assert again.stdout.strip().startswith("0 succeeded emails match")
     [progress] = json.loads(mailpipe("status", "--json").stdout)["reprocesses"]
-    assert (progress["emails"], progress["left"], progress["lane"]) == (2, 2, "bulk")
+    assert (progress["emails"], progress["taken"], progress["left"], progress["lane"]) == (
+        2,
+        2,
+        2,
+        "bulk",
+    )
     assert progress["filters"] == ["label"]  # by name: its values may name an email's sender

@@ -186,8 +186,12 @@ def test_a_reprocess_during_a_model_outage_fails_nothing(res, fleet, tmp_path: P
         # Both lanes, as the model role consumes them: a reprocess is sent in the bulk one.
         f.worker("model", "-P", "threads", "-c", "8", "-Q", f"{queue}.model,{queue}.model.bulk")
         ids = store_emails(res, emails(REPROCESSED, "reprocess-outage"))
-        f.enqueue(ids)
-        assert set(wait_until_closed(res, ids).values()) == {"succeeded"}
+        # What the reprocess's filter leaves out: one that took every email would be refused.
+        [lunch] = store_emails(
+            res, [b"From: carol@corp.example\r\nSubject: lunch\r\n\r\nNoon?\r\n"]
+        )
+        f.enqueue([*ids, lunch])
+        assert set(wait_until_closed(res, [*ids, lunch]).values()) == {"succeeded"}
         assert labels_of(res, ids) == {frozenset({"invoice"})}
 
         server.default = error("ServiceUnavailableException", 503, "The service is unavailable.")

@@ -16,6 +16,7 @@ over the test's database and Redis.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,7 @@ from sqlalchemy import insert, select, text, update
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
+from mailpipe.operations.status import reprocesses
 from mailpipe.pipeline import emails, job, runs
 from mailpipe.storage import flags
 from mailpipe.storage.keys import raw_email_key
@@ -88,6 +90,19 @@ def run_status(res, email_id: int) -> str | None:  # type: ignore[no-untyped-def
     with res.db.session() as session:
         status = session.scalar(select(PipelineRun.status).where(PipelineRun.email_id == email_id))
     return None if status is None else status.value
+
+
+def redirected(web: ConsoleProcess, path: str, token: str, form: dict[str, str]) -> str:
+    """Where an operator's form posted to `path` sends the browser (a 303 asserted)."""
+    answer = requests.post(
+        f"{web.url}{path}",
+        data={**form, "csrf_token": token},
+        auth=OPERATOR,
+        allow_redirects=False,
+        timeout=10,
+    )
+    assert answer.status_code == 303, answer.text
+    return str(answer.headers["location"])
 
 
 @pytest.fixture
@@ -584,15 +599,7 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
         return set(re.findall(r'<button name="do" value="([a-z-]+)"', page))
 
     def act(email_id: int, **form: str) -> str:
-        answer = requests.post(
-            f"{web.url}/emails/{email_id}/act",
-            data={**form, "csrf_token": token},
-            auth=OPERATOR,
-            allow_redirects=False,
-            timeout=10,
-        )
-        assert answer.status_code == 303, answer.text
-        return str(answer.headers["location"])
+        return redirected(web, f"/emails/{email_id}/act", token, form)
 
     assert offered(failed) == {"retry", "dismiss", "clear-review", "forget"}
     assert offered(succeeded) == {"reprocess", "forget"}
@@ -715,45 +722,172 @@ def test_the_overview_draws_what_the_activity_api_gives(res, console) -> None:  
     assert (refused.status_code, refused.text) == (400, "400: window is hour or day\n")
 
 
-def test_a_search_s_succeeded_emails_are_reprocessed_from_its_page(res, console) -> None:  # type: ignore[no-untyped-def]
+def test_a_search_s_emails_are_reprocessed_once_its_plan_is_confirmed(res, console) -> None:  # type: ignore[no-untyped-def]
+    """The search's "Reprocess" shows the plan (its count, its model calls) and the form that
+    takes it; a post without the plan's count, or with another, takes nothing and shows the
+    plan as it is now; the plan confirmed twice takes each email once."""
+    from tests.unit.operations.test_reprocess import OTHER
     from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
 
     model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
-    assert [job.process_email(res, i).kind.value for i in ids] == ["succeeded"] * 2
+    [other] = store_emails(res, [OTHER])
+    assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3
     web = console()
     token = web.csrf(OPERATOR)
     page = requests.get(f"{web.url}/search?label=invoice", auth=OPERATOR, timeout=10).text
-    assert 'id="reprocess"' in page
+    assert re.search(
+        r'<form class="actions" id="reprocess" method="get" action="/reprocess">', page
+    )
     viewer = requests.get(f"{web.url}/search?label=invoice", auth=VIEWER, timeout=10).text
     assert 'id="reprocess"' not in viewer
+    plan_query = {"label": "invoice", "from": "classify", "in_lane": "bulk"}
 
-    def post(do: str) -> str:
-        answer = requests.post(
-            f"{web.url}/reprocess",
-            data={
-                "label": "invoice",
-                "from": "classify",
-                "in_lane": "bulk",
-                "do": do,
-                "csrf_token": token,
-            },
-            auth=OPERATOR,
-            allow_redirects=False,
-            timeout=10,
+    def plan(**query: str) -> str:
+        shown = requests.get(
+            f"{web.url}/reprocess", params={**plan_query, **query}, auth=OPERATOR, timeout=10
         )
-        assert answer.status_code == 303, answer.text
-        shown = requests.get(f"{web.url}{answer.headers['location']}", auth=OPERATOR, timeout=10)
         assert shown.status_code == 200, shown.text
         return shown.text
 
-    assert "2 would be reprocessed, at 0 model calls" in post("plan")
+    every = requests.get(
+        f"{web.url}/reprocess",
+        params={**plan_query, "label": "", "state": "succeeded"},
+        auth=OPERATOR,
+        timeout=10,
+    )
+    assert every.status_code == 400 and "every email is not a filter" in every.text
+    planned = plan()
+    assert "Reprocess 2 succeeded emails from classify?" in planned
+    assert "<dt>emails</dt><dd>2</dd><dt>model calls</dt><dd>0 (rules)</dd>" in planned
+    [as_of] = re.findall(r'name="as_of" value="(\d+)"', planned)
+    assert re.search(r'name="expect" value="2"', planned)
+
+    def post(**form: str) -> str:
+        return redirected(web, "/reprocess", token, {**plan_query, **form})
+
+    assert post().startswith("/reprocess?label=invoice&from=classify&in_lane=bulk")
+    wrong = post(expect="3", as_of=as_of)
+    assert "changed=3" in wrong
+    assert (
+        "It was 3 when you confirmed; it is 2 now: nothing was done."
+        in requests.get(f"{web.url}{wrong}", auth=OPERATOR, timeout=10).text
+    )
     assert [run_status(res, i) for i in ids] == ["succeeded"] * 2
-    assert "2 reprocessed, 2 jobs sent" in post("reprocess")
+    done = post(expect="2", as_of=as_of)
+    assert done == "/search?label=invoice&action=reprocess&done=2&enqueued=2"
+    assert (
+        "2 reprocessed, 2 jobs sent"
+        in requests.get(f"{web.url}{done}", auth=OPERATOR, timeout=10).text
+    )
     assert [run_status(res, i) for i in ids] == ["open"] * 2
+    # The same confirmation posted again (a second click) takes nothing, and says so.
+    again = post(expect="2", as_of=as_of)
+    assert "changed=2" in again
+    shown = requests.get(f"{web.url}{again}", auth=OPERATOR, timeout=10).text
+    assert "it is 0 now: nothing was done" in shown and 'id="confirm"' not in shown
     overview = requests.get(f"{web.url}/", auth=VIEWER, timeout=10).text
     assert 'id="reprocesses"' in overview
-    assert "0 reprocessed" in post("reprocess")  # open already: nothing taken twice
+    with res.db.session() as session:
+        assert [r["taken"] for r in reprocesses(session)] == [2]
+
+
+def test_a_reprocess_past_the_ceiling_needs_its_box_ticked(res, console) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.operations.test_reprocess import OTHER
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+
+    model_calls(res, True)
+    ids = store_emails(res, [INVOICE, PLAIN])
+    [other] = store_emails(res, [OTHER])
+    assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3
+    web = console({**os.environ, "MAILPIPE_REPROCESS_MAX": "1"})
+    token = web.csrf(OPERATOR)
+    form = {"label": "invoice", "from": "parse", "in_lane": "bulk"}
+    planned = requests.get(f"{web.url}/reprocess", params=form, auth=OPERATOR, timeout=10).text
+    assert "more than MAILPIPE_REPROCESS_MAX (1) takes at once" in planned
+    assert '<input type="checkbox" name="over_max" value="yes" required>' in planned
+    [as_of] = re.findall(r'name="as_of" value="(\d+)"', planned)
+
+    def post(**more: str) -> str:
+        return redirected(web, "/reprocess", token, {**form, "expect": "2", "as_of": as_of, **more})
+
+    refused = post()
+    assert refused.startswith("/reprocess?") and "changed" not in refused
+    assert [run_status(res, i) for i in ids] == ["succeeded"] * 2
+    assert post(over_max="yes").startswith("/search?label=invoice&action=reprocess&done=2")
+    assert [run_status(res, i) for i in ids] == ["open"] * 2
+
+
+def test_an_action_on_all_a_list_holds_shows_its_count_and_needs_it_back(res, console) -> None:  # type: ignore[no-untyped-def]
+    """The failed list's "Retry all", and the review list's "Dismiss all" and "Clear all", go
+    to a page that shows how many they take (and, for a retry, how many were rejected input,
+    which fails again), with a form that posts that count back. A post without it, or with
+    another count, does nothing and goes back to that page."""
+    from tests.support.failed_runs import add_failed
+
+    rejected = [add_failed(res, n, "InputRejected", review=True) for n in (1, 2)]
+    stalled = add_failed(res, 3, "Stalled", review=True)
+    web = console()
+    token = web.csrf(OPERATOR)
+    listed = requests.get(f"{web.url}/failed", auth=OPERATOR, timeout=10).text
+    assert '<form id="matching" method="get" action="/failed/confirm">' in listed
+    assert (
+        '<button form="matching" name="do" value="retry">Retry all 3 matching…</button>' in listed
+    )
+
+    def confirm(path: str, **query: str) -> str:
+        shown = requests.get(f"{web.url}{path}", params=query, auth=OPERATOR, timeout=10)
+        assert shown.status_code == 200, shown.text
+        return shown.text
+
+    def post(path: str, **form: str) -> str:
+        return redirected(web, path, token, form)
+
+    page = confirm("/failed/confirm", do="retry")
+    assert "Retry all 3 failed runs the filters match?" in page
+    assert (
+        "2 of them failed as InputRejected: their input is rejected, and a retry fails again."
+        in page
+    )
+    assert re.search(r'name="do" value="retry-matching">.*name="expect" value="3"', page, re.S)
+    narrowed = confirm("/failed/confirm", do="retry", error_class="Stalled")
+    assert "None of them failed as InputRejected." in narrowed
+    assert "<dt>filters</dt><dd>error_class Stalled</dd>" in narrowed
+
+    assert post("/failed", do="retry-matching") == "/failed/confirm?do=retry"
+    assert post("/failed", do="dismiss-matching") == "/failed/confirm?do=dismiss"
+    assert post("/failed", do="retry-matching", expect="2") == "/failed/confirm?do=retry&changed=2"
+    assert {run_status(res, i) for i in [*rejected, stalled]} == {"failed"}
+    done = post("/failed", do="retry-matching", error_class="Stalled", expect="1")
+    assert done == "/failed?error_class=Stalled&action=retry&done=1&enqueued=1&refused=0"
+    assert run_status(res, stalled) == "open"
+
+    review = requests.get(f"{web.url}/review", auth=OPERATOR, timeout=10).text
+    assert (
+        '<button form="all" name="do" value="clear" class="danger">Clear all 2 marks…</button>'
+        in review
+    )
+    assert "Clear the mark of all 2 emails on the review list?" in confirm(
+        "/review/confirm", do="clear"
+    )
+    assert "2 of them failed as InputRejected" in confirm("/review/confirm", do="retry")
+    assert post("/review", do="clear-matching") == "/review/confirm?do=clear"
+    assert (
+        post("/review", do="dismiss-matching", expect="3") == "/review/confirm?do=dismiss&changed=3"
+    )
+    assert (
+        json.loads(requests.get(f"{web.url}/api/review", auth=VIEWER, timeout=10).text)["total"]
+        == 2
+    )
+    assert post("/review", do="clear-matching", expect="2").startswith(
+        "/review?action=clear&done=2"
+    )
+    assert (
+        json.loads(requests.get(f"{web.url}/api/review", auth=VIEWER, timeout=10).text)["total"]
+        == 0
+    )
+    assert {run_status(res, i) for i in rejected} == {"failed"}  # cleared, not retried
+    assert confirm("/review/confirm", do="retry").count('id="confirm"') == 0  # nothing to do
 
 
 def test_an_email_page_counts_deferrals_and_pages_its_history(res, console) -> None:  # type: ignore[no-untyped-def]

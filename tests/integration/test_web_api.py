@@ -67,11 +67,62 @@ def test_an_operator_acts_through_the_api_and_a_viewer_is_refused(res, console) 
     refused = requests.put(f"{api}/model-calls", json={"on": "yes"}, auth=OPERATOR, timeout=10)
     assert refused.status_code == 400
 
-    dry = post("/reprocess", {"state": "succeeded", "from": "classify", "dry_run": True})
-    assert dry.json() == {"emails": 0, "model_calls": 0, "reprocess_id": None, "enqueued": 0}
+    dry = post("/reprocess", {"label": "invoice", "from": "classify", "dry_run": True})
+    assert dry.json() == {
+        "emails": 0,
+        "model_calls": 0,
+        "reprocess_id": None,
+        "enqueued": 0,
+        "taken": 0,
+        "as_of": 0,
+        "max": 10_000,
+    }
     assert post("/reprocess", {"from": "classify"}).status_code == 400  # no filter: refused
     log = web.output()
     assert "retry by api:" in log and "pause_model by api:" in log
+
+
+def test_a_reprocess_takes_the_count_its_plan_gave_and_each_email_once(res, console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+    """POST /api/reprocess takes emails only with its plan's count echoed (`expect`, and its
+    `as_of`), else 409 with the plan as it is now; the same request sent again takes nothing;
+    past MAILPIPE_REPROCESS_MAX only with `over_max`; a filter that leaves out no succeeded
+    email is none."""
+    from mailpipe.cli.ingest import store_emails
+    from mailpipe.pipeline import job
+    from tests.unit.operations.test_reprocess import OTHER
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+
+    model_calls(res, True)
+    ids = store_emails(res, [INVOICE, PLAIN])
+    [other] = store_emails(res, [OTHER])
+    assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3
+    web = console({**os.environ, "MAILPIPE_REPROCESS_MAX": "1"})
+
+    def post(body: object) -> requests.Response:
+        return requests.post(f"{web.url}/api/reprocess", json=body, auth=OPERATOR, timeout=10)
+
+    for everything in ({"state": "succeeded"}, {"review": "no"}, {"since": "1970-01-01"}):
+        refused = post({**everything, "from": "parse", "dry_run": True})
+        assert refused.status_code == 400, refused.text
+        assert "every email is not a filter" in refused.json()["error"]
+    asked = {"label": "invoice", "from": "parse"}
+    plan = post({**asked, "dry_run": True}).json()
+    assert (plan["emails"], plan["max"]) == (2, 1)
+    unechoed = post(asked)
+    assert (unechoed.status_code, unechoed.json()["plan"]) == (409, plan)
+    wrong = post({**asked, "expect": 3, "as_of": plan["as_of"]})
+    assert wrong.status_code == 409 and wrong.json()["plan"]["emails"] == 2
+    confirmed = {**asked, "expect": 2, "as_of": plan["as_of"]}
+    over = post(confirmed)
+    assert over.status_code == 400 and over.json()["error"].endswith("over_max takes them")
+    assert {run_status(res, i) for i in [*ids, other]} == {"succeeded"}
+    done = post({**confirmed, "over_max": True})
+    assert done.status_code == 200, done.text
+    assert (done.json()["taken"], done.json()["enqueued"]) == (2, 2)
+    again = post({**confirmed, "over_max": True})
+    assert again.status_code == 409 and again.json()["plan"]["emails"] == 0
+    assert [run_status(res, i) for i in ids] == ["open"] * 2
+    assert post({**asked, "expect": "2"}).status_code == 400
 
 
 def test_the_api_serves_its_description(console) -> None:  # noqa: F811  # type: ignore[no-untyped-def]

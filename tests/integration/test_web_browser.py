@@ -6,15 +6,17 @@ list, opens its page and reads its attempt history; the blob is put back, the op
 email and presses "Retry selected", and watches its page until the run has succeeded; then finds
 an invoice by its Message-ID in the search box, both invoices by their sender, and opens one from
 the results; dismisses a failed run from its email's page, finds it in the dismissed view and
-takes the dismiss back; and reprocesses the 100 invoices by their label, a plan of what that
-takes first, watching the overview until every one is done. The overview charts the jobs just
-run, and the queues as beat's metrics report read them. Each page is saved as console-*.png in
-the test's folder, or with MAILPIPE_SCREENSHOTS=docs/img where docs/operations.md shows them
-(how those pictures are made): the overview with its charts and the reprocess's progress, the
-charts alone, the failed list and its dismissed view, the review list, the retried email's page
-with its attempts and actions, the search's results and a reprocess's plan. The model stage is
-the Bedrock stand-in (tests/support/bedrock_server.py), and the charts also draw an hour before
-the test, written into the tables they read (`_the_hour_before`)."""
+takes the dismiss back; opens "Retry all" of the failed list, which says how many it takes and
+how many were rejected input, and cancels; and reprocesses the 100 invoices by their label,
+confirming the plan of what that takes first, watching the overview until every one is done.
+The overview charts the jobs just run, and the queues as beat's metrics report read them. Each
+page is saved as console-*.png in the test's folder, or with MAILPIPE_SCREENSHOTS=docs/img where
+docs/operations.md shows them (how those pictures are made): the overview with its charts and
+the reprocess's progress, the charts alone, the failed list and its dismissed view, the review
+list, the retried email's page with its attempts and actions, the search's results, a "Retry
+all" confirmation and a reprocess's plan. The model stage is the Bedrock stand-in
+(tests/support/bedrock_server.py), and the charts also draw an hour before the test, written
+into the tables they read (`_the_hour_before`)."""
 
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
             missing,
             shots,
             dismiss_and_undo=partial(_dismiss_and_undo, web=web, email_id=gone),
+            retry_all=partial(_retry_all, web=web, email_id=gone),
             put_back=lambda: res.blobs.put(key, raw),
             search=search,
             activity=activity,
@@ -140,7 +143,14 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
 
 
 def _drive(
-    web: ConsoleProcess, missing: int, shots: Path, put_back, search, activity, dismiss_and_undo
+    web: ConsoleProcess,
+    missing: int,
+    shots: Path,
+    put_back,
+    search,
+    activity,
+    dismiss_and_undo,
+    retry_all,
 ) -> None:  # type: ignore[no-untyped-def]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
@@ -203,6 +213,7 @@ def _drive(
             page.screenshot(path=shots / "console-email.png", full_page=True)
             search(page, retried=missing, shots=shots)
             dismiss_and_undo(page, shots=shots)
+            retry_all(page, shots=shots)
             _reprocess(page, web, shots)
             assert blocked == []
         finally:
@@ -384,16 +395,20 @@ def _dismiss_and_undo(page: Page, web: ConsoleProcess, email_id: int, shots: Pat
 
 
 def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
-    """The operator searches the invoices by their label, asks what reprocessing them takes,
-    reprocesses them in the bulk lane and watches the overview until every one is done."""
+    """The operator searches the invoices by their label and presses "Reprocess…": its plan
+    says how many emails it takes and the model calls that costs, and nothing is taken until
+    the operator confirms it there; then the overview follows it until every one is done."""
     page.goto(f"{web.url}/search?label=invoice&state=succeeded")
-    page.get_by_role("button", name="How many, and what it costs").click()
-    expect(page.get_by_role("status")).to_have_text(
-        f"{REPROCESSED} would be reprocessed, at {REPROCESSED} model calls"
-    )
-    page.screenshot(path=shots / "console-reprocess-plan.png")
     page.get_by_label("reprocess from").select_option("documents")
-    page.get_by_role("button", name="Reprocess", exact=True).click()
+    page.get_by_role("button", name="Reprocess…").click()
+    expect(page.get_by_role("heading")).to_have_text(
+        f"Reprocess {REPROCESSED} succeeded emails from documents?"
+    )
+    figures = page.locator("#figures")
+    expect(figures).to_contain_text(f"model calls{REPROCESSED} (bedrock)")
+    expect(figures).to_contain_text("filtersstate succeeded, label invoice")
+    page.screenshot(path=shots / "console-reprocess-plan.png")
+    page.get_by_role("button", name=f"Reprocess {REPROCESSED} emails").click()
     expect(page.get_by_role("status")).to_have_text(
         f"{REPROCESSED} reprocessed, {REPROCESSED} jobs sent"
     )
@@ -401,7 +416,8 @@ def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
     def all_done() -> bool:
         page.goto(f"{web.url}/")  # a new load each time: a fragment alone would not reload
         cells = page.locator("#reprocesses + table tr").nth(1).locator("td")
-        return cells.nth(6).inner_text() == str(REPROCESSED) and cells.nth(8).inner_text() == "0"
+        done, left = cells.nth(7).inner_text(), cells.nth(9).inner_text()
+        return done == str(REPROCESSED) and left == "0"
 
     wait_for(all_done, 120, "the reprocess to reach every email", every=1.0)
     expect(page.locator("#activity-cpu svg")).to_have_count(2)
@@ -451,3 +467,17 @@ def _waiting(res) -> int:  # type: ignore[no-untyped-def]
                 PipelineRun.status == "open", PipelineRun.waiting_since.is_not(None)
             )
         )
+
+
+def _retry_all(page: Page, web: ConsoleProcess, email_id: int, shots: Path) -> None:
+    """The failed list's "Retry all" shows how many runs it takes, and of them how many were
+    rejected input, which a retry fails again; the operator cancels, and nothing changed."""
+    page.goto(f"{web.url}/failed")
+    page.get_by_role("button", name="Retry all 1 matching…").click()
+    expect(page.get_by_role("heading")).to_have_text("Retry all 1 failed runs the filters match?")
+    expect(page.locator("#rejections")).to_have_text("None of them failed as InputRejected.")
+    expect(page.get_by_role("button", name="Retry 1 runs")).to_be_visible()
+    page.screenshot(path=shots / "console-confirm.png")
+    page.get_by_role("link", name="Cancel").click()
+    expect(page.get_by_role("heading", name="Failed runs")).to_be_visible()
+    expect(page.locator(f'a[href="/emails/{email_id}"]')).to_have_count(1)

@@ -27,6 +27,8 @@ from mailpipe.errors import (
     TransientError,
     dependency_of,
     describe,
+    error_class,
+    input_rejections,
     mask_aws,
 )
 
@@ -160,3 +162,13 @@ def test_an_aws_error_is_masked_in_what_is_kept() -> None:
     assert (
         describe(refused) == "BlobAccessDenied: S3 refused GetObject of raw/x: account ************"
     )
+
+
+def test_the_input_rejections_are_the_errors_of_an_email_a_retry_cannot_change() -> None:
+    """A retry reads the same bytes: what broke a limit breaks it again. A missing blob can be
+    put back, and a refused model call or object is the dependency's word on that call."""
+    assert input_rejections() == ("InputRejected",)
+    assert all(
+        error_class(exc) not in input_rejections() for exc in (BlobMissing("k"), Throttled("t"))
+    )
+    assert error_class(InputRejected("email is empty")) in input_rejections()

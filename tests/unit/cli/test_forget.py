@@ -25,12 +25,17 @@ def test_forget_says_what_it_would_delete_and_asks_first(res) -> None:  # type: 
     shown = " ".join(map(str, ids))
 
     declined = forget(*map(str, ids), answer="n\n")
-    assert declined.exit_code == 1 and "Aborted" in declined.output
+    assert declined.exit_code == 0 and declined.output.endswith("[y/N]: n\nnothing done\n")
     assert f"2 emails: {shown}\n" in declined.output
     assert "rows: email_message 2, pipeline_run 2; blobs: 2; Redis entries: 0" in declined.output
     assert "Forget these 2 emails for good? [y/N]" in declined.output
     assert all(rows_naming(res, email_id) for email_id in ids)
     assert not res.redis.exists(*(redis_keys.forgotten(email_id) for email_id in ids))
+
+    unanswered = forget(*map(str, ids), answer="")
+    assert unanswered.exit_code == 2
+    assert unanswered.stderr == "Error: no answer, so nothing done: --yes acts without asking\n"
+    assert all(rows_naming(res, email_id) for email_id in ids)
 
     confirmed = forget(*map(str, ids), answer="y\n")
     assert confirmed.exit_code == 0, confirmed.output

@@ -215,3 +215,44 @@ def test_the_fleet_s_switches_are_actions_with_their_audit_line(  # type: ignore
         ("pause_model", USER),
         ("resume_model", USER),
     ]
+
+
+def test_an_action_on_all_the_filter_lists_takes_the_count_confirmed_and_no_more(res) -> None:  # type: ignore[no-untyped-def]
+    """Retry all and dismiss all act only while the filter lists the count the operator
+    confirmed, and on that many at most: a run failed while they work waits for the next."""
+    rejected = [add_failed(res, minutes, "InputRejected") for minutes in (1, 2)]
+    stalled = add_failed(res, 3, "Stalled")
+    assert actions.count_failed(res, FailedFilter()) == actions.Counted(3, 2)
+    assert actions.count_failed(res, FailedFilter(error_class="Stalled")) == actions.Counted(1, 0)
+    with pytest.raises(actions.Changed) as changed:
+        actions.retry(res, enqueue=sender(res), user=USER, expect=2)
+    assert changed.value.plan == actions.Counted(3, 2)
+    with pytest.raises(actions.Changed):
+        actions.dismiss(res, user=USER, expect=4)
+    assert {status for status, _ in run_rows(res).values()} == {"failed"}
+
+    late: list[int] = []
+
+    def failing_another(email_ids, task: TaskName, lane: Lane):  # type: ignore[no-untyped-def]
+        if not late:
+            late.append(add_failed(res, 9, "Stalled"))
+        return sender(res)(email_ids, task, lane)
+
+    done = actions.retry(res, enqueue=failing_another, user=USER, expect=3, batch=1)
+    assert sorted(done.done) == sorted([*rejected, stalled])
+    assert run_rows(res)[late[0]] == ("failed", False)
+
+
+def test_the_review_list_s_all_is_the_marked_emails_and_their_rejected_runs(res) -> None:  # type: ignore[no-untyped-def]
+    rejected = add_failed(res, 1, "InputRejected", review=True)
+    marked = add_failed(res, 2, "Stalled", review=True)
+    add_failed(res, 3, "InputRejected")
+    assert actions.marked(res) == [rejected, marked]
+    assert actions.count_of(res, actions.marked(res)) == actions.Counted(2, 1)
+    with pytest.raises(actions.Changed):
+        actions.clear_review(res, actions.marked(res), user=USER, expect=3)
+    assert actions.clear_review(res, actions.marked(res), user=USER, expect=2).done == [
+        rejected,
+        marked,
+    ]
+    assert actions.marked(res) == []

@@ -64,9 +64,9 @@ class Faces:
         code, body = call(self.app, "GET", f"/api{path}", values)
         answer(json.loads(body)["error"] if code == 400 else None)
         if path == "/failed":
-            # The page's form, as "Retry all matching" posts it.
+            # The confirmation's form, as "Retry all matching" posts it.
             token = csrf_token(self.secret, LOCAL_USER)
-            form = {**values, "do": "retry-matching", "csrf_token": token}
+            form = {**values, "do": "retry-matching", "expect": "1", "csrf_token": token}
             code, body = call(self.app, "POST", path, form)
             answer(body.removeprefix("400: ").rstrip("\n") if code == 400 else None)
         assert self.asked == []
@@ -128,7 +128,7 @@ def faces(monkeypatch: pytest.MonkeyPatch) -> Faces:
         faces.asked.append(filt)
         return Found([], None)
 
-    def act(res: object, verb: str, user: str, ids: object, filt: FailedFilter) -> Any:
+    def act(res: object, verb: str, user: str, ids: object, filt: FailedFilter, expect: int) -> Any:
         faces.asked.append(filt)
         return SimpleNamespace(done=[], enqueued=0, refused={})
 

@@ -4,6 +4,7 @@ step asked for, in the bulk lane, their answer kept until the new one replaces i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 import pytest
 from sqlalchemy import select
@@ -15,7 +16,7 @@ from mailpipe.operations import actions
 from mailpipe.operations.actions import Step
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import reprocesses
-from mailpipe.pipeline import job, runs
+from mailpipe.pipeline import emails, job, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
@@ -50,18 +51,18 @@ def status_of(res: Resources, email_id: int) -> RunStatus:
         ).one()
 
 
-def test_a_dry_run_counts_the_emails_and_the_model_calls_and_changes_nothing(res) -> None:  # type: ignore[no-untyped-def]
+def test_a_plan_counts_the_emails_and_the_model_calls_and_changes_nothing(res) -> None:  # type: ignore[no-untyped-def]
     model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert {job.process_email(res, i).kind for i in [*invoices, other]} == {Kind.SUCCEEDED}
     sent = Sent()
     by_label = EmailFilter(label="invoice")
-    planned = actions.reprocess(res, by_label, Step.CLASSIFY, enqueue=sent, user=USER, dry_run=True)
+    planned = actions.plan_reprocess(res, by_label)
     assert (planned.emails, planned.model_calls, planned.reprocess_id) == (2, 0, None)  # rules
     remote = Resources(res.settings)
     remote.__dict__["classifier"] = RemoteRules(res.classifier)
-    paid = actions.reprocess(remote, by_label, Step.PARSE, enqueue=sent, user=USER, dry_run=True)
+    paid = actions.plan_reprocess(remote, by_label)
     assert (paid.emails, paid.model_calls) == (2, 2)
     assert sent.calls == [] and reprocesses_of(res) == []
     assert {status_of(res, i) for i in [*invoices, other]} == {RunStatus.SUCCEEDED}
@@ -121,7 +122,8 @@ def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res
 def test_reprocess_from_parse_runs_the_cpu_stage_and_enqueues_each_job_once(res) -> None:  # type: ignore[no-untyped-def]
     model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
-    assert [job.process_email(res, i).kind for i in invoices] == [Kind.SUCCEEDED] * 2
+    [other] = store_emails(res, [OTHER])
+    assert [job.process_email(res, i).kind for i in [*invoices, other]] == [Kind.SUCCEEDED] * 3
 
     done = actions.reprocess(
         res, EmailFilter(label="invoice"), Step.PARSE, enqueue=sender(res), user=USER, batch=1
@@ -148,10 +150,34 @@ def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None
     with res.db.transaction() as session:
         runs.ensure_runs(session, [still_open])
         reopened = runs.reopen_to_reprocess(
-            session, [succeeded, still_open], 1, keep_documents=True
+            session,
+            [succeeded, still_open],
+            1,
+            keep_documents=True,
+            leaving=runs.reprocessing(session),
         )
     assert reopened == ([succeeded], [])  # rules answered in the CPU stage: it runs again
     assert status_of(res, still_open) is RunStatus.OPEN
+
+
+def test_a_run_another_reprocess_took_since_it_was_read_is_not_reopened(res) -> None:  # type: ignore[no-untyped-def]
+    """Read before its batch locks them, a run may have been taken, and done, by a reprocess
+    counted after this one: locked, it is passed over."""
+    model_calls(res, True)
+    ids = store_emails(res, [INVOICE, PLAIN])
+    assert [job.process_email(res, i).kind for i in ids] == [Kind.SUCCEEDED] * 2
+    with res.db.session() as session:
+        leaving = runs.reprocessing(session)
+    later = actions.reprocess(
+        res, EmailFilter(email_id=ids[0]), Step.PARSE, enqueue=Sent(), user=USER
+    )
+    assert job.process_email(res, ids[0], lane=Lane.BULK).kind is Kind.SUCCEEDED
+    with res.db.transaction() as session:
+        reopened = runs.reopen_to_reprocess(session, ids, 99, keep_documents=False, leaving=leaving)
+    assert reopened == ([ids[1]], [])
+    with res.db.session() as session:
+        taken = dict(session.execute(select(PipelineRun.email_id, PipelineRun.reprocess_id)).all())
+    assert taken == {ids[0]: later.reprocess_id, ids[1]: 99}
 
 
 def test_a_reprocess_takes_the_emails_the_search_finds(res) -> None:  # type: ignore[no-untyped-def]
@@ -171,8 +197,127 @@ def test_a_reprocess_takes_the_emails_the_search_finds(res) -> None:  # type: ig
         shown = [row["email_id"] for row in find(session, by_word).rows]
     assert shown == [ids[0]]
     sent = Sent()
-    planned = actions.reprocess(res, by_word, Step.PARSE, enqueue=sent, user=USER, dry_run=True)
+    planned = actions.plan_reprocess(res, by_word)
     assert planned.emails == 1
     done = actions.reprocess(res, by_word, Step.PARSE, enqueue=sent, user=USER)
     assert sent.calls == [([ids[0]], TaskName.PROCESS_EMAIL, Lane.BULK)]
     assert (done.emails, status_of(res, ids[1])) == (1, RunStatus.SUCCEEDED)
+
+
+def succeeded_again(res: Resources, email_ids: list[int]) -> None:
+    """What the workers do with a reprocess's jobs: each run closes again."""
+    for email_id in email_ids:
+        assert job.process_email(res, email_id, lane=Lane.BULK).kind is Kind.SUCCEEDED
+
+
+def test_the_same_reprocess_again_takes_nothing_while_the_first_is_under_way(res) -> None:  # type: ignore[no-untyped-def]
+    """Sent again once most of the first's emails are done, it takes none of them; so does a
+    plan counted before the first, confirmed after the first has ended. Once the first has
+    ended, the same request counted anew takes them again, and the first's progress says so."""
+    model_calls(res, True)
+    invoices = store_emails(res, [INVOICE, PLAIN, INVOICE.replace(b"j12@", b"j14@")])
+    [other] = store_emails(res, [OTHER])
+    succeeded_again(res, [*invoices, other])
+    by_label = EmailFilter(label="invoice")
+    before = actions.plan_reprocess(res, by_label)
+    first = actions.reprocess(res, by_label, Step.PARSE, enqueue=Sent(), user=USER)
+    assert (first.emails, first.taken) == (3, 3)
+    succeeded_again(res, invoices[:2])
+
+    sent = Sent()
+    again = actions.reprocess(res, by_label, Step.PARSE, enqueue=sent, user=USER)
+    assert (again.emails, again.reprocess_id, sent.calls) == (0, None, [])
+    succeeded_again(res, invoices[2:])
+    late = actions.reprocess(res, by_label, Step.PARSE, enqueue=sent, user=USER, as_of=before.as_of)
+    assert (late.emails, late.reprocess_id, sent.calls) == (0, None, [])
+    with pytest.raises(actions.Changed) as changed:
+        actions.reprocess(
+            res, by_label, Step.PARSE, enqueue=sent, user=USER, expect=3, as_of=before.as_of
+        )
+    assert changed.value.plan.emails == 0
+    [progress] = reprocesses_of(res)
+    assert {k: progress[k] for k in ("emails", "taken", "done", "left", "retaken")} == {
+        "emails": 3,
+        "taken": 3,
+        "done": 3,
+        "left": 0,
+        "retaken": 0,
+    }
+
+    anew = actions.reprocess(res, by_label, Step.CLASSIFY, enqueue=sent, user=USER)
+    assert anew.taken == 3
+    latest, earlier = reprocesses_of(res)
+    assert (latest["id"], latest["taken"], latest["left"]) == (anew.reprocess_id, 3, 3)
+    assert (earlier["done"], earlier["retaken"]) == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "everything",
+    [
+        EmailFilter(),
+        EmailFilter(state="succeeded"),
+        EmailFilter(review=False),
+        EmailFilter(since=datetime(1970, 1, 1)),
+        EmailFilter(since=datetime(1970, 1, 1), state="succeeded", review=False),
+    ],
+)
+def test_a_filter_that_leaves_out_no_succeeded_email_is_not_a_filter(res, everything) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, True)
+    ids = store_emails(res, [INVOICE, PLAIN])
+    with res.db.transaction() as session:
+        runs.ensure_runs(session, [store_emails(res, [OTHER])[0]])  # open: not one to take
+    succeeded_again(res, ids)
+    sent = Sent()
+    with pytest.raises(actions.NotAFilter) as refused:
+        actions.plan_reprocess(res, everything)
+    assert refused.value.plan.emails == 2
+    with pytest.raises(actions.NotAFilter):
+        actions.reprocess(res, everything, Step.PARSE, enqueue=sent, user=USER, expect=2)
+    assert sent.calls == [] and reprocesses_of(res) == []
+    [marked] = store_emails(res, [OTHER.replace(b"l1@", b"l2@")])
+    succeeded_again(res, [marked])
+    with res.db.transaction() as session:
+        emails.mark_for_review(session, [marked], "looked odd")
+    # One succeeded email left out: the filter narrows, and the plan says by how much.
+    narrowed = EmailFilter(since=datetime(1970, 1, 1), review=False)
+    plan = actions.plan_reprocess(res, narrowed)
+    assert plan.emails == 2
+
+
+def test_a_reprocess_takes_the_count_confirmed_and_no_more_than_the_most_unless_told(res) -> None:  # type: ignore[no-untyped-def]
+    model_calls(res, True)
+    invoices = store_emails(res, [INVOICE, PLAIN])
+    [other] = store_emails(res, [OTHER])
+    succeeded_again(res, [*invoices, other])
+    by_label = EmailFilter(label="invoice")
+    sent = Sent()
+    with pytest.raises(actions.Changed) as changed:
+        actions.reprocess(res, by_label, Step.PARSE, enqueue=sent, user=USER, expect=3)
+    assert (changed.value.plan.emails, changed.value.plan.most) == (2, 10_000)
+    small = Resources(res.settings.model_copy(update={"reprocess_max": 1}))
+    with pytest.raises(actions.OverMax):
+        actions.reprocess(small, by_label, Step.PARSE, enqueue=sent, user=USER, expect=2)
+    assert sent.calls == [] and {status_of(res, i) for i in invoices} == {RunStatus.SUCCEEDED}
+    late: list[int] = []
+
+    def storing_another(ids: Sequence[int], task: TaskName, lane: Lane) -> list[int]:
+        """An invoice that succeeds while the reprocess works: its plan did not count it."""
+        if not late:
+            late.extend(store_emails(res, [INVOICE.replace(b"j12@", b"late@")]))
+            succeeded_again(res, late)
+        return sent(ids, task, lane)
+
+    done = actions.reprocess(
+        small,
+        by_label,
+        Step.PARSE,
+        enqueue=storing_another,
+        user=USER,
+        expect=2,
+        over_max=True,
+        batch=1,
+    )
+    assert (done.taken, done.enqueued) == (2, 2)
+    assert status_of(res, late[0]) is RunStatus.SUCCEEDED
+    [progress] = reprocesses_of(res)
+    assert (progress["emails"], progress["taken"], progress["left"]) == (2, 2, 2)
