@@ -32,7 +32,7 @@ def console(monkeypatch: pytest.MonkeyPatch) -> tuple[Starlette, list[dict[str, 
 
     def reprocess(res: object, filt: Any, step: Any, **kw: Any) -> actions.Reprocessed:
         asked.append({"filt": filt, **kw})
-        return actions.Reprocessed(1, 0, 7, 1)
+        return actions.Reprocessed(1, 0, 7, 10_000, reprocess_id=8, enqueued=1, taken=1)
 
     monkeypatch.setattr(actions, "reprocess", reprocess)
     return app, asked
@@ -55,6 +55,8 @@ def test_an_action_logs_its_filters_by_name(console, caplog) -> None:  # type: i
         "from": "classify",
         "in_lane": "bulk",
         "do": "reprocess",
+        "expect": "1",  # the plan's count, confirmed
+        "as_of": "7",
         "csrf_token": csrf_token(app.state.secret, LOCAL_USER),
     }
     assert call(app, "POST", "/reprocess", form)[0] == 303
