@@ -6,7 +6,7 @@ the queues of a paused stage, or starts again once its pause has ended. A paused
 then wait in the broker instead of being fetched and deferred in a loop. While a stage is paused
 by an outage, one worker of the fleet per `MAILPIPE_PAUSE_PROBE_INTERVAL` runs the dependency's
 check, on a thread of its own so that a slow call never stalls the event loop
-(mailpipe.operations.probes). When Redis has lost the operator's pauses (a flush or a restart),
+(mailpipe.app.probes). When Redis has lost the operator's pauses (a flush or a restart),
 a thread puts them back from the database and the step changes nothing until it has
 (mailpipe.pipeline.stage_pauses).
 
@@ -125,7 +125,7 @@ class PauseStep(bootsteps.StartStopStep):
 
 
 def _probe(res: Resources, stage: Stage) -> None:
-    from mailpipe.operations.probes import probe
+    from mailpipe.app.probes import probe
 
     probe(res, stage)
 

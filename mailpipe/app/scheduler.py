@@ -10,7 +10,7 @@ which this Redis (no persistence, flushed in chaos tests) would lose.
 The lock holder also reports the fleet's metrics every `MAILPIPE_METRICS_INTERVAL` seconds, and
 prunes what only grows every `MAILPIPE_HOUSEKEEPING_INTERVAL` (mailpipe.operations.housekeeping),
 from this process, which runs no jobs, each on a thread of its own
-(`mailpipe.operations.periodic.Periodic`): a report never waits behind busy workers, and a slow
+(`mailpipe.app.periodic.Periodic`): a report never waits behind busy workers, and a slow
 CloudWatch or a long pass never delays a tick. A standby does neither, so the fleet has one report
 per interval and one housekeeper.
 
@@ -29,11 +29,11 @@ from celery.beat import PersistentScheduler
 from redis import Redis, RedisError
 from redis.exceptions import LockError, LockNotOwnedError
 
+from mailpipe.app.periodic import Periodic
 from mailpipe.broker.queues import control_queue, job_queues
 from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import declare_queue
 from mailpipe.operations import housekeeping, metrics
-from mailpipe.operations.periodic import Periodic
 from mailpipe.resources import get_resources
 from mailpipe.settings import get_settings
 

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from mailpipe.app.probes import ProbeResult, probe
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
 from mailpipe.errors import BlobAccessDenied, BlobUnavailable, Dependency
-from mailpipe.operations.probes import ProbeResult, probe
 from mailpipe.operations.status import fleet_status
 from mailpipe.pipeline import health, job
 from mailpipe.pipeline.outcome import Kind

@@ -8,10 +8,10 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
+from mailpipe.app.probes import ProbeResult, probe
 from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
-from mailpipe.operations.probes import ProbeResult, probe
 from mailpipe.resources import Resources
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
