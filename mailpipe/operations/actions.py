@@ -23,12 +23,12 @@ from sqlalchemy import Select, and_, false, func, not_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
+from mailpipe.broker.sending import Enqueue, in_lanes
 from mailpipe.coordination import pauses
 from mailpipe.errors import input_rejections
 from mailpipe.operations import erasure, search
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
-from mailpipe.operations.sweeper import Enqueue, in_lanes
 from mailpipe.pipeline import emails, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags

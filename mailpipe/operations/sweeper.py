@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
@@ -41,7 +40,8 @@ from sqlalchemy import Select, and_, not_, select
 from sqlalchemy.orm import Session
 
 from mailpipe.broker import layout
-from mailpipe.broker.queues import Lane, TaskName, job_queues
+from mailpipe.broker.queues import TaskName, job_queues
+from mailpipe.broker.sending import Enqueue, in_lanes
 from mailpipe.coordination import markers, redis_keys
 from mailpipe.operations.metrics import read_backlog
 from mailpipe.pipeline import runs
@@ -50,10 +50,6 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
 
 log = logging.getLogger(__name__)
-
-# Sends the jobs of the emails given, of the stage given, in the lane given (deduplicated);
-# returns the ids it sent.
-Enqueue = Callable[[Sequence[int], TaskName, Lane], Sequence[int]]
 
 # The sweep lock lapses this long after its last renewal (one per batch): a sweep whose process
 # was killed blocks the next ones for a minute at most.
@@ -325,16 +321,3 @@ class Candidate(NamedTuple):
     converted: bool
     waiting: bool
     lane: str
-
-
-def in_lanes(
-    enqueue: Enqueue, email_ids: Sequence[int], lanes: Mapping[int, str], task: TaskName
-) -> list[int]:
-    """Send the jobs of `email_ids`, each in its email's lane (`lanes`), one call per lane;
-    returns the ids sent."""
-    sent: list[int] = []
-    for lane in Lane:
-        ids = [i for i in email_ids if lanes[i] == lane]
-        if ids:
-            sent.extend(enqueue(ids, task, lane))
-    return sent
