@@ -32,12 +32,21 @@ class Resources:
     # False in a process that runs jobs, unless MAILPIPE_WORKER_SYNCHRONOUS_COMMIT says otherwise
     # (`for_jobs`).
     synchronous_commit: bool = True
+    # The statement timeout of `db.reading()` (milliseconds): the web role's (`for_web`); None
+    # elsewhere, where a read may take what any statement may.
+    read_timeout_ms: int | None = None
 
     @classmethod
     def for_jobs(cls, settings: Settings) -> Resources:
         """The resources of a process that runs jobs: every row it writes is derived from a
         stored email, so its commits need not wait for the disk (`worker_synchronous_commit`)."""
         return cls(settings, synchronous_commit=settings.worker_synchronous_commit)
+
+    @classmethod
+    def for_web(cls, settings: Settings) -> Resources:
+        """The resources of the console and the API: their reads given up past
+        MAILPIPE_WEB_STATEMENT_TIMEOUT_MS, their actions not."""
+        return cls(settings, read_timeout_ms=settings.web_statement_timeout_ms)
 
     @cached_property
     def db(self) -> Database:
@@ -54,6 +63,7 @@ class Resources:
             ),
             synchronous_commit=self.synchronous_commit,
             transaction_pooling=settings.db_transaction_pooling,
+            read_timeout_ms=self.read_timeout_ms,
         )
 
     @cached_property

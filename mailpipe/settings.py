@@ -203,6 +203,10 @@ class Settings(BaseSettings):
     web_port: int = Field(8080, ge=1, le=65535)
     web_operators: SecretStr | None = None
     web_viewers: SecretStr | None = None
+    # Each statement of the console's and the API's reads is given up past this (milliseconds)
+    # and the request answered 503, so that no page holds a database connection and its CPU for
+    # the workers' MAILPIPE_DB_STATEMENT_TIMEOUT; the console's actions keep that one.
+    web_statement_timeout_ms: int = Field(5000, ge=1)
     # The API's bearer tokens for machines: `name:role:sha256` entries (web_tokens below).
     web_tokens: SecretStr | None = None
     # The key of the console's CSRF tokens (mailpipe/web/auth.py), at least WEB_SECRET_BYTES;

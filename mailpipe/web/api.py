@@ -21,7 +21,7 @@ def job(request: Request) -> Response:
     email_id = params.email_id(request)
     before = params.history_before(request.query_params)
     res = request.app.state.resources
-    with res.db.session() as session:
+    with res.db.reading() as session:
         state = job_state(res, session, email_id, before)
     if state is None:
         raise HTTPException(404, f"no email with id {email_id}")
@@ -37,7 +37,7 @@ def activity(request: Request) -> Response:
     """What the overview's charts draw (`activity.Activity.as_json`): `?window=hour` (a bucket a
     minute, the default) or `day` (a bucket a quarter hour)."""
     window = params.window(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         return JSONResponse(fleet_activity(session, window).as_json())
 
 
@@ -48,7 +48,7 @@ def search(request: Request) -> Response:
         filt, before = read_search(request.query_params)
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         found = find(session, filt, before)
     return JSONResponse(found.as_json())
 
@@ -61,14 +61,14 @@ def failed(request: Request) -> Response:
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
     page = params.page_number(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         return JSONResponse(failed_page(session, filt, page).as_json())
 
 
 def review(request: Request) -> Response:
     """The review list, as `mailpipe review --json`: `?page` (50 a page)."""
     page = params.page_number(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         return JSONResponse(review_page(session, page).as_json())
 
 

@@ -1,10 +1,11 @@
 """The console's routes and what wraps them (docs/operations.md, "The console").
 
 Each room is a module: `pages` (HTML), `forms` (the actions the pages' forms post), `api` (JSON),
-`params` (what a request carries, checked), `errors` (how a refusal is answered). Reads go
-through `mailpipe.operations.status` and actions through `mailpipe.operations.actions`, the code
-the CLI runs. The API and the console are Mounts of their own, so that each signs in and answers
-its errors in its own format. Everything a handler uses is in `app.state`.
+`params` (what a request carries, checked), `errors` (how a refusal is answered). Reads go through `mailpipe.operations.status`, in sessions
+given up past the web role's statement timeout (`Resources.for_web`), and actions through
+`mailpipe.operations.actions`, the code the CLI runs. The API and the console are Mounts of their
+own, so that each signs in and answers its errors in its own format. Everything a handler uses
+is in `app.state`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.authentication import AuthenticationBackend
 from starlette.exceptions import HTTPException
@@ -108,17 +110,19 @@ def create_app(settings: Settings) -> Starlette:
         middleware=[Middleware(SecurityHeaders), *_loopback_names_only(settings)],
         lifespan=_closing,
     )
-    app.state.resources = Resources(settings)
+    app.state.resources = Resources.for_web(settings)
     app.state.templates = pages.templates()
     app.state.secret = secret
     return app
 
 
 def _answered(answer: errors.Answer, sign_in: AuthenticationBackend) -> list[Middleware]:
-    """Sign-in first, then the routes; a refusal of either answered by `answer`."""
+    """Sign-in first, then the routes; a refusal of either, and a read the database gave up,
+    answered by `answer`."""
+    handlers = {HTTPException: errors.http_error(answer), DBAPIError: errors.timed_out(answer)}
     return [
         Middleware(AuthenticationMiddleware, backend=sign_in, on_error=errors.unauthorized(answer)),
-        Middleware(ExceptionMiddleware, handlers={HTTPException: errors.http_error(answer)}),
+        Middleware(ExceptionMiddleware, handlers=handlers),
     ]
 
 

@@ -3,6 +3,8 @@ it is, the API with JSON. `app.create_app` gives each Mount the one it answers i
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.authentication import AuthenticationError
@@ -10,7 +12,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from mailpipe.errors import is_statement_timeout
 from mailpipe.web.auth import SignInRefused
+
+log = logging.getLogger("mailpipe.web")
 
 Answer = Callable[[int, str, Mapping[str, str] | None], Response]
 
@@ -43,5 +48,26 @@ def http_error(answer: Answer) -> Callable[[Request, Exception], Awaitable[Respo
     async def handle(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return answer(exc.status_code, exc.detail, exc.headers)
+
+    return handle
+
+
+def timed_out(answer: Answer) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """The handler of the database's errors: a read given up past the web role's statement
+    timeout is a 503 that says so, with Retry-After (the database may be busy, or the search too
+    wide); any other error goes on to be the server's 500."""
+
+    async def handle(request: Request, exc: Exception) -> Response:
+        if not is_statement_timeout(exc):
+            raise exc
+        limit_ms = request.app.state.resources.settings.web_statement_timeout_ms
+        # The path alone: a query string may hold what an operator searched for.
+        log.warning("%s gave up a read at %d ms (statement timeout)", request.url.path, limit_ms)
+        return answer(
+            503,
+            f"the database did not answer within {limit_ms} ms (MAILPIPE_WEB_STATEMENT_TIMEOUT_MS)"
+            ": try again, or narrow the search",
+            {"Retry-After": str(max(1, math.ceil(limit_ms / 1000)))},
+        )
 
     return handle

@@ -117,7 +117,8 @@ def _options(values: dict[str, str]) -> list[str]:
 
 @pytest.fixture
 def faces(monkeypatch: pytest.MonkeyPatch) -> Faces:
-    resources = SimpleNamespace(db=SimpleNamespace(session=nullcontext), settings=Settings())
+    never = SimpleNamespace(session=nullcontext, reading=nullcontext)
+    resources = SimpleNamespace(db=never, settings=Settings())
     faces = Faces(resources)
 
     def failed_page(session: object, filt: FailedFilter, *paging: int) -> Page:
