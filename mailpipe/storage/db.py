@@ -53,7 +53,8 @@ class ConnectionLimits:
     connect_timeout: int = 5
     statement_timeout: int = 30
     keepalives_idle: int = 30
-    pool_size: int = 2  # connections kept per process, and as many again in a burst
+    pool_size: int = 2  # connections kept per process
+    burst: int | None = None  # opened past them while all are busy; None: as many again
 
     def connect_args(self) -> dict[str, Any]:
         return {
@@ -102,7 +103,7 @@ def make_engine(
             url,
             hide_parameters=True,
             pool_size=limits.pool_size,
-            max_overflow=limits.pool_size,
+            max_overflow=limits.pool_size if limits.burst is None else limits.burst,
             connect_args=connect_args,
         )
         if transaction_pooling:

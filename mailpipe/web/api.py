@@ -10,9 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mailpipe.operations.activity import fleet_activity
-from mailpipe.operations.search import BadSearch, find, read_failed, read_search
+from mailpipe.operations.search import BadSearch, read_failed, read_search
 from mailpipe.operations.status import failed_page, fleet_status, job_state, review_page
-from mailpipe.web import params
+from mailpipe.web import params, searching
 
 
 def job(request: Request) -> Response:
@@ -48,9 +48,7 @@ def search(request: Request) -> Response:
         filt, before = read_search(request.query_params)
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
-    with request.app.state.resources.db.reading() as session:
-        found = find(session, filt, before)
-    return JSONResponse(found.as_json())
+    return JSONResponse(searching.found(request, filt, before).as_json())
 
 
 def failed(request: Request) -> Response:

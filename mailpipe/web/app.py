@@ -1,7 +1,8 @@
 """The console's routes and what wraps them (docs/operations.md, "The console").
 
 Each room is a module: `pages` (HTML), `forms` (the actions the pages' forms post), `api` (JSON),
-`params` (what a request carries, checked), `errors` (how a refusal is answered). Reads go through `mailpipe.operations.status`, in sessions
+`params` (what a request carries, checked), `errors` (how a refusal is answered), `searching`
+(the search's slots and connections). Reads go through `mailpipe.operations.status`, in sessions
 given up past the web role's statement timeout (`Resources.for_web`), and actions through
 `mailpipe.operations.actions`, the code the CLI runs. The API and the console are Mounts of their
 own, so that each signs in and answers its errors in its own format. Everything a handler uses
@@ -32,6 +33,7 @@ from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.web import api, api_actions, errors, forms, pages
 from mailpipe.web.auth import BasicAuth, TokenOrBasicAuth, accounts, secret_of, tokens
+from mailpipe.web.searching import SearchSlots
 
 # Never framed (clickjacking an operator's button), nothing from elsewhere, no inline style or
 # script: should an email's text ever reach a page unescaped, the browser would run none of it.
@@ -111,6 +113,7 @@ def create_app(settings: Settings) -> Starlette:
         lifespan=_closing,
     )
     app.state.resources = Resources.for_web(settings)
+    app.state.search_slots = SearchSlots(settings.web_searches, settings.web_searches_per_user)
     app.state.templates = pages.templates()
     app.state.secret = secret
     return app

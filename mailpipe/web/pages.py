@@ -26,7 +26,6 @@ from mailpipe.operations.search import (
     BadSearch,
     Found,
     failed_fields,
-    find,
     read_failed,
     read_search,
 )
@@ -40,7 +39,7 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.web import charts, forms, params
+from mailpipe.web import charts, forms, params, searching
 from mailpipe.web.auth import ACT, csrf_token
 
 PER_PAGE = 50
@@ -122,8 +121,7 @@ def search(request: Request) -> Response:
         return _search_page(request, sent, None, [str(exc)])
     if filt.email_id is not None:
         return RedirectResponse(request.app.url_path_for("email", email_id=filt.email_id), 303)
-    with request.app.state.resources.db.reading() as session:
-        found = find(session, filt, before, PER_PAGE)
+    found = searching.found(request, filt, before)
     return _search_page(request, filt.fields(), found, [], header_note=filt.reads_headers)
 
 

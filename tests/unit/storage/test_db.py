@@ -117,13 +117,14 @@ def test_the_web_role_s_reads_give_up_past_its_timeout_and_its_actions_do_not(re
     web = Resources.for_web(settings)
     connections = f"{settings.db_statement_timeout}s"
     try:
-        with web.db.reading() as session:
-            assert session.scalar(text("SHOW statement_timeout")) == "200ms"
-            with pytest.raises(OperationalError) as gave_up:
-                session.execute(text("SELECT pg_sleep(5)"))
-        assert is_statement_timeout(gave_up.value)
-        with web.db.reading() as session:  # the pooled connection, in a new transaction
-            assert session.scalar(text("SHOW statement_timeout")) == "200ms"
+        for database in (web.db, web.searches):
+            with database.reading() as session:
+                assert session.scalar(text("SHOW statement_timeout")) == "200ms"
+                with pytest.raises(OperationalError) as gave_up:
+                    session.execute(text("SELECT pg_sleep(5)"))
+            assert is_statement_timeout(gave_up.value)
+            with database.reading() as session:  # the pooled connection, in a new transaction
+                assert session.scalar(text("SHOW statement_timeout")) == "200ms"
         # An action's session keeps the connection's timeout, as every other role's reads do.
         with web.db.session() as session:
             assert session.scalar(text("SHOW statement_timeout")) == connections
