@@ -23,7 +23,7 @@ import secrets
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -38,14 +38,18 @@ from tests.support.waits import wait_for
 
 
 @contextmanager
-def console(src: Path, operators: str) -> Iterator[tuple[str, int]]:
-    """`mailpipe web` of the checkout at `src` with `operators`: its URL and pid."""
+def console(
+    src: Path, operators: str, settings: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, int, IO[bytes]]]:
+    """`mailpipe web` of the checkout at `src` with `operators` and `settings` on top of its
+    defaults: its URL, pid and log."""
     port = free_port()
     env = harness.env_without_settings() | {
         "PYTHONPATH": str(src),
         "MAILPIPE_WEB_HOST": "127.0.0.1",
         "MAILPIPE_WEB_PORT": str(port),
         "MAILPIPE_WEB_OPERATORS": operators,
+        **(settings or {}),
     }
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
@@ -58,7 +62,7 @@ def console(src: Path, operators: str) -> Iterator[tuple[str, int]]:
         )
         try:
             wait_for(lambda: _healthy(url, server, log), 60, "mailpipe web to answer")
-            yield url, server.pid
+            yield url, server.pid, log
         finally:
             server.terminate()
             server.wait(60)
@@ -76,7 +80,7 @@ def _healthy(url: str, server: subprocess.Popen[bytes], log: IO[bytes]) -> bool:
 
 def measure_flood(args: argparse.Namespace) -> dict[str, Any]:
     hashed = PasswordHasher().hash(secrets.token_urlsafe(16))
-    with console(args.src, f"target:{hashed}") as (url, pid):
+    with console(args.src, f"target:{hashed}") as (url, pid, _):
         time.sleep(1)  # the start's imports and allocations settled
         at_rest = vm_kib(pid, "VmRSS") / 1024
         started = time.perf_counter()
@@ -101,7 +105,7 @@ def measure_timing(args: argparse.Namespace) -> dict[str, Any]:
     hashed = bcrypt.hashpw(password, bcrypt.gensalt(rounds=args.bcrypt_rounds)).decode()
     known = [f"operator{number}" for number in range(args.tries)]
     unknown = [f"nobody{number}" for number in range(args.tries)]
-    with console(args.src, ",".join(f"{user}:{hashed}" for user in known)) as (url, _):
+    with console(args.src, ",".join(f"{user}:{hashed}" for user in known)) as (url, _, _):
         known_s, unknown_s = refusal_times(url, known, unknown, "a wrong password")
     return {
         "known_median_ms": median_ms(known_s),

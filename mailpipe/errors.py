@@ -168,6 +168,19 @@ def is_soft_time_limit(exc: BaseException) -> bool:
     return isinstance(exc, SoftTimeLimitExceeded)
 
 
+# SQLSTATE 57014, query_canceled: a statement past its statement timeout, or cancelled by an
+# operator (pg_cancel_backend).
+_CANCELED_SQLSTATE = "57014"
+
+
+def is_statement_timeout(exc: BaseException) -> bool:
+    """PostgreSQL gave up a statement: past its statement timeout (the web role's reads:
+    MAILPIPE_WEB_STATEMENT_TIMEOUT_MS), or cancelled."""
+    from sqlalchemy.exc import DBAPIError
+
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == _CANCELED_SQLSTATE
+
+
 def describe(exc: BaseException) -> str:
     """`exc` in one line that holds nothing of an email: what a run's error, an attempt's, a
     log line and Celery's view of a task (Flower, task events) say of it.

@@ -32,6 +32,9 @@ class Resources:
     # False in a process that runs jobs, unless MAILPIPE_WORKER_SYNCHRONOUS_COMMIT says otherwise
     # (`for_jobs`).
     synchronous_commit: bool = True
+    # The statement timeout of `db.reading()` and `searches.reading()` (milliseconds): the web
+    # role's (`for_web`); None elsewhere, where a read may take what any statement may.
+    read_timeout_ms: int | None = None
 
     @classmethod
     def for_jobs(cls, settings: Settings) -> Resources:
@@ -39,8 +42,24 @@ class Resources:
         stored email, so its commits need not wait for the disk (`worker_synchronous_commit`)."""
         return cls(settings, synchronous_commit=settings.worker_synchronous_commit)
 
+    @classmethod
+    def for_web(cls, settings: Settings) -> Resources:
+        """The resources of the console and the API: their reads given up past
+        MAILPIPE_WEB_STATEMENT_TIMEOUT_MS, their actions not."""
+        return cls(settings, read_timeout_ms=settings.web_statement_timeout_ms)
+
     @cached_property
     def db(self) -> Database:
+        return self._database(self.settings.db_pool_size)
+
+    @cached_property
+    def searches(self) -> Database:
+        """The web role's searches: a connection for each search it runs at once
+        (MAILPIPE_WEB_SEARCHES) and none in a burst, so that searches at their bound leave
+        `db`'s connections to the pages and the actions."""
+        return self._database(self.settings.web_searches, burst=0)
+
+    def _database(self, pool_size: int, burst: int | None = None) -> Database:
         from mailpipe.storage.db import ConnectionLimits, Database
 
         settings = self.settings
@@ -50,10 +69,12 @@ class Resources:
                 connect_timeout=settings.db_connect_timeout,
                 statement_timeout=settings.db_statement_timeout,
                 keepalives_idle=settings.db_keepalives_idle,
-                pool_size=settings.db_pool_size,
+                pool_size=pool_size,
+                burst=burst,
             ),
             synchronous_commit=self.synchronous_commit,
             transaction_pooling=settings.db_transaction_pooling,
+            read_timeout_ms=self.read_timeout_ms,
         )
 
     @cached_property
@@ -93,8 +114,9 @@ class Resources:
         return make_classifier(self.settings)
 
     def close(self) -> None:
-        if "db" in self.__dict__:
-            self.db.dispose()
+        for built in ("db", "searches"):
+            if built in self.__dict__:
+                self.__dict__[built].dispose()
         if "redis" in self.__dict__:
             self.redis.close()
 

@@ -221,6 +221,15 @@ class Settings(BaseSettings):
     web_port: int = Field(8080, ge=1, le=65535)
     web_operators: SecretStr | None = None
     web_viewers: SecretStr | None = None
+    # Each statement of the console's and the API's reads is given up past this (milliseconds)
+    # and the request answered 503, so that no page holds a database connection and its CPU for
+    # the workers' MAILPIPE_DB_STATEMENT_TIMEOUT; the console's actions keep that one.
+    web_statement_timeout_ms: int = Field(5000, ge=1)
+    # Searches at once in a web process, in all and per user: one more is refused at once (503
+    # and 429, with Retry-After), not queued. The searches have as many connections of their own,
+    # so that the pages keep theirs (docs/decisions/search-load.md).
+    web_searches: int = Field(4, ge=1)
+    web_searches_per_user: int = Field(2, ge=1)
     # The API's bearer tokens for machines: `name:role:sha256` entries (web_tokens below).
     web_tokens: SecretStr | None = None
     # The key of the console's CSRF tokens (mailpipe/web/auth.py), at least WEB_SECRET_BYTES;
@@ -261,6 +270,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"MAILPIPE_WEB_OPERATORS and MAILPIPE_WEB_VIEWERS both name {', '.join(both)}: "
                 "an operator can read already; name each user once"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_web_searches(self) -> Settings:
+        if self.web_searches_per_user > self.web_searches:
+            raise ValueError(
+                f"MAILPIPE_WEB_SEARCHES_PER_USER ({self.web_searches_per_user}) must not exceed "
+                f"MAILPIPE_WEB_SEARCHES ({self.web_searches}): a user's searches would meet the "
+                "bound in all first, and their own would never be reached"
             )
         return self
 

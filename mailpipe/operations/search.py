@@ -10,20 +10,25 @@ next page starts below the page's last id (keyset, so that every page costs what
 Where each filter reads, and the index it needs, is in docs/decisions/search-indexes.md. The
 Message-ID, sender and subject are what an email's job read from its headers (the origin step),
 so an email no job has read yet is found by its id, time, state, lane or review mark only. On
-PostgreSQL the sender and subject match whole words (full text, any case); on SQLite, the demo's
-database, the text anywhere in them.
+PostgreSQL the sender and subject match whole words (full text, any case), each email checked
+first by at most PART_CHARS characters of the query, never by the whole of it: their text is an
+outsider's, and a check of the query anywhere in it costs its length times the query's per email
+(docs/decisions/search-load.md). On SQLite, the demo's database, the text anywhere in them.
 """
 
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import reduce
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     ColumnElement,
+    Text,
     bindparam,
     exists,
     func,
@@ -78,6 +83,9 @@ MAX_ID = 2**63 - 1
 # than the columns (an error class and a label are at most 64).
 MAX_CHARS = {"message_id": 998, "sender": 998, "subject": 998, "error_class": 64, "label": 64}
 MAX_WORDS = 10
+# What `_holds_part` checks of a word before its full text is: enough for an address or a domain
+# to rule out most emails, and a bound on what the check costs per email whatever its text.
+PART_CHARS = 16
 # ISO 8601, as `datetime.fromisoformat` reads it; a time without an offset (or `Z`) is UTC, as
 # every time mailpipe stores is.
 TIME_FORMAT = "a date or a date and time, as 2026-01-31 or 2026-01-31T14:00 (UTC unless given)"
@@ -138,23 +146,27 @@ class EmailFilter:
         """The conditions on `email_message` of the emails it finds (its run's and labels' as
         EXISTS, so that the ids are found and sorted in that table alone).
 
-        The sender holds its text, and the subject each of its words, anywhere, in any case;
-        with `full_text` (PostgreSQL), also as whole words of its full-text index, which finds
-        them: the text's condition is what it means and costs little per email read, the
-        words' what an index answers."""
+        With `full_text` (PostgreSQL), the sender holds its text, and the subject each of its
+        words, as words of their full-text indexes, one after another, which the indexes find;
+        each is checked first by a few characters of it anywhere (`_holds_part`), what every
+        email the words find holds and what a walk of the newest emails checks at little cost.
+        Without (SQLite, which has no such index), the text anywhere, in any case."""
         email = EmailMessage
         conditions: list[ColumnElement[bool]] = []
         if self.email_id is not None:
             conditions.append(email.id == self.email_id)
         if self.message_id is not None:
             conditions.append(email.id.in_(_with_message_id(self.message_id)))
-        if self.sender is not None:
+        if self.sender is not None and full_text:
+            conditions.append(_holds_part(email.sender, self.sender))
+            conditions.append(_has_words(sender_words(email.sender), [self.sender]))
+        elif self.sender is not None:
             conditions.append(email.sender.ilike(_contains(self.sender), escape="\\"))
-            if full_text:
-                conditions.append(_has_words(sender_words(email.sender), self.sender))
-        conditions += [email.subject.ilike(_contains(w), escape="\\") for w in self.subject]
         if self.subject and full_text:
-            conditions.append(_has_words(subject_words(email.subject), " ".join(self.subject)))
+            conditions += [_holds_part(email.subject, word) for word in self.subject]
+            conditions.append(_has_words(subject_words(email.subject), self.subject))
+        else:
+            conditions += [email.subject.ilike(_contains(w), escape="\\") for w in self.subject]
         if self.since is not None:
             conditions.append(email.received_at >= self.since)
         if self.until is not None:
@@ -211,10 +223,38 @@ def _literal(name: str, value: str) -> Any:
     return bindparam(f"{name}_{value}", value, literal_execute=True)
 
 
-def _has_words(words: Any, given: str) -> ColumnElement[bool]:
-    """Whether `words` (a tsvector) holds every word of `given`, read as the index's words are."""
-    query = func.plainto_tsquery(literal_column("'simple'::regconfig"), given)
-    return words.bool_op("@@")(query)
+# The full-text configuration of the indexes' words (`models.subject_words`).
+_SIMPLE: ColumnElement[Any] = literal_column("'simple'::regconfig")
+# What `_holds_part` writes around a word's part, and for a word the full text has none of.
+_ANYWHERE: ColumnElement[str] = literal_column("'%'", Text)
+_NOTHING: ColumnElement[Any] = literal_column("''")
+_LEXEMES = ARRAY(Text)
+# regexp_replace's pattern, replacement and flags: LIKE's escape and wildcards, each escaped.
+_WILDCARDS: tuple[ColumnElement[Any], ...] = (
+    literal_column(r"'([\\%_])'"),
+    literal_column(r"'\\\1'"),
+    literal_column("'g'"),
+)
+
+
+def _has_words(words: Any, given: Sequence[str]) -> ColumnElement[bool]:
+    """Whether `words` (a tsvector) holds each of `given`, its words read as the index's words
+    are and one after another (`phraseto_tsquery`: `2026-0142` is `2026` then `-0142`)."""
+    queries: list[Any] = [func.phraseto_tsquery(_SIMPLE, text_) for text_ in given]
+    return words.bool_op("@@")(reduce(lambda both, one: both.op("&&")(one), queries))
+
+
+def _holds_part(column: Any, given: str) -> ColumnElement[bool]:
+    """Whether `column` holds, anywhere and in any case, the first PART_CHARS characters of the
+    first word of `given` as the full text reads it (its lowest, in PostgreSQL's order): a word
+    of an email's text is a part of it, so every email whose words hold `given` holds this. It
+    costs at most PART_CHARS comparisons per character of the column, however long `given`, and
+    PostgreSQL works it out from `given` when it plans (every function here is immutable), so
+    that its estimates read a pattern, as they would a written one."""
+    words = func.tsvector_to_array(func.to_tsvector(_SIMPLE, given), type_=_LEXEMES)
+    part = func.coalesce(func.left(words[1], PART_CHARS), _NOTHING)
+    pattern = _ANYWHERE.concat(func.regexp_replace(part, *_WILDCARDS)).concat(_ANYWHERE)
+    return column.ilike(pattern, escape="\\")
 
 
 def _contains(text_: str) -> str:

@@ -82,7 +82,7 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
     `estimates` (the console's overview), the totals that no operator acts on are PostgreSQL's
     planner estimate past EXACT_UP_TO, named in `estimated`."""
     total = _count_or_estimate if estimates else _counted
-    with res.db.session() as session:
+    with res.db.reading() as session:
         emails, emails_exact = total(session, select(EmailMessage.id))
         no_run = _count(session, select(EmailMessage.id).where(not_(EmailMessage.has_run)))
         runs: dict[str, int] = {}

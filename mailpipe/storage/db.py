@@ -53,7 +53,8 @@ class ConnectionLimits:
     connect_timeout: int = 5
     statement_timeout: int = 30
     keepalives_idle: int = 30
-    pool_size: int = 2  # connections kept per process, and as many again in a burst
+    pool_size: int = 2  # connections kept per process
+    burst: int | None = None  # opened past them while all are busy; None: as many again
 
     def connect_args(self) -> dict[str, Any]:
         return {
@@ -102,7 +103,7 @@ def make_engine(
             url,
             hide_parameters=True,
             pool_size=limits.pool_size,
-            max_overflow=limits.pool_size,
+            max_overflow=limits.pool_size if limits.burst is None else limits.burst,
             connect_args=connect_args,
         )
         if transaction_pooling:
@@ -122,6 +123,10 @@ def make_engine(
 
 
 def _set_local(statement: str, connection) -> None:
+    connection.exec_driver_sql(statement)
+
+
+def _read_timeout(statement: str, _session, _transaction, connection) -> None:
     connection.exec_driver_sql(statement)
 
 
@@ -173,7 +178,11 @@ def _sqlite_on_begin(connection) -> None:
 
 
 class Database:
-    """The process's engine and session factory, rebuilt after a fork."""
+    """The process's engine and session factories, rebuilt after a fork.
+
+    `read_timeout_ms`: the statement timeout of the sessions `reading` opens, set in each of
+    their transactions (SET LOCAL, one round trip more) on PostgreSQL; its other sessions keep
+    the connection's (`ConnectionLimits.statement_timeout`)."""
 
     def __init__(
         self,
@@ -182,14 +191,17 @@ class Database:
         *,
         synchronous_commit: bool = True,
         transaction_pooling: bool = False,
+        read_timeout_ms: int | None = None,
     ) -> None:
         self.url = url
         self.limits = limits
         self.synchronous_commit = synchronous_commit
         self.transaction_pooling = transaction_pooling
+        self.read_timeout_ms = read_timeout_ms
         self._pid: int | None = None
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
+        self._reads: sessionmaker[Session] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -205,6 +217,11 @@ class Database:
                 transaction_pooling=self.transaction_pooling,
             )
             self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+            self._reads = self._sessions
+            if self.read_timeout_ms is not None and self._engine.dialect.name == "postgresql":
+                self._reads = sessionmaker(self._engine, expire_on_commit=False)
+                statement = f"SET LOCAL statement_timeout = {int(self.read_timeout_ms)}"
+                event.listen(self._reads, "after_begin", partial(_read_timeout, statement))
             self._pid = os.getpid()
         return self._engine
 
@@ -212,6 +229,14 @@ class Database:
         self.engine  # noqa: B018 - builds the factory for this process
         assert self._sessions is not None
         return self._sessions()
+
+    def reading(self) -> Session:
+        """A session for reads, whose statements are given up past `read_timeout_ms` (an
+        OperationalError that `errors.is_statement_timeout` names); a plain session without
+        one."""
+        self.engine  # noqa: B018 - builds the factories for this process
+        assert self._reads is not None
+        return self._reads()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:

@@ -10,9 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mailpipe.operations.activity import fleet_activity
-from mailpipe.operations.search import BadSearch, find, read_failed, read_search
+from mailpipe.operations.search import BadSearch, read_failed, read_search
 from mailpipe.operations.status import failed_page, fleet_status, job_state, review_page
-from mailpipe.web import params
+from mailpipe.web import params, searching
 
 
 def job(request: Request) -> Response:
@@ -21,7 +21,7 @@ def job(request: Request) -> Response:
     email_id = params.email_id(request)
     before = params.history_before(request.query_params)
     res = request.app.state.resources
-    with res.db.session() as session:
+    with res.db.reading() as session:
         state = job_state(res, session, email_id, before)
     if state is None:
         raise HTTPException(404, f"no email with id {email_id}")
@@ -37,7 +37,7 @@ def activity(request: Request) -> Response:
     """What the overview's charts draw (`activity.Activity.as_json`): `?window=hour` (a bucket a
     minute, the default) or `day` (a bucket a quarter hour)."""
     window = params.window(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         return JSONResponse(fleet_activity(session, window).as_json())
 
 
@@ -48,9 +48,7 @@ def search(request: Request) -> Response:
         filt, before = read_search(request.query_params)
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
-    with request.app.state.resources.db.session() as session:
-        found = find(session, filt, before)
-    return JSONResponse(found.as_json())
+    return JSONResponse(searching.found(request, filt, before).as_json())
 
 
 def failed(request: Request) -> Response:
@@ -61,14 +59,14 @@ def failed(request: Request) -> Response:
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
     page = params.page_number(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         return JSONResponse(failed_page(session, filt, page).as_json())
 
 
 def review(request: Request) -> Response:
     """The review list, as `mailpipe review --json`: `?page` (50 a page)."""
     page = params.page_number(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         return JSONResponse(review_page(session, page).as_json())
 
 

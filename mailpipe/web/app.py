@@ -1,10 +1,12 @@
 """The console's routes and what wraps them (docs/operations.md, "The console").
 
 Each room is a module: `pages` (HTML), `forms` (the actions the pages' forms post), `api` (JSON),
-`params` (what a request carries, checked), `errors` (how a refusal is answered). Reads go
-through `mailpipe.operations.status` and actions through `mailpipe.operations.actions`, the code
-the CLI runs. The API and the console are Mounts of their own, so that each signs in and answers
-its errors in its own format. Everything a handler uses is in `app.state`.
+`params` (what a request carries, checked), `errors` (how a refusal is answered), `searching`
+(the search's slots and connections). Reads go through `mailpipe.operations.status`, in sessions
+given up past the web role's statement timeout (`Resources.for_web`), and actions through
+`mailpipe.operations.actions`, the code the CLI runs. The API and the console are Mounts of their
+own, so that each signs in and answers its errors in its own format. Everything a handler uses
+is in `app.state`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.web import api, api_actions, errors, forms, pages
 from mailpipe.web.auth import BasicAuth, TokenOrBasicAuth, accounts, secret_of, tokens
+from mailpipe.web.searching import SearchSlots
 
 access_log = logging.getLogger("mailpipe.web.access")
 
@@ -118,14 +121,16 @@ def create_app(settings: Settings) -> Starlette:
         ],
         lifespan=_closing,
     )
-    app.state.resources = Resources(settings)
+    app.state.resources = Resources.for_web(settings)
+    app.state.search_slots = SearchSlots(settings.web_searches, settings.web_searches_per_user)
     app.state.templates = pages.templates()
     app.state.secret = secret
     return app
 
 
 def _answered(answer: errors.Answer, sign_in: AuthenticationBackend) -> list[Middleware]:
-    """Sign-in first, then the routes; a refusal or a failure of either answered by `answer`."""
+    """Sign-in first, then the routes; a refusal or a failure of either, a read the database
+    gave up among them, answered by `answer`."""
     handlers = {HTTPException: errors.http_error(answer), Exception: errors.server_error(answer)}
     return [
         Middleware(ExceptionMiddleware, handlers=handlers),

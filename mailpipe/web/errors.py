@@ -4,6 +4,7 @@ it is, the API with JSON. `app.create_app` gives each Mount the one it answers i
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.authentication import AuthenticationError
@@ -11,9 +12,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from mailpipe.errors import is_statement_timeout
 from mailpipe.web.auth import SignInRefused
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mailpipe.web")
 
 Answer = Callable[[int, str, Mapping[str, str] | None], Response]
 
@@ -51,12 +53,26 @@ def http_error(answer: Answer) -> Callable[[Request, Exception], Awaitable[Respo
 
 
 def server_error(answer: Answer) -> Callable[[Request, Exception], Awaitable[Response]]:
-    """The handler of any other exception: a 500 in the Mount's format, which passes through
-    the app's middleware (its security headers) as every answer does, where Starlette's own
-    last resort would answer in bare text from outside them. The traceback goes to the log
-    in `errors.describe`'s words (the console's log, `app.logs.to_stderr`)."""
+    """The handler of any other exception, in the Mount's format, which passes through the app's
+    middleware (its security headers) as every answer does, where Starlette's own last resort
+    would answer in bare text from outside them. A read given up past the web role's statement
+    timeout is a 503 that says so, with Retry-After (the database may be busy, or the search too
+    wide); anything else a 500, its traceback in the log in `errors.describe`'s words (the
+    console's log, `app.logs.to_stderr`)."""
 
     async def handle(request: Request, exc: Exception) -> Response:
+        if is_statement_timeout(exc):
+            limit_ms = request.app.state.resources.settings.web_statement_timeout_ms
+            # The path alone: a query string may hold what an operator searched for.
+            log.warning(
+                "%s gave up a read at %d ms (statement timeout)", request.url.path, limit_ms
+            )
+            return answer(
+                503,
+                f"the database did not answer within {limit_ms} ms "
+                "(MAILPIPE_WEB_STATEMENT_TIMEOUT_MS): try again, or narrow the search",
+                {"Retry-After": str(max(1, math.ceil(limit_ms / 1000)))},
+            )
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return answer(500, "internal error: the console's log has its traceback", None)
 

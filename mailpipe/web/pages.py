@@ -35,7 +35,6 @@ from mailpipe.operations.search import (
     BadSearch,
     Found,
     failed_fields,
-    find,
     read_failed,
     read_search,
 )
@@ -49,7 +48,7 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.web import charts, forms, params
+from mailpipe.web import charts, forms, params, searching
 from mailpipe.web.auth import ACT, csrf_token
 
 PER_PAGE = 50
@@ -77,7 +76,7 @@ def _url_path_for(context: dict[str, Any], name: str, /, **path_params: Any) -> 
 def overview(request: Request) -> Response:
     res = request.app.state.resources
     window = params.window(request.query_params)
-    with res.db.session() as session:
+    with res.db.reading() as session:
         activity = fleet_activity(session, window)
     return _render(
         request,
@@ -98,7 +97,7 @@ def failed(request: Request) -> Response:
         # The form as it was sent, with what to correct, and nothing listed: what the filters
         # match is what "all matching" acts on.
         fields, problems = params.filter_fields(request.query_params), [str(exc)]
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         listed = NOTHING if filt is None else failed_page(session, filt, page, PER_PAGE)
         classes = error_classes(session)
     return _render(
@@ -115,14 +114,13 @@ def failed(request: Request) -> Response:
 
 def review(request: Request) -> Response:
     page = params.page_number(request.query_params)
-    with request.app.state.resources.db.session() as session:
+    with request.app.state.resources.db.reading() as session:
         listed = review_page(session, page, PER_PAGE)
     return _render(request, "review.html", listed=listed, query=lambda **c: params.query({}, **c))
 
 
 def search(request: Request) -> Response:
     """The search page, and the search box's answer: an email id goes to the email's page."""
-    res = request.app.state.resources
     asked = {k: v for k, v in request.query_params.items() if k not in forms.NOTICE_KEYS}
     try:
         filt, before = read_search(asked)
@@ -132,8 +130,7 @@ def search(request: Request) -> Response:
         return _search_page(request, sent, None, [str(exc)])
     if filt.email_id is not None:
         return RedirectResponse(request.app.url_path_for("email", email_id=filt.email_id), 303)
-    with res.db.session() as session:
-        found = find(session, filt, before, PER_PAGE)
+    found = searching.found(request, filt, before)
     return _search_page(request, filt.fields(), found, [], header_note=filt.reads_headers)
 
 
@@ -317,7 +314,7 @@ def email(request: Request) -> Response:
     email_id = params.email_id(request)
     before = params.history_before(request.query_params)
     res = request.app.state.resources
-    with res.db.session() as session:
+    with res.db.reading() as session:
         detail = email_detail(session, email_id, before)
         state = job_state(res, session, email_id) if detail is not None else None
     if detail is None or state is None:

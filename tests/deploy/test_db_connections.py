@@ -85,6 +85,9 @@ def test_the_check_counts_each_role_as_its_task_definition_runs_it(template, mon
         settings = task_settings(role, monkeypatch)
         if role == "release":  # Alembic's one connection
             assert counted["ConnectionsPerProcess"] == 1
+        elif role == "web":  # and a connection per search at once (Resources.searches)
+            per_process = 2 * settings.db_pool_size + settings.web_searches
+            assert counted["ConnectionsPerProcess"] == per_process
         else:
             assert counted["ConnectionsPerProcess"] == 2 * settings.db_pool_size, role
         command = task_definition(role)["command"]

@@ -46,6 +46,10 @@ def test_the_defaults_pass_every_check_and_warn_of_nothing() -> None:
         ({"labels": ()}, "MAILPIPE_LABELS must name at least one label"),
         ({"labels": ("spam", " ")}, "MAILPIPE_LABELS must name at least one label, none of"),
         ({"labels": ("spam", "ham", "spam")}, "MAILPIPE_LABELS names spam more than once"),
+        (
+            {"web_searches": 2, "web_searches_per_user": 3},
+            r"MAILPIPE_WEB_SEARCHES_PER_USER \(3\) must not exceed MAILPIPE_WEB_SEARCHES \(2\)",
+        ),
     ],
 )
 def test_contradicting_settings_are_refused_with_their_names(values: dict, message: str) -> None:

@@ -30,7 +30,7 @@ from mailpipe.operations import search, status
 from mailpipe.operations.search import EmailFilter, Found
 from mailpipe.operations.status import FailedFilter, Page
 from mailpipe.settings import Settings
-from mailpipe.web import api, forms, pages
+from mailpipe.web import api, forms, pages, searching
 from mailpipe.web.app import create_app
 from mailpipe.web.auth import LOCAL_USER, csrf_token
 
@@ -117,7 +117,8 @@ def _options(values: dict[str, str]) -> list[str]:
 
 @pytest.fixture
 def faces(monkeypatch: pytest.MonkeyPatch) -> Faces:
-    resources = SimpleNamespace(db=SimpleNamespace(session=nullcontext), settings=Settings())
+    never = SimpleNamespace(session=nullcontext, reading=nullcontext)
+    resources = SimpleNamespace(db=never, searches=never, settings=Settings())
     faces = Faces(resources)
 
     def failed_page(session: object, filt: FailedFilter, *paging: int) -> Page:
@@ -134,7 +135,7 @@ def faces(monkeypatch: pytest.MonkeyPatch) -> Faces:
 
     for module in (status, pages, api):
         monkeypatch.setattr(module, "failed_page", failed_page)
-    for module in (search, pages, api):
+    for module in (search, searching):
         monkeypatch.setattr(module, "find", find)
     monkeypatch.setattr(pages, "error_classes", lambda session: [])
     monkeypatch.setattr(forms, "_act", act)

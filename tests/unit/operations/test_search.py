@@ -4,14 +4,15 @@ first, 50 a page."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 
-from mailpipe.operations.search import find, read_search
+from mailpipe.operations.search import PART_CHARS, find, read_search
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.migrate import upgrade
@@ -197,3 +198,61 @@ def test_each_selective_filter_can_read_its_index(
 
 def _literal_sql(session: Any, query: Any) -> str:
     return str(query.compile(session.get_bind(), compile_kwargs={"literal_binds": True}))
+
+
+# A subject an outsider may send, and a query against it: a substring check (`ILIKE '%...%'`)
+# compares them at every position of the subject, the query's length each time, for every email
+# whose words the full-text index finds (here all of them: the query's only word is `x`).
+CRAFTED = "x " + "!" * 997
+CRAFTED_QUERY = "!" * 498 + "x"
+# A word as long as a query may be: its first PART_CHARS characters are all the check compares.
+LONG_QUERY = "!" * 498 + "x" * 500
+
+
+@pytest.mark.parametrize("field", ["subject", "sender"])
+def test_an_outsider_s_text_is_checked_by_a_bounded_part_of_the_query_in_every_plan(
+    res: Resources, field: str
+) -> None:
+    """In every plan PostgreSQL may choose, reading the words' index or walking the newest
+    emails, each email's text is compared with at most PART_CHARS characters of the query (the
+    LIKE pattern, `~~*`) and parsed once for its words (`@@`), whatever the query's length."""
+    crafted = add_emails(res, 120, **{field: CRAFTED})
+    store_searched(res)
+    for query, part, found in (
+        (CRAFTED_QUERY, "x", crafted[::-1][:50]),
+        (LONG_QUERY, "x" * PART_CHARS, []),
+        # Its lowest word is `/a_b%20c`: LIKE's wildcards compared as written.
+        ("http://foo.example/a_b%20c", r"/a\_b\%20c", []),
+    ):
+        page, plans = planned(res, {field: query})
+        assert [row["email_id"] for row in page.rows] == found
+        for plan in plans:
+            assert re.findall(r"~~\* '([^']*)'", plan) == [f"%{part}%"], plan
+            assert "@@ '''" in plan and "!" not in plan, plan
+
+
+def planned(res: Resources, values: dict[str, str]) -> tuple[Any, list[str]]:
+    """The page `find` answers `values` with, and the plans PostgreSQL makes of the statement
+    that finds its ids when it reads the words' index and when it walks the newest emails."""
+    filt, _ = read_search(values)
+    statements: list[tuple[str, Any]] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        statements.append((statement, parameters))
+
+    event.listen(res.db.engine, "before_cursor_execute", seen)
+    try:
+        with res.db.session() as session:
+            page = find(session, filt)
+    finally:
+        event.remove(res.db.engine, "before_cursor_execute", seen)
+    [(ids, parameters)] = [s for s in statements if "LIMIT" in s[0] and "ORDER BY" in s[0]]
+    plans = []
+    for priced_out in ("enable_indexscan", "enable_bitmapscan"):  # the words' index; the walk
+        with res.db.session() as session:
+            session.execute(text("SET LOCAL enable_seqscan = off"))
+            session.execute(text(f"SET LOCAL {priced_out} = off"))
+            explained = session.connection().exec_driver_sql(f"EXPLAIN {ids}", parameters)
+            plans.append("\n".join(row[0] for row in explained))
+    assert "Index Scan Backward using pk_email_message" in plans[1], plans[1]
+    return page, plans

@@ -1,5 +1,6 @@
 """Connections the server closed: no ping per checkout, and no job or attempt lost to them.
-Database errors that quote nothing of the email they were about."""
+Database errors that quote nothing of the email they were about. The web role's reads, given up
+past its own statement timeout."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from sqlalchemy import insert, select, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from mailpipe.cli.ingest import store_emails
-from mailpipe.errors import describe
+from mailpipe.errors import describe, is_statement_timeout
 from mailpipe.pipeline import job
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
+from mailpipe.settings import Settings
 from mailpipe.storage import db, flags
 from mailpipe.storage.models import EmailMessage, EmailOrigin, PipelineRun
 from tests.conftest import DATABASE, PG_ADMIN_URL
@@ -108,3 +110,26 @@ def test_a_sqlite_error_has_no_sqlstate_and_no_parameters(tmp_path) -> None:  # 
     engine.dispose()
     assert MESSAGE_ID not in str(refused.value)
     assert describe(refused.value) == "IntegrityError: IntegrityError"
+
+
+def test_the_web_role_s_reads_give_up_past_its_timeout_and_its_actions_do_not(res) -> None:  # type: ignore[no-untyped-def]
+    settings = Settings(**{**res.settings.model_dump(), "web_statement_timeout_ms": 200})
+    web = Resources.for_web(settings)
+    connections = f"{settings.db_statement_timeout}s"
+    try:
+        for database in (web.db, web.searches):
+            with database.reading() as session:
+                assert session.scalar(text("SHOW statement_timeout")) == "200ms"
+                with pytest.raises(OperationalError) as gave_up:
+                    session.execute(text("SELECT pg_sleep(5)"))
+            assert is_statement_timeout(gave_up.value)
+            with database.reading() as session:  # the pooled connection, in a new transaction
+                assert session.scalar(text("SHOW statement_timeout")) == "200ms"
+        # An action's session keeps the connection's timeout, as every other role's reads do.
+        with web.db.session() as session:
+            assert session.scalar(text("SHOW statement_timeout")) == connections
+            session.execute(text("SELECT pg_sleep(0.3)"))  # past the reads' 200 ms
+        with res.db.reading() as session:
+            assert session.scalar(text("SHOW statement_timeout")) == connections
+    finally:
+        web.close()
