@@ -444,7 +444,7 @@ def history(
     rows = session.scalars(statement.order_by(RunAttempt.id.desc()).limit(limit + 1)).all()
     shown = list(reversed(rows[:limit]))
     # Each row's predecessor: the row before the page is the one fetched past the limit.
-    previous = [rows[limit] if len(rows) > limit else None, *shown[:-1]]
+    previous = [rows[limit] if len(rows) > limit else None, *shown][: len(shown)]
     return {
         "history": [
             {
