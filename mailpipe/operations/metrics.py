@@ -138,13 +138,13 @@ class StageJobs:
 
 
 @dataclass(frozen=True)
-class Window:
+class SinceLastReport:
     """What ended since the previous report: the runs that failed, each stage's attempts."""
 
     failed_runs: int
     stage_jobs: Mapping[Stage, StageJobs]
 
-    def with_deferrals(self, readings: Iterable[BacklogMetrics]) -> Window:
+    def with_deferrals(self, readings: Iterable[BacklogMetrics]) -> SinceLastReport:
         """The window with each lane's deferrals (which write no row each) added to its
         stage's JobsDeferred."""
         added: Counter[Stage] = Counter()
@@ -486,7 +486,7 @@ def keep_samples(res: Resources, readings: Sequence[BacklogMetrics]) -> None:
         session.execute(delete(QueueSample).where(QueueSample.measured_at < oldest_kept))
 
 
-def claim_window(res: Resources, lookback: float) -> Window | None:
+def claim_window(res: Resources, lookback: float) -> SinceLastReport | None:
     """The runs failed and the attempts ended since the last report, or None if another report
     has counted up to now already.
 
@@ -532,7 +532,7 @@ def claim_window(res: Resources, lookback: float) -> Window | None:
         ).all()
     if not res.redis.eval(_ADVANCE_CURSOR, 1, key, cursor or b"", repr(end)):
         return None
-    return Window(failed_runs=failed or 0, stage_jobs=stage_jobs(attempts))
+    return SinceLastReport(failed_runs=failed or 0, stage_jobs=stage_jobs(attempts))
 
 
 def stage_jobs(

@@ -466,7 +466,7 @@ def test_failed_runs_and_ended_attempts_are_counted_once_across_concurrent_repor
     wait_for_window_to_settle(res)
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
-    windows: list[metrics.Window | None] = [None] * len(reporters)
+    windows: list[metrics.SinceLastReport | None] = [None] * len(reporters)
 
     def claim(i: int) -> None:
         barrier.wait()
