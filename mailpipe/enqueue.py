@@ -75,6 +75,15 @@ def sender(res: Resources) -> Callable[[Sequence[int], TaskName, Lane], list[int
     return lambda email_ids, task, lane: enqueue_emails(email_ids, res, task, lane).sent
 
 
+def send_sweep() -> None:
+    """Send one sweep (`mailpipe.sweep`), as the faces do once model calls are switched on."""
+    # Imported here: the task module loads the pipeline's parsers and classifiers, which a face
+    # has no other use for (tests/unit/test_layers.py).
+    from mailpipe.app.tasks import sweep
+
+    sweep.apply_async()
+
+
 def send_job(
     email_id: int,
     task: TaskName = TaskName.PROCESS_EMAIL,

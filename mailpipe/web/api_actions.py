@@ -14,7 +14,6 @@ it, before it is read whole) and nested at most MAX_DEPTH levels (400).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mailpipe.broker.queues import Lane, Stage
-from mailpipe.enqueue import sender
+from mailpipe.enqueue import send_sweep, sender
 from mailpipe.operations import actions
 from mailpipe.operations.erasure import selection
 from mailpipe.operations.search import BadSearch, EmailFilter, read_search
@@ -58,7 +57,7 @@ async def act_on_email(request: Request) -> Response:
     elif action == "clear-review":
         done = await run_in_threadpool(actions.clear_review, res, ids, user=who)
     elif action == "lane":
-        lane = _choice(body, "lane", Lane)
+        lane = params.choice(body, "lane", Lane)
         done = await run_in_threadpool(actions.move, res, ids, Lane(lane), user=who)
     elif action == "forget":
         return await _forget(request, body, ids, None)
@@ -92,8 +91,8 @@ async def _reprocess(
 ) -> Response:
     """A reprocess; `planned`: only of the count its plan gave, echoed as `expect` (one email's
     own needs none)."""
-    step = actions.Step(_choice(body, "from", actions.Step))
-    lane = Lane(_choice({"lane": Lane.BULK.value, **body}, "lane", Lane))
+    step = actions.Step(params.choice(body, "from", actions.Step))
+    lane = Lane(params.choice({"lane": Lane.BULK.value, **body}, "lane", Lane))
     dry_run, over_max = _flag(body, "dry_run"), _flag(body, "over_max")
     expect, as_of = _count(body, "expect"), _count(body, "as_of")
     res = request.app.state.resources
@@ -228,7 +227,6 @@ async def switch_model_calls(request: Request) -> Response:
     on = body.get("on")
     if not isinstance(on, bool):
         raise HTTPException(400, "on is true or false")
-    send_sweep: Callable[[], None] = _send_sweep
     await run_in_threadpool(
         actions.switch_model_calls,
         request.app.state.resources,
@@ -292,13 +290,6 @@ def _deeper_than(value: Any, most: int) -> bool:
     return any(isinstance(item, dict | list) for item in level)
 
 
-def _choice(body: dict[str, Any], name: str, allowed: Any) -> str:
-    value = body.get(name)
-    if value not in tuple(allowed):
-        raise HTTPException(400, f"{name} is one of {', '.join(allowed)}")
-    return str(value)
-
-
 def _path_choice(request: Request, name: str, allowed: Any) -> str:
     value = request.path_params[name]
     if value not in tuple(allowed):
@@ -308,10 +299,3 @@ def _path_choice(request: Request, name: str, allowed: Any) -> str:
 
 def _who(request: Request) -> str:
     return f"api:{request.user.username}"
-
-
-def _send_sweep() -> None:
-    # Imported here, as the forms do: the task module loads the pipeline.
-    from mailpipe.app.tasks import sweep
-
-    sweep.apply_async()

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from mailpipe.broker.queues import Lane, Stage
-from mailpipe.enqueue import sender
+from mailpipe.enqueue import send_sweep, sender
 from mailpipe.operations import actions
 from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed, read_search
 from mailpipe.operations.status import FailedFilter
@@ -56,12 +56,12 @@ NOTICE_KEYS = ("action", *_COUNTS)
 
 async def switch_model_calls(request: Request) -> Response:
     form = await _action_form(request)
-    on = _choice(form, "state", ("on", "off")) == "on"
+    on = params.choice(form, "state", ("on", "off")) == "on"
     await run_in_threadpool(
         actions.switch_model_calls,
         request.app.state.resources,
         on,
-        send_sweep=_send_sweep,
+        send_sweep=send_sweep,
         user=_who(request),
     )
     _log_action(request, f"model calls {'on' if on else 'off'}", [])
@@ -70,9 +70,9 @@ async def switch_model_calls(request: Request) -> Response:
 
 async def pause_or_resume(request: Request) -> Response:
     form = await _action_form(request)
-    stage = Stage(_choice(form, "stage", tuple(Stage)))
+    stage = Stage(params.choice(form, "stage", tuple(Stage)))
     res = request.app.state.resources
-    if _choice(form, "do", ("pause", "resume")) == "pause":
+    if params.choice(form, "do", ("pause", "resume")) == "pause":
         reason = str(form.get("reason") or "").strip() or "paused by an operator"
         await run_in_threadpool(actions.pause, res, stage, reason[:200], user=_who(request))
         _log_action(request, f"pause {stage.value}", [])
@@ -86,7 +86,7 @@ async def act_on_failed(request: Request) -> Response:
     """The failed list's actions: on the ticked runs at once; on every run the filters match
     only with the count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
-    verb, scope = _choice(form, "do", _VERBS).split("-")
+    verb, scope = params.choice(form, "do", _VERBS).split("-")
     try:
         filt = read_failed(params.filter_fields(form))
     except BadSearch as exc:
@@ -117,7 +117,9 @@ async def act_on_review(request: Request) -> Response:
     """The review list's actions: on the ticked emails at once; on all of them only with the
     count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
-    verb, scope = _choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split("-")
+    verb, scope = params.choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split(
+        "-"
+    )
     res = request.app.state.resources
     if scope == "selected":
         email_ids, expect = _selected(form), None
@@ -140,7 +142,7 @@ async def move_to_lane(request: Request) -> Response:
     """As `mailpipe lane`: the email's next job goes in the lane chosen."""
     email_id = params.email_id(request)
     form = await _action_form(request)
-    lane = Lane(_choice(form, "lane", tuple(Lane)))
+    lane = Lane(params.choice(form, "lane", tuple(Lane)))
     done = await run_in_threadpool(
         actions.move,
         request.app.state.resources,
@@ -163,13 +165,13 @@ async def act_on_email(request: Request) -> Response:
     did."""
     email_id = params.email_id(request)
     form = await _action_form(request)
-    verb = _choice(form, "do", EMAIL_ACTIONS)
+    verb = params.choice(form, "do", EMAIL_ACTIONS)
     res, who = request.app.state.resources, _who(request)
     if verb == "forget":
         return await _forget_one(request, form, email_id)
     if verb == "reprocess":
-        step = actions.Step(_choice(form, "from", tuple(actions.Step)))
-        lane = Lane(_choice(form, "lane", tuple(Lane)))
+        step = actions.Step(params.choice(form, "from", tuple(actions.Step)))
+        lane = Lane(params.choice(form, "lane", tuple(Lane)))
         done = await run_in_threadpool(_reprocess_one, res, email_id, step, lane, who)
     elif verb == "undo-dismiss":
         done = await run_in_threadpool(actions.undo_dismiss, res, [email_id], user=who)
@@ -209,9 +211,9 @@ async def reprocess_matching(request: Request) -> Response:
         filt, _ = read_search(fields)
     except BadSearch as exc:
         raise HTTPException(400, str(exc)) from None
-    step = actions.Step(_choice(form, "from", tuple(actions.Step)))
+    step = actions.Step(params.choice(form, "from", tuple(actions.Step)))
     # `lane` is the search's filter; the jobs' lane is `in_lane`.
-    lane = Lane(_choice(form, "in_lane", tuple(Lane)))
+    lane = Lane(params.choice(form, "in_lane", tuple(Lane)))
     expect, as_of = params.count(form, "expect"), params.count(form, "as_of")
     plan_page = request.app.url_path_for("reprocess_plan")
     chosen = {**fields, "from": step.value, "in_lane": lane.value}
@@ -290,26 +292,11 @@ async def _action_form(request: Request) -> FormData:
     return form
 
 
-def _choice(form: FormData, name: str, allowed: Sequence[str]) -> str:
-    value = form.get(name)
-    if value not in allowed:
-        raise HTTPException(400, f"{name} is one of {', '.join(allowed)}")
-    return str(value)
-
-
 def _selected(form: FormData) -> list[int]:
     return [
         params.whole_number(str(value), "an email id", params.MAX_ID)
         for value in form.getlist("email_id")
     ]
-
-
-def _send_sweep() -> None:
-    # Imported here: the task module loads the pipeline's parsers and classifiers, which the
-    # console has no other use for (tests/unit/test_layers.py).
-    from mailpipe.app.tasks import sweep
-
-    sweep.apply_async()
 
 
 def _who(request: Request) -> str:

@@ -73,3 +73,12 @@ def window(params: Mapping[str, str]) -> Window:
     if name not in WINDOWS:
         raise HTTPException(400, f"window is {' or '.join(WINDOWS)}")
     return WINDOWS[name]
+
+
+def choice(values: Mapping[str, Any], name: str, allowed: Any) -> str:
+    """The value of `name` in a form or a JSON body, one of `allowed`; else a 400 that lists
+    them."""
+    value = values.get(name)
+    if value not in tuple(allowed):
+        raise HTTPException(400, f"{name} is one of {', '.join(allowed)}")
+    return str(value)
