@@ -22,7 +22,7 @@ def record(redis: Redis, queue: str, email_id: int, due: float) -> None:
 def take_total(redis: Redis) -> int | None:
     """The fleet's deferrals since the last take, taken; None when none was counted."""
     counted = redis.getdel(redis_keys.deferrals_counter())
-    return None if counted is None else int(counted)  # type: ignore[arg-type]
+    return None if counted is None else int(counted)
 
 
 def take_by_lane(redis: Redis) -> dict[str, int]:
