@@ -1,5 +1,6 @@
-"""The README and docs/settings.md say what is: the roles table is the Procfile, the settings
-table names every setting with its default, the layout names every module where it is."""
+"""The reference tables say what is: the README's roles table is the Procfile and its command
+table names every command; docs/settings.md names every setting with its default;
+docs/architecture.md's layout names every module where it is."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.support.paths import REPO
 
 README = REPO / "README.md"
 SETTINGS = REPO / "docs" / "settings.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 MIB = 1024 * 1024
 
 
@@ -105,14 +107,16 @@ def test_most_defaults_are_checked() -> None:
 
 
 def layout() -> dict[str, set[str]]:
-    """Each folder the layout names, and the modules it names in it (`celeryconfig.py` is named
-    beside `config.py`, which it re-exports)."""
+    """Each folder the layout names (a bullet's first span, its layer maybe in brackets after
+    it), and the modules it names in it (`celeryconfig.py` is named beside `config.py`, which it
+    re-exports)."""
     top = {"celeryconfig.py"}
     folders: dict[str, set[str]] = {}
-    for bullet in section(README, "Layout").split("\n- ")[1:]:
-        folder = re.match(r"`(mailpipe/[\w/]*)`:", bullet)
+    for bullet in section(ARCHITECTURE, "Layers").split("\n- ")[1:]:
+        folder = re.match(r"`(mailpipe/[\w/]*)`(?: \([^)]*\))?:", bullet)
         if folder:
-            folders[folder.group(1)] = set(re.findall(r"`(\w+\.py)`", bullet)) - top
+            modules = set(re.findall(r"`(\w+\.py)`", bullet)) - top
+            folders.setdefault(folder.group(1), set()).update(modules)
     return folders
 
 
