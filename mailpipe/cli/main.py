@@ -147,8 +147,9 @@ def main() -> None:
       1  an unexpected error (a bug), printed with its traceback
       2  bad input: a bad command, option, argument or MAILPIPE_ setting
       3  not found: an unknown email id, or one without a failed run to retry
-      4  a service is unavailable: Redis, the database or the blob store
-      5  no database, or one not migrated: run `mailpipe db upgrade`
+      4  a service is unavailable: Redis, the database server or the blob store
+      5  no database, or one not migrated: `createdb` it on PostgreSQL, then run
+         `mailpipe db upgrade`
     """
 
 

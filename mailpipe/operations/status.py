@@ -77,8 +77,8 @@ class Page:
 
 
 def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
-    """The JSON contract of `mailpipe status --json` (README), plus the last sweep, every queue
-    and the live workers. Every figure is counted, so that a script can wait on one; with
+    """The JSON contract of `mailpipe status --json` (docs/operations.md, "The fleet's status as
+    JSON"), plus the last sweep, every queue and the live workers. Every figure is counted, so that a script can wait on one; with
     `estimates` (the console's overview), the totals that no operator acts on are PostgreSQL's
     planner estimate past EXACT_UP_TO, named in `estimated`."""
     total = _count_or_estimate if estimates else _counted

@@ -1,4 +1,5 @@
-"""The fleet's own checks of its dependencies: whose fault an error is (docs/failures.md).
+"""The fleet's own checks of its dependencies: whose fault an error is (docs/operations.md,
+"What each failure does").
 
 A job that meets a dependency's error asks that dependency's check, never the email's call
 alone. When the check fails too, the dependency is down or refuses the whole fleet: no run

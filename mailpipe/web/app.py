@@ -1,4 +1,4 @@
-"""The console's routes and what wraps them (docs/operations.md, "The console").
+"""The console's routes and what wraps them (docs/console.md).
 
 Each room is a module: `pages` (HTML), `forms` (the actions the pages' forms post), `api` (JSON),
 `params` (what a request carries, checked), `errors` (how a refusal is answered), `searching`

@@ -11,7 +11,7 @@ how many were rejected input, and cancels; and reprocesses the 100 invoices by t
 confirming the plan of what that takes first, watching the overview until every one is done.
 The overview charts the jobs just run, and the queues as beat's metrics report read them. Each
 page is saved as console-*.png in the test's folder, or with MAILPIPE_SCREENSHOTS=docs/img where
-docs/operations.md shows them (how those pictures are made): the overview with its charts and
+docs/console.md shows them (how those pictures are made): the overview with its charts and
 the reprocess's progress, the charts alone, the failed list and its dismissed view, the review
 list, the retried email's page with its attempts and actions, the search's results, a "Retry
 all" confirmation and a reprocess's plan. The model stage is the Bedrock stand-in
@@ -255,7 +255,7 @@ def _search(page: Page, invoice: int, invoice_id: str, retried: int, shots: Path
 
 def _the_hour_before(res, email_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
     """The fifty minutes before the test, so that the charts draw a fleet at work rather than
-    the one minute the test's own jobs take (the pictures in docs/operations.md): each stage's
+    the one minute the test's own jobs take (the pictures in docs/console.md): each stage's
     attempts, as the workers write them, on the runs of `email_ids`; each lane's readings, as
     the metrics report writes them, the model's throttled deferrals among them; and a backfill
     in the bulk lane between 40 and 20 minutes ago."""

@@ -1,11 +1,15 @@
 """Every measured figure in docs/ says where it comes from: a section of a page in docs/ (the
 decision records aside) whose table holds measured numbers names the command that produces them
-and the commit they were measured at, a commit this repository has."""
+and the commit they were measured at, a commit this repository has. And every file the README,
+a page of docs/ or the package's docstrings and comments name is one the repository has."""
 
 from __future__ import annotations
 
+import ast
+import io
 import re
 import subprocess
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,19 +158,25 @@ ALL_SECTIONS = [s for page in PAGES for s in sections(page)]
 MEASURED = [s for s in ALL_SECTIONS if measured_rows(s) and (s.page, s.title) not in EXCEPTIONS]
 
 
-def commits(names: set[str]) -> dict[str, bool]:
-    """Whether git knows each name as a commit, in one `git cat-file --batch-check`."""
-    ordered = sorted(names)
+def cat_file(objects: list[str]) -> list[str]:
+    """What `git cat-file --batch-check` answers for each object name, in one call."""
     result = subprocess.run(
         ["git", "cat-file", "--batch-check"],
         cwd=REPO,
-        input="".join(f"{n}^{{commit}}\n" for n in ordered),
+        input="".join(f"{o}\n" for o in objects),
         capture_output=True,
         text=True,
         check=True,
     )
     answers = result.stdout.splitlines()
-    assert len(answers) == len(ordered), result.stdout
+    assert len(answers) == len(objects), result.stdout
+    return answers
+
+
+def commits(names: set[str]) -> dict[str, bool]:
+    """Whether git knows each name as a commit."""
+    ordered = sorted(names)
+    answers = cat_file([f"{n}^{{commit}}" for n in ordered])
     return {n: a.split()[1:2] == ["commit"] for n, a in zip(ordered, answers, strict=True)}
 
 
@@ -200,7 +210,7 @@ def test_the_rule_finds_the_measurements() -> None:
     """A parsing slip that found no table would pass every section; these pages hold
     measurements for certain."""
     pages = {s.page for s in MEASURED}
-    assert pages >= {"benchmarks.md", "operations.md", "scaling.md", "sweeper.md", "mutants.md"}
+    assert pages >= {"benchmarks.md", "scaling.md", "sweeper.md", "mutants.md"}
     assert len(MEASURED) >= 20
 
 
@@ -220,3 +230,78 @@ def test_the_rule_leaves_reference_tables_alone() -> None:
 def test_each_exception_is_a_section_the_rule_would_hold_to_it() -> None:
     tripping = {(s.page, s.title) for s in ALL_SECTIONS if measured_rows(s)}
     assert set(EXCEPTIONS) <= tripping
+
+
+# A path from the repository's root, as the docs and comments write one: a top folder, then
+# what follows up to the first character no path has (a placeholder's `<`, a glob's `*`, a test
+# id's `::`). Not within a longer path or a URL (`github.com/owner/mailpipe/blob/...`). A top
+# folder and one word with no dot and no slash after it is a unit (`docs/s`), not a path.
+TOP_FOLDERS = ("bench", "deploy", "docs", "mailpipe", "tests")
+REPO_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_FOLDERS)})/[\w./-]*)")
+UNIT_LIKE = re.compile(r"[a-z]+/\w+")
+# A Markdown link to a file of the repository, written from the page's own folder.
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
+# A file kept in git only, named with the commit that has it.
+IN_GIT = re.compile(r"git show ([0-9a-f]{7,40}):([\w./-]+)")
+
+
+def python_prose(path: Path) -> str:
+    """A module's docstrings (the module's, each class's and function's) and its comments."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = [ast.get_docstring(n) or "" for n in ast.walk(tree) if isinstance(n, documented)]
+    comments = [
+        token.string
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    return "\n".join(docstrings + comments)
+
+
+def prose() -> dict[Path, str]:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    modules = sorted((REPO / "mailpipe").rglob("*.py"))
+    return {p: p.read_text() for p in pages} | {p: python_prose(p) for p in modules}
+
+
+def named_paths(path: Path, text: str) -> set[str]:
+    """The repository's paths the text names, from the root; a Markdown page's links too."""
+    named = {m.rstrip(".") for m in REPO_PATH.findall(text)}
+    named = {n for n in named if not UNIT_LIKE.fullmatch(n)}
+    if path.suffix == ".md":
+        for target in LINK.findall(text):
+            if "://" not in target and not target.startswith("mailto:"):
+                named.add(str((path.parent / target).resolve().relative_to(REPO)))
+    return named
+
+
+def in_git(names: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The (commit, path) pairs git has."""
+    ordered = sorted(names)
+    answers = cat_file([f"{sha}:{path}" for sha, path in ordered])
+    return {pair for pair, a in zip(ordered, answers, strict=True) if not a.endswith(" missing")}
+
+
+def test_every_file_the_docs_and_comments_name_exists() -> None:
+    """A file named is in the repository, or, removed, named with a commit that has it
+    (`git show 3617760:bench/imports.py`) in the same text."""
+    texts = prose()
+    kept = {(p, pair) for p, text in texts.items() for pair in IN_GIT.findall(text)}
+    found = in_git({pair for _, pair in kept})
+    in_git_only = {(p, name) for p, (sha, name) in kept if (sha, name) in found}
+    missing = sorted(
+        f"{path.relative_to(REPO)}: {name}"
+        for path, text in texts.items()
+        for name in named_paths(path, text)
+        if not (REPO / name).exists() and (path, name) not in in_git_only
+    )
+    assert missing == [], "paths named that the repository does not have:\n" + "\n".join(missing)
+
+
+def test_the_path_rule_finds_the_paths() -> None:
+    """A pattern that matched nothing would pass every page."""
+    named = {n for path, text in prose().items() for n in named_paths(path, text)}
+    assert {"docs/architecture.md", "mailpipe/errors.py", "deploy/README.md"} <= named
+    assert "docs/decisions/web-framework.md" in named  # a link from docs/decisions/README.md
+    assert len(named) >= 100

@@ -1,9 +1,11 @@
-"""The README says what is: its roles table is the Procfile, its settings table names every
-setting with its default, its layout names every module where it is."""
+"""The reference tables say what is: the README's roles table is the Procfile and its command
+table names every command; docs/settings.md names every setting with its default;
+docs/architecture.md's layout names every module where it is."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import click
 import pytest
@@ -12,12 +14,14 @@ from pydantic import SecretStr
 from mailpipe.settings import Settings
 from tests.support.paths import REPO
 
-README = (REPO / "README.md").read_text()
+README = REPO / "README.md"
+SETTINGS = REPO / "docs" / "settings.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 MIB = 1024 * 1024
 
 
-def section(title: str) -> str:
-    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+def section(page: Path, title: str) -> str:
+    return page.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def procfile() -> dict[str, str]:
@@ -26,14 +30,14 @@ def procfile() -> dict[str, str]:
 
 
 def test_the_roles_table_is_the_procfile() -> None:
-    rows = re.findall(r"^\| (\w+) \| `([^|]*?)` \|", section("Roles"), re.MULTILINE)
+    rows = re.findall(r"^\| (\w+) \| `([^|]*?)` \|", section(README, "Roles"), re.MULTILINE)
     assert dict(rows) == procfile()
 
 
 def settings_rows() -> list[tuple[list[str], str]]:
     """Each row of the settings table: the variables it names, and its default cell."""
     rows = []
-    for line in section("Configuration").splitlines():
+    for line in section(SETTINGS, "The settings").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         if len(cells) < 3 or not cells[0].startswith("`MAILPIPE_"):
             continue
@@ -93,7 +97,9 @@ def written_defaults() -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize(("variable", "written", "default"), written_defaults())
 def test_the_settings_table_gives_each_default(variable: str, written: str, default: str) -> None:
-    assert written == default, f"{variable}: the README says {written}, the default is {default}"
+    assert written == default, (
+        f"{variable}: docs/settings.md says {written}, the default is {default}"
+    )
 
 
 def test_most_defaults_are_checked() -> None:
@@ -101,21 +107,23 @@ def test_most_defaults_are_checked() -> None:
 
 
 def layout() -> dict[str, set[str]]:
-    """Each folder the layout names, and the modules it names in it (`celeryconfig.py` is named
-    beside `config.py`, which it re-exports)."""
+    """Each folder the layout names (a bullet's first span, its layer maybe in brackets after
+    it), and the modules it names in it (`celeryconfig.py` is named beside `config.py`, which it
+    re-exports)."""
     top = {"celeryconfig.py"}
     folders: dict[str, set[str]] = {}
-    for bullet in section("Layout").split("\n- ")[1:]:
-        folder = re.match(r"`(mailpipe/[\w/]*)`:", bullet)
+    for bullet in section(ARCHITECTURE, "Layers").split("\n- ")[1:]:
+        folder = re.match(r"`(mailpipe/[\w/]*)`(?: \([^)]*\))?:", bullet)
         if folder:
-            folders[folder.group(1)] = set(re.findall(r"`(\w+\.py)`", bullet)) - top
+            modules = set(re.findall(r"`(\w+\.py)`", bullet)) - top
+            folders.setdefault(folder.group(1), set()).update(modules)
     return folders
 
 
 def test_the_command_table_names_every_command() -> None:
     from mailpipe.cli.main import main
 
-    rows = section("Command line").split("\n\n", 1)[0]
+    rows = section(README, "Command line").split("\n\n", 1)[0]
     first_cells = [row.split(" | ")[0] for row in rows.splitlines() if row.startswith("| `")]
     named = {
         name
