@@ -19,7 +19,7 @@ from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
-from tests.unit.pipeline.test_job import INVOICE, PLAIN, RemoteRules, model_calls
+from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls, remote_model
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -59,8 +59,7 @@ def test_a_dry_run_counts_the_emails_and_the_model_calls_and_changes_nothing(res
     by_label = EmailFilter(label="invoice")
     planned = actions.reprocess(res, by_label, Step.CLASSIFY, enqueue=sent, user=USER, dry_run=True)
     assert (planned.emails, planned.model_calls, planned.reprocess_id) == (2, 0, None)  # rules
-    remote = Resources(res.settings)
-    remote.__dict__["classifier"] = RemoteRules(res.classifier)
+    remote = remote_model(res)
     paid = actions.reprocess(remote, by_label, Step.PARSE, enqueue=sent, user=USER, dry_run=True)
     assert (paid.emails, paid.model_calls) == (2, 2)
     assert sent.calls == [] and reprocesses_of(res) == []
@@ -73,8 +72,7 @@ def reprocesses_of(res: Resources) -> list[dict[str, object]]:
 
 
 def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res) -> None:  # type: ignore[no-untyped-def]
-    remote = Resources(res.settings)
-    remote.__dict__["classifier"] = RemoteRules(res.classifier)
+    remote = remote_model(res)
     model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])

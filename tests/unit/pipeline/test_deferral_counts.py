@@ -18,16 +18,10 @@ from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import QueueSample, RunAttempt, utcnow
-from tests.unit.pipeline.test_job import PLAIN, RemoteRules, model_calls, run_of
+from tests.unit.pipeline.test_job import PLAIN, model_calls, remote_model, run_of
 from tests.unit.pipeline.test_job import history as outcomes
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
-
-
-def remote(res: Resources) -> Resources:
-    changed = Resources(res.settings)
-    changed.__dict__["classifier"] = RemoteRules(res.classifier)
-    return changed
 
 
 def claimed(res: Resources, email_id: int) -> int:
@@ -46,7 +40,7 @@ def deferrals(res: Resources, email_id: int) -> list[int | None]:
 
 def test_a_run_deferred_a_thousand_times_keeps_one_row_with_the_count(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [PLAIN])
-    model = remote(res)
+    model = remote_model(res)
     model_calls(res, True)
     assert job.process_email(model, email_id).kind is Kind.HANDED_OFF
     model_calls(res, False)

@@ -64,10 +64,8 @@ class Refusing:
 
 
 def refusing(res: Resources, **settings: object) -> tuple[Resources, Refusing]:
-    changed = Resources(res.settings.model_copy(update=settings))
     blobs = Refusing(res.blobs)
-    changed.__dict__["blobs"] = blobs
-    return changed, blobs
+    return Resources(res.settings.model_copy(update=settings)).with_standins(blobs=blobs), blobs
 
 
 def blob_key(res: Resources, email_id: int) -> str:
@@ -119,7 +117,7 @@ def test_an_outage_uses_no_attempt_waits_past_any_bound_and_pauses_the_stage(res
     blobs.down = False
     assert probe(down, Stage.CPU) is ProbeResult.PASSED
     assert pauses.paused(res.redis) == {}
-    down.__dict__.pop("pauses", None)
+    down.pauses.forget()
     assert [job.process_email(down, i).kind for i in ids] == [Kind.SUCCEEDED] * 3
     assert [run_of(res, i).attempts for i in ids] == [1, 1, 1]
 

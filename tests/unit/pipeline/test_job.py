@@ -94,11 +94,8 @@ def after_backoff(res: Resources, email_id: int) -> job.Outcome:
 def refused_reads(res: Resources, n: int) -> Resources:
     """Resources whose next `n` blob reads fail as a service might for one email, while the
     store's check passes: failed attempts of the email's own."""
-    flaky = Resources(res.settings)
-    flaky.__dict__["blobs"] = RaisingBlobs(
-        res.blobs, [TransientError("S3 unavailable") for _ in range(n)]
-    )
-    return flaky
+    errors = [TransientError("S3 unavailable") for _ in range(n)]
+    return Resources(res.settings).with_standins(blobs=RaisingBlobs(res.blobs, errors))
 
 
 def rows(res: Resources) -> dict[str, list[tuple]]:
@@ -295,8 +292,9 @@ def test_the_soft_time_limit_and_a_bug_are_failed_attempts_that_are_retried(  # 
         return SoftTimeLimitExceeded() if error == "soft" else KeyError("a bug")
 
     [email_id] = store_emails(res, [INVOICE])
-    flaky = Resources(res.settings)
-    flaky.__dict__["blobs"] = RaisingBlobs(res.blobs, [raised(), raised()])
+    flaky = Resources(res.settings).with_standins(
+        blobs=RaisingBlobs(res.blobs, [raised(), raised()])
+    )
     for attempt in (1, 2):
         outcome = job.process_email(flaky, email_id)
         assert outcome.kind is Kind.RETRY
@@ -306,8 +304,9 @@ def test_the_soft_time_limit_and_a_bug_are_failed_attempts_that_are_retried(  # 
     assert (run_of(res, email_id).status.value, run_of(res, email_id).claims) == ("open", 3)
 
     [doomed] = store_emails(res, [PLAIN])
-    always = Resources(res.settings)
-    always.__dict__["blobs"] = RaisingBlobs(res.blobs, [raised() for _ in range(4)])
+    always = Resources(res.settings).with_standins(
+        blobs=RaisingBlobs(res.blobs, [raised() for _ in range(4)])
+    )
     kinds = [job.process_email(always, doomed).kind for _ in range(4)]
     assert kinds == [Kind.RETRY, Kind.RETRY, Kind.RETRY, Kind.FAILED]
     run = run_of(res, doomed)
@@ -426,12 +425,16 @@ class BlockingBlobs:
         self.real.put(key, data)
 
 
+def stalling(res: Resources) -> tuple[Resources, BlockingBlobs]:
+    """Resources whose first blob read waits until the test lets it go, and their blob store."""
+    blobs = BlockingBlobs(res.blobs)
+    return Resources(res.settings).with_standins(blobs=blobs), blobs
+
+
 def test_a_delivery_that_lost_its_lease_writes_nothing_and_leaves_the_holder_s_marker(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
     model_calls(res, True)
-    stalled = Resources(res.settings)
-    blobs = BlockingBlobs(res.blobs)
-    stalled.__dict__["blobs"] = blobs
+    stalled, blobs = stalling(res)
     first: list[job.Outcome] = []
     thread = threading.Thread(target=lambda: first.append(job.process_email(stalled, email_id)))
     thread.start()
@@ -466,12 +469,17 @@ class RemoteRules:
         return self.real.classify(email)
 
 
+def remote_model(res: Resources) -> Resources:
+    """Resources whose classifier poses as a remote model (`RemoteRules`, counting its calls):
+    their CPU stage hands each email to a model stage."""
+    return Resources(res.settings).with_standins(classifier=RemoteRules(res.classifier))
+
+
 def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kept(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
     model_calls(res, True)
-    remote = Resources(res.settings)
-    classifier = RemoteRules(res.classifier)
-    remote.__dict__["classifier"] = classifier
+    remote = remote_model(res)
+    classifier = remote.classifier
     handed = job.process_email(remote, email_id)
     assert handed.kind is Kind.HANDED_OFF and handed.follows_up
     assert classifier.calls == 0  # the CPU stage never waits on a remote model
@@ -499,9 +507,8 @@ def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kep
 def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
     model_calls(res, True)
-    remote = Resources(res.settings)
-    classifier = RemoteRules(res.classifier)
-    remote.__dict__["classifier"] = classifier
+    remote = remote_model(res)
+    classifier = remote.classifier
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
 
     # The labels' transaction fails after the answer was stored (the child dies there).
@@ -547,9 +554,7 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  
     transaction of the steps does."""
     [email_id] = store_emails(res, [raw])
     model_calls(res, True)
-    first_res, second_res = Resources(res.settings), Resources(res.settings)
-    first_blobs, second_blobs = BlockingBlobs(res.blobs), BlockingBlobs(res.blobs)
-    first_res.__dict__["blobs"], second_res.__dict__["blobs"] = first_blobs, second_blobs
+    (first_res, first_blobs), (second_res, second_blobs) = stalling(res), stalling(res)
     outcomes: dict[str, job.Outcome] = {}
     first = threading.Thread(
         target=lambda: outcomes.update(first=job.process_email(first_res, email_id))
@@ -604,9 +609,7 @@ def test_a_delivery_whose_run_was_failed_meanwhile_writes_nothing(res) -> None: 
     fails the run while the first delivery is inside its steps at the same attempt."""
     [email_id] = store_emails(res, [INVOICE])
     model_calls(res, True)
-    stalled = Resources(res.settings)
-    blobs = BlockingBlobs(res.blobs)
-    stalled.__dict__["blobs"] = blobs
+    stalled, blobs = stalling(res)
     outcomes: list[job.Outcome] = []
     thread = threading.Thread(target=lambda: outcomes.append(job.process_email(stalled, email_id)))
     thread.start()
@@ -642,9 +645,8 @@ def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-un
     """An operator's retry of a failed run that holds an answer: the answer no longer counts."""
     [email_id] = store_emails(res, [INVOICE])
     model_calls(res, True)
-    remote = Resources(res.settings)
-    classifier = RemoteRules(res.classifier)
-    remote.__dict__["classifier"] = classifier
+    remote = remote_model(res)
+    classifier = remote.classifier
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
     assert classifier.calls == 1

@@ -21,9 +21,9 @@ from tests.unit.pipeline.test_job import (
     INVOICE,
     PLAIN,
     RaisingBlobs,
-    RemoteRules,
     history,
     model_calls,
+    remote_model,
     run_of,
     start_attempt,
 )
@@ -38,9 +38,7 @@ def attempts(res: Resources, email_id: int) -> list[RunAttempt]:
 
 
 def with_blobs(res: Resources, blobs: object, **settings: object) -> Resources:
-    changed = Resources(res.settings.model_copy(update=settings))
-    changed.__dict__["blobs"] = blobs
-    return changed
+    return Resources(res.settings.model_copy(update=settings)).with_standins(blobs=blobs)
 
 
 def test_a_job_classified_in_its_cpu_stage_has_one_attempt(res) -> None:  # type: ignore[no-untyped-def]
@@ -56,8 +54,7 @@ def test_a_job_classified_in_its_cpu_stage_has_one_attempt(res) -> None:  # type
 
 def test_each_stage_s_attempts_are_written_as_they_end(res) -> None:  # type: ignore[no-untyped-def]
     handed, waiting = store_emails(res, [INVOICE, PLAIN])
-    remote = Resources(res.settings)
-    remote.__dict__["classifier"] = RemoteRules(res.classifier)
+    remote = remote_model(res)
     model_calls(res, True)
     assert job.process_email(remote, handed).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, handed).kind is Kind.SUCCEEDED
