@@ -43,6 +43,7 @@ from mailpipe.web.auth import CSRF_MAX_AGE, csrf_token
 from tests.support.console import OPERATOR, OPERATOR_ARGON2, VIEWER, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
 from tests.support.searched import store_searched
+from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -716,9 +717,9 @@ def test_the_overview_draws_what_the_activity_api_gives(res, console) -> None:  
 
 
 def test_a_search_s_succeeded_emails_are_reprocessed_from_its_page(res, console) -> None:  # type: ignore[no-untyped-def]
-    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     assert [job.process_email(res, i).kind.value for i in ids] == ["succeeded"] * 2
     web = console()

@@ -19,7 +19,8 @@ from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
-from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls, remote_model
+from tests.support.switches import set_model_calls
+from tests.unit.pipeline.test_job import INVOICE, PLAIN, remote_model
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -51,7 +52,7 @@ def status_of(res: Resources, email_id: int) -> RunStatus:
 
 
 def test_a_dry_run_counts_the_emails_and_the_model_calls_and_changes_nothing(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert {job.process_email(res, i).kind for i in [*invoices, other]} == {Kind.SUCCEEDED}
@@ -73,7 +74,7 @@ def reprocesses_of(res: Resources) -> list[dict[str, object]]:
 
 def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res) -> None:  # type: ignore[no-untyped-def]
     remote = remote_model(res)
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     for email_id in [*invoices, other]:
@@ -117,7 +118,7 @@ def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res
 
 
 def test_reprocess_from_parse_runs_the_cpu_stage_and_enqueues_each_job_once(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     assert [job.process_email(res, i).kind for i in invoices] == [Kind.SUCCEEDED] * 2
 
@@ -140,7 +141,7 @@ def test_reprocess_from_parse_runs_the_cpu_stage_and_enqueues_each_job_once(res)
 def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None:  # type: ignore[no-untyped-def]
     """The batch is read before its transaction locks the runs: one that changed meanwhile (a
     retry reopened it, a sweep failed it) is passed over."""
-    model_calls(res, True)
+    set_model_calls(res, True)
     succeeded, still_open = store_emails(res, [INVOICE, PLAIN])
     assert job.process_email(res, succeeded).kind is Kind.SUCCEEDED
     with res.db.transaction() as session:
@@ -157,7 +158,7 @@ def test_a_reprocess_takes_the_emails_the_search_finds(res) -> None:  # type: ig
     finds no "invoices". A reprocess by the same filter takes what the search showed, no more."""
     from mailpipe.operations.search import find
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     raws = [
         b"From: a@acme.example\r\nSubject: invoice 7\r\nMessage-ID: <w1@acme>\r\n\r\nDue\r\n",
         b"From: a@acme.example\r\nSubject: invoices for May\r\nMessage-ID: <w2@acme>\r\n\r\nDue\r\n",

@@ -17,7 +17,8 @@ from mailpipe.pipeline import health, job
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import RunStatus
-from tests.unit.pipeline.test_job import history, model_calls, run_of
+from tests.support.switches import set_model_calls
+from tests.unit.pipeline.test_job import history, run_of
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -79,7 +80,7 @@ def test_a_refused_object_fails_its_own_email_after_its_attempts(res) -> None:  
     """The check passes: the refusal is the email's, retried with backoff, then failed with its
     own class. The stage never pauses, and the other emails never notice."""
     bad, good = store_emails(res, emails(2))
-    model_calls(res, True)
+    set_model_calls(res, True)
     denied, blobs = refusing(res, health_cache_seconds=0)
     blobs.denied_keys.add(blob_key(res, bad))
     outcomes = [job.process_email(denied, bad) for _ in range(res.settings.max_attempts)]
@@ -95,7 +96,7 @@ def test_a_refused_object_fails_its_own_email_after_its_attempts(res) -> None:  
 
 def test_an_outage_uses_no_attempt_waits_past_any_bound_and_pauses_the_stage(res) -> None:  # type: ignore[no-untyped-def]
     ids = store_emails(res, emails(3))
-    model_calls(res, True)
+    set_model_calls(res, True)
     down, blobs = refusing(res, pause_after_emails=3, health_cache_seconds=0)
     blobs.down = True
     # Deferred past MAILPIPE_MAX_DEFERRAL already: an outage's wait has no bound.
@@ -150,11 +151,11 @@ def test_a_process_checks_a_dependency_once_per_cache_period(res) -> None:  # ty
 
 
 def test_the_model_check_calls_nothing_while_model_calls_are_off(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, False)
+    set_model_calls(res, False)
     assert health.check(res, Dependency.MODEL).error == (
         "CheckFailed: model calls are off: the model is not called"
     )
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert health.check(res, Dependency.MODEL).passed
 
 

@@ -18,7 +18,6 @@ from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, runs
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
-from mailpipe.storage import flags
 from mailpipe.storage.models import (
     Classification,
     Document,
@@ -29,6 +28,7 @@ from mailpipe.storage.models import (
     RunAttempt,
     RunStatus,
 )
+from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -62,11 +62,6 @@ def history(res: Resources, email_id: int) -> list[tuple[str, int, str, str | No
             .order_by(RunAttempt.id)
         )
         return [tuple(row) for row in session.execute(statement)]  # type: ignore[misc]
-
-
-def model_calls(res: Resources, on: bool) -> None:
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, on)
 
 
 def start_attempt(res: Resources, email_id: int) -> int:
@@ -127,7 +122,7 @@ def test_model_calls_off_leaves_the_run_open_after_the_documents(res) -> None:  
     assert job.process_email(res, email_id).kind is Kind.WAITING
     # Once they are on, sending it again hands it to its model stage, which works from what
     # the CPU stage kept: no second parse, no new row.
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.process_email(res, email_id).kind is Kind.HANDED_OFF
     assert rows(res) == before
     assert job.classify_email(res, email_id).kind is Kind.SUCCEEDED
@@ -204,7 +199,7 @@ def test_a_service_s_retry_after_takes_precedence_over_the_backoff(res) -> None:
 
 def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     for _ in range(4):
         start_attempt(res, email_id)
     # The fifth delivery finds the fourth attempt unfinished: every attempt is used.
@@ -218,7 +213,7 @@ def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore
 def test_the_next_attempt_runs_with_the_death_of_the_last_on_record(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """While the next attempt runs, the run says why there is one: the last one died."""
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     start_attempt(res, email_id)  # attempt 1 claimed, then its child died
     seen = []
     real_steps = job._run_steps
@@ -245,7 +240,7 @@ def test_an_attempt_cut_off_by_the_hard_time_limit_waits_its_backoff_then_the_la
     res,
 ) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     for attempt in (1, 2, 3):
         assert start_attempt(res, email_id) == attempt
         outcome = job.process_email(res, email_id, cut_off=25)
@@ -433,7 +428,7 @@ def stalling(res: Resources) -> tuple[Resources, BlockingBlobs]:
 
 def test_a_delivery_that_lost_its_lease_writes_nothing_and_leaves_the_holder_s_marker(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     stalled, blobs = stalling(res)
     first: list[job.Outcome] = []
     thread = threading.Thread(target=lambda: first.append(job.process_email(stalled, email_id)))
@@ -477,7 +472,7 @@ def remote_model(res: Resources) -> Resources:
 
 def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kept(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     remote = remote_model(res)
     classifier = remote.classifier
     handed = job.process_email(remote, email_id)
@@ -506,7 +501,7 @@ def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kep
 
 def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     remote = remote_model(res)
     classifier = remote.classifier
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
@@ -553,7 +548,7 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  
     attachments the origin's transaction finds the run at another attempt; without, the one
     transaction of the steps does."""
     [email_id] = store_emails(res, [raw])
-    model_calls(res, True)
+    set_model_calls(res, True)
     (first_res, first_blobs), (second_res, second_blobs) = stalling(res), stalling(res)
     outcomes: dict[str, job.Outcome] = {}
     first = threading.Thread(
@@ -608,7 +603,7 @@ def test_a_delivery_whose_run_was_failed_meanwhile_writes_nothing(res) -> None: 
     """The fence is also the run's status: here a deferred copy of the same job, past its bound,
     fails the run while the first delivery is inside its steps at the same attempt."""
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     stalled, blobs = stalling(res)
     outcomes: list[job.Outcome] = []
     thread = threading.Thread(target=lambda: outcomes.append(job.process_email(stalled, email_id)))
@@ -631,7 +626,7 @@ def test_a_malformed_header_line_is_skipped_and_recorded_on_the_run(res) -> None
         b"Subject: kept\r\nMessage-ID: <garbled@example.org>\r\n\r\nbody\r\n"
     )
     [email_id] = store_emails(res, [raw])
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.process_email(res, email_id).kind is Kind.SUCCEEDED
     run = run_of(res, email_id)
     assert run.parse_defects is not None
@@ -644,7 +639,7 @@ def test_a_malformed_header_line_is_skipped_and_recorded_on_the_run(res) -> None
 def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-untyped-def]
     """An operator's retry of a failed run that holds an answer: the answer no longer counts."""
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     remote = remote_model(res)
     classifier = remote.classifier
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
