@@ -84,20 +84,15 @@ def move(
     """Put emails in `lane`. Their next job is sent in it (the sweeper's re-add, a retry); a job
     already queued stays in the lane it was sent in, and so do its deferrals, retries and the
     hand-off to the model stage, which carry the lane of their message."""
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for moved, not_moved in _in_batches(
+    batches = _in_batches(
         res,
         email_ids,
         None,
         batch,
         lambda session, ids: emails.move(session, ids, lane),
         lambda session, ids: dict.fromkeys(ids, "no such email"),
-    ):
-        _logged(f"move_to_{lane}", user, moved)
-        done.extend(moved)
-        refused.update(not_moved)
-    return Done(done, refused=refused)
+    )
+    return _logged_batches(f"move_to_{lane}", user, batches)
 
 
 def dismiss(
@@ -111,45 +106,42 @@ def dismiss(
     """Dismiss failed runs: each stays failed, leaves the failed list and the review list, and
     no retry-all or sweep reopens it. `email_ids`: those; else every listed failed run that
     `filt` matches."""
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for dismissed, not_dismissed in _in_batches(res, email_ids, filt, batch, runs.dismiss):
-        _logged("dismiss", user, dismissed)
-        done.extend(dismissed)
-        refused.update(not_dismissed)
-    return Done(done, refused=refused)
+    batches = _in_batches(res, email_ids, filt, batch, runs.dismiss)
+    return _logged_batches("dismiss", user, batches)
 
 
 def undo_dismiss(
     res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
 ) -> Done:
     """Put dismissed runs back on the failed list, failed as they were."""
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for undone, not_undone in _in_batches(res, email_ids, None, batch, runs.undismiss):
-        _logged("undo_dismiss", user, undone)
-        done.extend(undone)
-        refused.update(not_undone)
-    return Done(done, refused=refused)
+    batches = _in_batches(res, email_ids, None, batch, runs.undismiss)
+    return _logged_batches("undo_dismiss", user, batches)
 
 
 def clear_review(
     res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
 ) -> Done:
     """Take emails off the review list without a retry; their runs are left as they are."""
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for cleared, not_cleared in _in_batches(
-        res, email_ids, None, batch, emails.clear_review, _not_marked
-    ):
-        _logged("clear_review", user, cleared)
-        done.extend(cleared)
-        refused.update(not_cleared)
-    return Done(done, refused=refused)
+    batches = _in_batches(res, email_ids, None, batch, emails.clear_review, _not_marked)
+    return _logged_batches("clear_review", user, batches)
 
 
 Act = Callable[[Session, list[int]], list[int]]
 Why = Callable[[Session, list[int]], dict[int, str]]
+
+
+def _logged_batches(
+    action: str, user: str, batches: Iterator[tuple[list[int], dict[int, str]]]
+) -> Done:
+    """Each batch's emails logged once its transaction committed; all of them, and why not the
+    others, in one `Done`."""
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    for acted, not_acted in batches:
+        _logged(action, user, acted)
+        done.extend(acted)
+        refused.update(not_acted)
+    return Done(done, refused=refused)
 
 
 def _in_batches(
