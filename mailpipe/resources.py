@@ -113,6 +113,18 @@ class Resources:
 
         return make_classifier(self.settings)
 
+    def with_standins(self, **parts: object) -> Resources:
+        """These resources, with `parts` in place of what the properties of those names would
+        build (`blobs=`, `classifier=`, `db=`): a test's fault injector, or a database shared
+        with another set. Given before the part is first used: nothing built is replaced."""
+        for name, part in parts.items():
+            if not isinstance(vars(Resources).get(name), cached_property):
+                raise TypeError(f"Resources has no part {name!r}")
+            if name in self.__dict__:
+                raise ValueError(f"the part {name!r} is built already")
+            self.__dict__[name] = part
+        return self
+
     def close(self) -> None:
         for built in ("db", "searches"):
             if built in self.__dict__:

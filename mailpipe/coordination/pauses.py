@@ -219,6 +219,10 @@ class CachedPauses:
             self._read_at = now
         return self._paused
 
+    def forget(self) -> None:
+        """Drop the cached read: the next call reads the pauses again, whatever its age."""
+        self._read_at = -float("inf")
+
 
 def _from_fields(stage: Stage, fields: object) -> Pause | None:
     if not fields:

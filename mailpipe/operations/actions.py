@@ -87,20 +87,15 @@ def move(
     """Put emails in `lane`. Their next job is sent in it (the sweeper's re-add, a retry); a job
     already queued stays in the lane it was sent in, and so do its deferrals, retries and the
     hand-off to the model stage, which carry the lane of their message."""
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for moved, not_moved in _in_batches(
+    batches = _in_batches(
         res,
         email_ids,
         None,
         batch,
         lambda session, ids: emails.move(session, ids, lane),
         lambda session, ids: dict.fromkeys(ids, "no such email"),
-    ):
-        _logged(f"move_to_{lane}", user, moved)
-        done.extend(moved)
-        refused.update(not_moved)
-    return Done(done, refused=refused)
+    )
+    return _logged_batches(f"move_to_{lane}", user, batches)
 
 
 def dismiss(
@@ -116,27 +111,16 @@ def dismiss(
     no retry-all or sweep reopens it. `email_ids`: those; else every listed failed run that
     `filt` matches. `expect`: the count the operator confirmed (`confirmed`)."""
     most = confirmed(res, email_ids, filt, expect)
-    done: list[int] = []
-    refused: dict[int, str] = {}
     batches = _in_batches(res, email_ids, filt, batch, runs.dismiss, most=most)
-    for dismissed, not_dismissed in batches:
-        _logged("dismiss", user, dismissed)
-        done.extend(dismissed)
-        refused.update(not_dismissed)
-    return Done(done, refused=refused)
+    return _logged_batches("dismiss", user, batches)
 
 
 def undo_dismiss(
     res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
 ) -> Done:
     """Put dismissed runs back on the failed list, failed as they were."""
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for undone, not_undone in _in_batches(res, email_ids, None, batch, runs.undismiss):
-        _logged("undo_dismiss", user, undone)
-        done.extend(undone)
-        refused.update(not_undone)
-    return Done(done, refused=refused)
+    batches = _in_batches(res, email_ids, None, batch, runs.undismiss)
+    return _logged_batches("undo_dismiss", user, batches)
 
 
 def clear_review(
@@ -150,15 +134,8 @@ def clear_review(
     """Take emails off the review list without a retry; their runs are left as they are.
     `expect`: the count the operator confirmed (`confirmed`)."""
     confirmed(res, email_ids, None, expect)
-    done: list[int] = []
-    refused: dict[int, str] = {}
-    for cleared, not_cleared in _in_batches(
-        res, email_ids, None, batch, emails.clear_review, _not_marked
-    ):
-        _logged("clear_review", user, cleared)
-        done.extend(cleared)
-        refused.update(not_cleared)
-    return Done(done, refused=refused)
+    batches = _in_batches(res, email_ids, None, batch, emails.clear_review, _not_marked)
+    return _logged_batches("clear_review", user, batches)
 
 
 @dataclass(frozen=True)
@@ -232,6 +209,20 @@ def confirmed(
 
 Act = Callable[[Session, list[int]], list[int]]
 Why = Callable[[Session, list[int]], dict[int, str]]
+
+
+def _logged_batches(
+    action: str, user: str, batches: Iterator[tuple[list[int], dict[int, str]]]
+) -> Done:
+    """Each batch's emails logged once its transaction committed; all of them, and why not the
+    others, in one `Done`."""
+    done: list[int] = []
+    refused: dict[int, str] = {}
+    for acted, not_acted in batches:
+        _logged(action, user, acted)
+        done.extend(acted)
+        refused.update(not_acted)
+    return Done(done, refused=refused)
 
 
 def _in_batches(

@@ -39,6 +39,7 @@ from mailpipe.storage.models import PipelineRun
 from tests.conftest import PG_ADMIN_URL, RUN_ID
 from tests.support.searched import store_searched
 from tests.support.services import Database
+from tests.support.switches import set_model_calls
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -78,11 +79,6 @@ def statuses(res: Resources) -> dict[int, str]:
     with res.db.session() as session:
         rows = session.execute(select(PipelineRun.email_id, PipelineRun.status))
         return {email_id: status.value for email_id, status in rows}
-
-
-def set_model_calls(res: Resources, on: bool) -> None:
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, on)
 
 
 def message(n: int) -> EmailMessage:
@@ -657,9 +653,9 @@ def test_find_refuses_bad_input_in_one_line_with_exit_2(
 
 def test_reprocess_by_filter_says_what_it_takes_then_takes_it_once(res) -> None:  # type: ignore[no-untyped-def]
     from tests.unit.operations.test_reprocess import OTHER
-    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3

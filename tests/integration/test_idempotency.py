@@ -12,7 +12,6 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.pipeline import job
 from mailpipe.pipeline.outcome import Kind
-from mailpipe.storage import flags
 from mailpipe.storage.models import (
     Classification,
     Document,
@@ -23,6 +22,7 @@ from mailpipe.storage.models import (
     RunAttempt,
 )
 from tests.support.database import clean
+from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -69,13 +69,8 @@ def snapshot(res, skip: set[str] = frozenset()) -> dict[str, list[tuple]]:  # ty
     return out
 
 
-def model_calls(res, on: bool) -> None:  # type: ignore[no-untyped-def]
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, on)
-
-
 def test_a_second_delivery_of_a_closed_run_changes_no_row(res, live_worker) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [EMAIL, COPY])
     enqueue_emails(ids, res)
     # Both children race for the origin: whichever records it first owns it.
@@ -97,7 +92,7 @@ def test_a_second_delivery_of_a_closed_run_changes_no_row(res, live_worker) -> N
 def test_steps_run_again_after_model_calls_are_switched_on_leave_the_same_rows(
     res, live_worker
 ) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, False)
+    set_model_calls(res, False)
     [email_id] = store_emails(res, [EMAIL])
     enqueue_emails([email_id], res)
     # The run stays open with model calls off; its documents commit with that.
@@ -107,7 +102,7 @@ def test_steps_run_again_after_model_calls_are_switched_on_leave_the_same_rows(
 
     # Switched on and sent again: the CPU stage hands the run to the model stage, which
     # classifies it from what was kept; the rows written before stay as they were.
-    model_calls(res, True)
+    set_model_calls(res, True)
     enqueue_emails([email_id], res)
     assert wait_until_closed(res, [email_id]) == {email_id: "succeeded"}
     done = snapshot(res, WHEN)
@@ -142,7 +137,7 @@ def _run_in_child(email_id: int, inside, starts) -> str:  # type: ignore[no-unty
 
 
 def test_two_deliveries_at_once_without_the_lease_leave_the_rows_of_one(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     [email_id] = store_emails(res, [EMAIL])
     assert job.process_email(res, email_id).kind.value == "succeeded"
     # The loser's inserts roll back but still draw from the id sequences, so generated ids
@@ -152,7 +147,7 @@ def test_two_deliveries_at_once_without_the_lease_leave_the_rows_of_one(res) -> 
     assert [dict(row)["outcome"] for row in single.pop("run_attempt")] == ["succeeded"]
 
     clean(res)  # the same email again, from nothing, with the same ids
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert store_emails(res, [EMAIL]) == [email_id]
     context = multiprocessing.get_context("spawn")
     manager = context.Manager()

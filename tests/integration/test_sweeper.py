@@ -31,6 +31,7 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 from tests.support.bedrock_server import BedrockServer
 from tests.support.services import delete_prefix
+from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -60,11 +61,6 @@ def purge(res: Resources) -> None:
     for queue in queues.job_queues(res.settings):
         for name in layout.priority_lists(queue):
             res.redis.delete(name)
-
-
-def set_model_calls(res: Resources, on: bool) -> None:
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, on)
 
 
 def start_attempt(res: Resources, email_id: int) -> int:

@@ -45,6 +45,7 @@ from mailpipe.web.auth import CSRF_MAX_AGE, csrf_token
 from tests.support.console import OPERATOR, OPERATOR_ARGON2, VIEWER, ConsoleProcess, users_env
 from tests.support.fleet import Fleet
 from tests.support.searched import store_searched
+from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -727,9 +728,9 @@ def test_a_search_s_emails_are_reprocessed_once_its_plan_is_confirmed(res, conso
     takes it; a post without the plan's count, or with another, takes nothing and shows the
     plan as it is now; the plan confirmed twice takes each email once."""
     from tests.unit.operations.test_reprocess import OTHER
-    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3
@@ -794,9 +795,9 @@ def test_a_search_s_emails_are_reprocessed_once_its_plan_is_confirmed(res, conso
 
 def test_a_reprocess_past_the_ceiling_needs_its_box_ticked(res, console) -> None:  # type: ignore[no-untyped-def]
     from tests.unit.operations.test_reprocess import OTHER
-    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3

@@ -22,6 +22,7 @@ from mailpipe.coordination import pauses
 from mailpipe.storage import flags
 from tests.integration.test_web import console, failed_run, run_status  # noqa: F401 (fixture)
 from tests.support.console import OPERATOR, VIEWER, ConsoleProcess
+from tests.support.switches import set_model_calls
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -90,9 +91,9 @@ def test_a_reprocess_takes_the_count_its_plan_gave_and_each_email_once(res, cons
     from mailpipe.cli.ingest import store_emails
     from mailpipe.pipeline import job
     from tests.unit.operations.test_reprocess import OTHER
-    from tests.unit.pipeline.test_job import INVOICE, PLAIN, model_calls
+    from tests.unit.pipeline.test_job import INVOICE, PLAIN
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert [job.process_email(res, i).kind.value for i in [*ids, other]] == ["succeeded"] * 3

@@ -210,7 +210,7 @@ def test_a_bulk_job_s_follow_up_stays_in_the_bulk_lane(
         pauses.pause(res.redis, Stage.CPU, "held for the test")
         # The in-process worker shares this process's resources: its cached read of the pauses
         # (a second old at most) is dropped, so that its next job reads the pause.
-        res.__dict__.pop("pauses", None)
+        res.pauses.forget()
     worker.app.send_task(
         TaskName.PROCESS_EMAIL.value,
         args=(email_id,),

@@ -188,8 +188,7 @@ def test_a_retry_with_redis_down_changes_nothing(res) -> None:  # type: ignore[n
     failed = add_failed(res, 1)
     down = Resources(
         res.settings.model_copy(update={"broker_url": f"redis://127.0.0.1:{free_port()}/0"})
-    )
-    down.__dict__["db"] = res.db
+    ).with_standins(db=res.db)
     with pytest.raises(RedisConnectionError):
         actions.retry(down, [failed], enqueue=sender(down), user=USER)
     assert run_rows(res) == {failed: ("failed", False)}

@@ -20,7 +20,8 @@ from mailpipe.pipeline import emails, job, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
-from tests.unit.pipeline.test_job import INVOICE, PLAIN, RemoteRules, model_calls
+from tests.support.switches import set_model_calls
+from tests.unit.pipeline.test_job import INVOICE, PLAIN, remote_model
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -52,7 +53,7 @@ def status_of(res: Resources, email_id: int) -> RunStatus:
 
 
 def test_a_plan_counts_the_emails_and_the_model_calls_and_changes_nothing(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert {job.process_email(res, i).kind for i in [*invoices, other]} == {Kind.SUCCEEDED}
@@ -60,8 +61,7 @@ def test_a_plan_counts_the_emails_and_the_model_calls_and_changes_nothing(res) -
     by_label = EmailFilter(label="invoice")
     planned = actions.plan_reprocess(res, by_label)
     assert (planned.emails, planned.model_calls, planned.reprocess_id) == (2, 0, None)  # rules
-    remote = Resources(res.settings)
-    remote.__dict__["classifier"] = RemoteRules(res.classifier)
+    remote = remote_model(res)
     paid = actions.plan_reprocess(remote, by_label)
     assert (paid.emails, paid.model_calls) == (2, 2)
     assert sent.calls == [] and reprocesses_of(res) == []
@@ -74,9 +74,8 @@ def reprocesses_of(res: Resources) -> list[dict[str, object]]:
 
 
 def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res) -> None:  # type: ignore[no-untyped-def]
-    remote = Resources(res.settings)
-    remote.__dict__["classifier"] = RemoteRules(res.classifier)
-    model_calls(res, True)
+    remote = remote_model(res)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     for email_id in [*invoices, other]:
@@ -120,7 +119,7 @@ def test_reprocess_from_classify_runs_the_model_stage_again_in_the_bulk_lane(res
 
 
 def test_reprocess_from_parse_runs_the_cpu_stage_and_enqueues_each_job_once(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     assert [job.process_email(res, i).kind for i in [*invoices, other]] == [Kind.SUCCEEDED] * 3
@@ -144,7 +143,7 @@ def test_reprocess_from_parse_runs_the_cpu_stage_and_enqueues_each_job_once(res)
 def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None:  # type: ignore[no-untyped-def]
     """The batch is read before its transaction locks the runs: one that changed meanwhile (a
     retry reopened it, a sweep failed it) is passed over."""
-    model_calls(res, True)
+    set_model_calls(res, True)
     succeeded, still_open = store_emails(res, [INVOICE, PLAIN])
     assert job.process_email(res, succeeded).kind is Kind.SUCCEEDED
     with res.db.transaction() as session:
@@ -163,7 +162,7 @@ def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None
 def test_a_run_another_reprocess_took_since_it_was_read_is_not_reopened(res) -> None:  # type: ignore[no-untyped-def]
     """Read before its batch locks them, a run may have been taken, and done, by a reprocess
     counted after this one: locked, it is passed over."""
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     assert [job.process_email(res, i).kind for i in ids] == [Kind.SUCCEEDED] * 2
     with res.db.session() as session:
@@ -185,7 +184,7 @@ def test_a_reprocess_takes_the_emails_the_search_finds(res) -> None:  # type: ig
     finds no "invoices". A reprocess by the same filter takes what the search showed, no more."""
     from mailpipe.operations.search import find
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     raws = [
         b"From: a@acme.example\r\nSubject: invoice 7\r\nMessage-ID: <w1@acme>\r\n\r\nDue\r\n",
         b"From: a@acme.example\r\nSubject: invoices for May\r\nMessage-ID: <w2@acme>\r\n\r\nDue\r\n",
@@ -214,7 +213,7 @@ def test_the_same_reprocess_again_takes_nothing_while_the_first_is_under_way(res
     """Sent again once most of the first's emails are done, it takes none of them; so does a
     plan counted before the first, confirmed after the first has ended. Once the first has
     ended, the same request counted anew takes them again, and the first's progress says so."""
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN, INVOICE.replace(b"j12@", b"j14@")])
     [other] = store_emails(res, [OTHER])
     succeeded_again(res, [*invoices, other])
@@ -262,7 +261,7 @@ def test_the_same_reprocess_again_takes_nothing_while_the_first_is_under_way(res
     ],
 )
 def test_a_filter_that_leaves_out_no_succeeded_email_is_not_a_filter(res, everything) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     ids = store_emails(res, [INVOICE, PLAIN])
     with res.db.transaction() as session:
         runs.ensure_runs(session, [store_emails(res, [OTHER])[0]])  # open: not one to take
@@ -285,7 +284,7 @@ def test_a_filter_that_leaves_out_no_succeeded_email_is_not_a_filter(res, everyt
 
 
 def test_a_reprocess_takes_the_count_confirmed_and_no_more_than_the_most_unless_told(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, True)
+    set_model_calls(res, True)
     invoices = store_emails(res, [INVOICE, PLAIN])
     [other] = store_emails(res, [OTHER])
     succeeded_again(res, [*invoices, other])

@@ -105,10 +105,10 @@ def test_the_model_stage_keeps_the_valid_labels_of_an_answer_the_email_steered(r
         flags.set_model_calls(session, True)
     with BedrockServer() as server:
         server.enqueue(labels({"security": 0.9, HOSTILE_LABEL: 1.0}))
-        remote = Resources(res.settings)
-        remote.__dict__["classifier"] = BedrockClassifier(
+        bedrock = BedrockClassifier(
             model_id="m", labels=res.settings.labels, region="us-east-1", endpoint_url=server.url
         )
+        remote = Resources(res.settings).with_standins(classifier=bedrock)
 
         assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
         assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED

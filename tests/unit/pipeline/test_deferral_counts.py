@@ -18,16 +18,11 @@ from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import QueueSample, RunAttempt, utcnow
-from tests.unit.pipeline.test_job import PLAIN, RemoteRules, model_calls, run_of
+from tests.support.switches import set_model_calls
+from tests.unit.pipeline.test_job import PLAIN, remote_model, run_of
 from tests.unit.pipeline.test_job import history as outcomes
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
-
-
-def remote(res: Resources) -> Resources:
-    changed = Resources(res.settings)
-    changed.__dict__["classifier"] = RemoteRules(res.classifier)
-    return changed
 
 
 def claimed(res: Resources, email_id: int) -> int:
@@ -46,10 +41,10 @@ def deferrals(res: Resources, email_id: int) -> list[int | None]:
 
 def test_a_run_deferred_a_thousand_times_keeps_one_row_with_the_count(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [PLAIN])
-    model = remote(res)
-    model_calls(res, True)
+    model = remote_model(res)
+    set_model_calls(res, True)
     assert job.process_email(model, email_id).kind is Kind.HANDED_OFF
-    model_calls(res, False)
+    set_model_calls(res, False)
     for _ in range(1000):
         assert job.classify_email(model, email_id).kind is Kind.WAITING  # its attempt given back
     assert outcomes(res, email_id) == [
@@ -65,7 +60,7 @@ def test_a_run_deferred_a_thousand_times_keeps_one_row_with_the_count(res) -> No
     last = shown["history"][-1]
     assert (last["outcome"], last["deferrals"]) == ("deferred", 1000)
 
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.classify_email(model, email_id).kind is Kind.SUCCEEDED
     assert [o for _, _, o, _ in outcomes(res, email_id)] == ["handed_off", "deferred", "succeeded"]
 

@@ -17,7 +17,8 @@ from mailpipe.pipeline import health, job
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import RunStatus
-from tests.unit.pipeline.test_job import history, model_calls, run_of
+from tests.support.switches import set_model_calls
+from tests.unit.pipeline.test_job import history, run_of
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -64,10 +65,8 @@ class Refusing:
 
 
 def refusing(res: Resources, **settings: object) -> tuple[Resources, Refusing]:
-    changed = Resources(res.settings.model_copy(update=settings))
     blobs = Refusing(res.blobs)
-    changed.__dict__["blobs"] = blobs
-    return changed, blobs
+    return Resources(res.settings.model_copy(update=settings)).with_standins(blobs=blobs), blobs
 
 
 def blob_key(res: Resources, email_id: int) -> str:
@@ -81,7 +80,7 @@ def test_a_refused_object_fails_its_own_email_after_its_attempts(res) -> None:  
     """The check passes: the refusal is the email's, retried with backoff, then failed with its
     own class. The stage never pauses, and the other emails never notice."""
     bad, good = store_emails(res, emails(2))
-    model_calls(res, True)
+    set_model_calls(res, True)
     denied, blobs = refusing(res, health_cache_seconds=0)
     blobs.denied_keys.add(blob_key(res, bad))
     outcomes = [job.process_email(denied, bad) for _ in range(res.settings.max_attempts)]
@@ -97,7 +96,7 @@ def test_a_refused_object_fails_its_own_email_after_its_attempts(res) -> None:  
 
 def test_an_outage_uses_no_attempt_waits_past_any_bound_and_pauses_the_stage(res) -> None:  # type: ignore[no-untyped-def]
     ids = store_emails(res, emails(3))
-    model_calls(res, True)
+    set_model_calls(res, True)
     down, blobs = refusing(res, pause_after_emails=3, health_cache_seconds=0)
     blobs.down = True
     # Deferred past MAILPIPE_MAX_DEFERRAL already: an outage's wait has no bound.
@@ -119,7 +118,7 @@ def test_an_outage_uses_no_attempt_waits_past_any_bound_and_pauses_the_stage(res
     blobs.down = False
     assert probe(down, Stage.CPU) is ProbeResult.PASSED
     assert pauses.paused(res.redis) == {}
-    down.__dict__.pop("pauses", None)
+    down.pauses.forget()
     assert [job.process_email(down, i).kind for i in ids] == [Kind.SUCCEEDED] * 3
     assert [run_of(res, i).attempts for i in ids] == [1, 1, 1]
 
@@ -152,11 +151,11 @@ def test_a_process_checks_a_dependency_once_per_cache_period(res) -> None:  # ty
 
 
 def test_the_model_check_calls_nothing_while_model_calls_are_off(res) -> None:  # type: ignore[no-untyped-def]
-    model_calls(res, False)
+    set_model_calls(res, False)
     assert health.check(res, Dependency.MODEL).error == (
         "CheckFailed: model calls are off: the model is not called"
     )
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert health.check(res, Dependency.MODEL).passed
 
 

@@ -18,7 +18,6 @@ from mailpipe.operations import sweeper
 from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.outcome import Kind, Outcome
 from mailpipe.resources import Resources
-from mailpipe.storage import flags
 from mailpipe.storage.models import (
     Classification,
     Document,
@@ -29,6 +28,7 @@ from mailpipe.storage.models import (
     RunAttempt,
     RunStatus,
 )
+from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -64,11 +64,6 @@ def history(res: Resources, email_id: int) -> list[tuple[str, int, str, str | No
         return [tuple(row) for row in session.execute(statement)]  # type: ignore[misc]
 
 
-def model_calls(res: Resources, on: bool) -> None:
-    with res.db.transaction() as session:
-        flags.set_model_calls(session, on)
-
-
 def start_attempt(res: Resources, email_id: int) -> int:
     """What a delivery does before its steps: the claim. A delivery whose child is then killed
     leaves exactly this behind. When the attempt before died too, the claim records that and
@@ -94,11 +89,8 @@ def after_backoff(res: Resources, email_id: int) -> job.Outcome:
 def refused_reads(res: Resources, n: int) -> Resources:
     """Resources whose next `n` blob reads fail as a service might for one email, while the
     store's check passes: failed attempts of the email's own."""
-    flaky = Resources(res.settings)
-    flaky.__dict__["blobs"] = RaisingBlobs(
-        res.blobs, [TransientError("S3 unavailable") for _ in range(n)]
-    )
-    return flaky
+    errors = [TransientError("S3 unavailable") for _ in range(n)]
+    return Resources(res.settings).with_standins(blobs=RaisingBlobs(res.blobs, errors))
 
 
 def rows(res: Resources) -> dict[str, list[tuple]]:
@@ -130,7 +122,7 @@ def test_model_calls_off_leaves_the_run_open_after_the_documents(res) -> None:  
     assert job.process_email(res, email_id).kind is Kind.WAITING
     # Once they are on, sending it again hands it to its model stage, which works from what
     # the CPU stage kept: no second parse, no new row.
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.process_email(res, email_id).kind is Kind.HANDED_OFF
     assert rows(res) == before
     assert job.classify_email(res, email_id).kind is Kind.SUCCEEDED
@@ -207,7 +199,7 @@ def test_a_service_s_retry_after_takes_precedence_over_the_backoff(res) -> None:
 
 def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     for _ in range(4):
         start_attempt(res, email_id)
     # The fifth delivery finds the fourth attempt unfinished: every attempt is used.
@@ -221,7 +213,7 @@ def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore
 def test_the_next_attempt_runs_with_the_death_of_the_last_on_record(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """While the next attempt runs, the run says why there is one: the last one died."""
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     start_attempt(res, email_id)  # attempt 1 claimed, then its child died
     seen = []
     real_steps = job._run_steps
@@ -248,7 +240,7 @@ def test_an_attempt_cut_off_by_the_hard_time_limit_waits_its_backoff_then_the_la
     res,
 ) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     for attempt in (1, 2, 3):
         assert start_attempt(res, email_id) == attempt
         outcome = job.process_email(res, email_id, cut_off=25)
@@ -295,8 +287,9 @@ def test_the_soft_time_limit_and_a_bug_are_failed_attempts_that_are_retried(  # 
         return SoftTimeLimitExceeded() if error == "soft" else KeyError("a bug")
 
     [email_id] = store_emails(res, [INVOICE])
-    flaky = Resources(res.settings)
-    flaky.__dict__["blobs"] = RaisingBlobs(res.blobs, [raised(), raised()])
+    flaky = Resources(res.settings).with_standins(
+        blobs=RaisingBlobs(res.blobs, [raised(), raised()])
+    )
     for attempt in (1, 2):
         outcome = job.process_email(flaky, email_id)
         assert outcome.kind is Kind.RETRY
@@ -306,8 +299,9 @@ def test_the_soft_time_limit_and_a_bug_are_failed_attempts_that_are_retried(  # 
     assert (run_of(res, email_id).status.value, run_of(res, email_id).claims) == ("open", 3)
 
     [doomed] = store_emails(res, [PLAIN])
-    always = Resources(res.settings)
-    always.__dict__["blobs"] = RaisingBlobs(res.blobs, [raised() for _ in range(4)])
+    always = Resources(res.settings).with_standins(
+        blobs=RaisingBlobs(res.blobs, [raised() for _ in range(4)])
+    )
     kinds = [job.process_email(always, doomed).kind for _ in range(4)]
     assert kinds == [Kind.RETRY, Kind.RETRY, Kind.RETRY, Kind.FAILED]
     run = run_of(res, doomed)
@@ -432,12 +426,16 @@ class BlockingBlobs:
         self.real.put(key, data)
 
 
+def stalling(res: Resources) -> tuple[Resources, BlockingBlobs]:
+    """Resources whose first blob read waits until the test lets it go, and their blob store."""
+    blobs = BlockingBlobs(res.blobs)
+    return Resources(res.settings).with_standins(blobs=blobs), blobs
+
+
 def test_a_delivery_that_lost_its_lease_writes_nothing_and_leaves_the_holder_s_marker(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
-    stalled = Resources(res.settings)
-    blobs = BlockingBlobs(res.blobs)
-    stalled.__dict__["blobs"] = blobs
+    set_model_calls(res, True)
+    stalled, blobs = stalling(res)
     first: list[job.Outcome] = []
     thread = threading.Thread(target=lambda: first.append(job.process_email(stalled, email_id)))
     thread.start()
@@ -472,12 +470,17 @@ class RemoteRules:
         return self.real.classify(email)
 
 
+def remote_model(res: Resources) -> Resources:
+    """Resources whose classifier poses as a remote model (`RemoteRules`, counting its calls):
+    their CPU stage hands each email to a model stage."""
+    return Resources(res.settings).with_standins(classifier=RemoteRules(res.classifier))
+
+
 def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kept(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
-    remote = Resources(res.settings)
-    classifier = RemoteRules(res.classifier)
-    remote.__dict__["classifier"] = classifier
+    set_model_calls(res, True)
+    remote = remote_model(res)
+    classifier = remote.classifier
     handed = job.process_email(remote, email_id)
     assert handed.kind is Kind.HANDED_OFF and handed.follows_up
     assert classifier.calls == 0  # the CPU stage never waits on a remote model
@@ -504,10 +507,9 @@ def test_a_remote_model_is_called_from_its_own_stage_with_what_the_cpu_stage_kep
 
 def test_the_model_s_answer_is_kept_before_the_labels_and_never_asked_for_twice(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
-    remote = Resources(res.settings)
-    classifier = RemoteRules(res.classifier)
-    remote.__dict__["classifier"] = classifier
+    set_model_calls(res, True)
+    remote = remote_model(res)
+    classifier = remote.classifier
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
 
     # The labels' transaction fails after the answer was stored (the child dies there).
@@ -552,10 +554,8 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  
     attachments the origin's transaction finds the run at another attempt; without, the one
     transaction of the steps does."""
     [email_id] = store_emails(res, [raw])
-    model_calls(res, True)
-    first_res, second_res = Resources(res.settings), Resources(res.settings)
-    first_blobs, second_blobs = BlockingBlobs(res.blobs), BlockingBlobs(res.blobs)
-    first_res.__dict__["blobs"], second_res.__dict__["blobs"] = first_blobs, second_blobs
+    set_model_calls(res, True)
+    (first_res, first_blobs), (second_res, second_blobs) = stalling(res), stalling(res)
     outcomes: dict[str, job.Outcome] = {}
     first = threading.Thread(
         target=lambda: outcomes.update(first=job.process_email(first_res, email_id))
@@ -609,10 +609,8 @@ def test_a_delivery_whose_run_was_failed_meanwhile_writes_nothing(res) -> None: 
     """The fence is also the run's status: here a deferred copy of the same job, past its bound,
     fails the run while the first delivery is inside its steps at the same attempt."""
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
-    stalled = Resources(res.settings)
-    blobs = BlockingBlobs(res.blobs)
-    stalled.__dict__["blobs"] = blobs
+    set_model_calls(res, True)
+    stalled, blobs = stalling(res)
     outcomes: list[job.Outcome] = []
     thread = threading.Thread(target=lambda: outcomes.append(job.process_email(stalled, email_id)))
     thread.start()
@@ -634,7 +632,7 @@ def test_a_malformed_header_line_is_skipped_and_recorded_on_the_run(res) -> None
         b"Subject: kept\r\nMessage-ID: <garbled@example.org>\r\n\r\nbody\r\n"
     )
     [email_id] = store_emails(res, [raw])
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.process_email(res, email_id).kind is Kind.SUCCEEDED
     run = run_of(res, email_id)
     assert run.parse_defects is not None
@@ -647,10 +645,9 @@ def test_a_malformed_header_line_is_skipped_and_recorded_on_the_run(res) -> None
 def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-untyped-def]
     """An operator's retry of a failed run that holds an answer: the answer no longer counts."""
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
-    remote = Resources(res.settings)
-    classifier = RemoteRules(res.classifier)
-    remote.__dict__["classifier"] = classifier
+    set_model_calls(res, True)
+    remote = remote_model(res)
+    classifier = remote.classifier
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, email_id).kind is Kind.SUCCEEDED
     assert classifier.calls == 1

@@ -17,13 +17,13 @@ from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.outcome import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, RunAttempt, RunStatus
+from tests.support.switches import set_model_calls
 from tests.unit.pipeline.test_job import (
     INVOICE,
     PLAIN,
     RaisingBlobs,
-    RemoteRules,
     history,
-    model_calls,
+    remote_model,
     run_of,
     start_attempt,
 )
@@ -38,14 +38,12 @@ def attempts(res: Resources, email_id: int) -> list[RunAttempt]:
 
 
 def with_blobs(res: Resources, blobs: object, **settings: object) -> Resources:
-    changed = Resources(res.settings.model_copy(update=settings))
-    changed.__dict__["blobs"] = blobs
-    return changed
+    return Resources(res.settings.model_copy(update=settings)).with_standins(blobs=blobs)
 
 
 def test_a_job_classified_in_its_cpu_stage_has_one_attempt(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.process_email(res, email_id).kind is Kind.SUCCEEDED
     [row] = attempts(res, email_id)
     run = run_of(res, email_id)
@@ -56,17 +54,16 @@ def test_a_job_classified_in_its_cpu_stage_has_one_attempt(res) -> None:  # type
 
 def test_each_stage_s_attempts_are_written_as_they_end(res) -> None:  # type: ignore[no-untyped-def]
     handed, waiting = store_emails(res, [INVOICE, PLAIN])
-    remote = Resources(res.settings)
-    remote.__dict__["classifier"] = RemoteRules(res.classifier)
-    model_calls(res, True)
+    remote = remote_model(res)
+    set_model_calls(res, True)
     assert job.process_email(remote, handed).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, handed).kind is Kind.SUCCEEDED
     assert history(res, handed) == [("cpu", 1, "handed_off", None), ("model", 1, "succeeded", None)]
 
-    model_calls(res, False)
+    set_model_calls(res, False)
     assert job.process_email(remote, waiting).kind is Kind.WAITING
     assert job.classify_email(remote, waiting).kind is Kind.WAITING  # its attempt given back
-    model_calls(res, True)
+    set_model_calls(res, True)
     # The CPU stage sent again only hands off, counting no attempt: no row.
     assert job.process_email(remote, waiting).kind is Kind.HANDED_OFF
     assert job.classify_email(remote, waiting).kind is Kind.SUCCEEDED
@@ -79,7 +76,7 @@ def test_each_stage_s_attempts_are_written_as_they_end(res) -> None:  # type: ig
 
 def test_a_failed_attempt_then_a_success(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     flaky = with_blobs(res, RaisingBlobs(res.blobs, [TransientError("S3 unavailable")]))
     assert job.process_email(flaky, email_id).kind is Kind.RETRY
     run = run_of(res, email_id)
@@ -127,7 +124,7 @@ def test_a_missing_blob_fails_the_attempt_and_the_run_as_blob_missing(res) -> No
 
 def test_an_unfinished_attempt_is_written_by_the_claim_that_finds_it(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [INVOICE])
-    model_calls(res, True)
+    set_model_calls(res, True)
     start_attempt(res, email_id)  # attempt 1, then the hard time limit killed it
     assert job.process_email(res, email_id, cut_off=25).kind is Kind.RETRY
     assert run_of(res, email_id).error_class == "HardTimeLimit"
@@ -196,11 +193,11 @@ def test_runs_failed_from_outside_a_claim_name_their_bound_and_write_no_attempt(
 def test_a_claim_that_counts_no_attempt_says_why_and_writes_nothing_of_the_job_s(res) -> None:  # type: ignore[no-untyped-def]
     emails = [INVOICE, PLAIN, b"Subject: a\n\nb\n", b"Subject: c\n\nd\n"]
     closed, converted, fresh, died = store_emails(res, emails)
-    model_calls(res, False)
+    set_model_calls(res, False)
     assert job.process_email(res, closed).kind is Kind.WAITING
-    model_calls(res, True)
+    set_model_calls(res, True)
     assert job.classify_email(res, closed).kind is Kind.SUCCEEDED
-    model_calls(res, False)
+    set_model_calls(res, False)
     assert job.process_email(res, converted).kind is Kind.WAITING
     start_attempt(res, died)
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 def lose_redis(res: Resources) -> None:
     """What a flushed or restarted Redis leaves: none of this run's keys, and no cached read."""
     delete_prefix(os.environ["MAILPIPE_BROKER_URL"], os.environ["MAILPIPE_REDIS_PREFIX"])
-    res.__dict__.pop("pauses", None)
+    res.pauses.forget()
     assert pauses.paused(res.redis) == {}
 
 
