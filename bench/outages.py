@@ -119,7 +119,7 @@ def settings_of(env: dict[str, str]) -> Settings:
 
 
 def retry_horizon(settings: Settings) -> float:
-    """The longest an email's retries wait in all: each backoff's ceiling (mailpipe.pipeline.job's
+    """The longest an email's retries wait in all: each backoff's ceiling (mailpipe.pipeline.policy's
     retry_delay), summed."""
     return sum(
         min(settings.retry_backoff_max, settings.retry_backoff_base * 2 ** (attempt - 1))

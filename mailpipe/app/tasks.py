@@ -1,7 +1,7 @@
 """Celery tasks: thin shells around the pipeline.
 
 The pipeline (`mailpipe.pipeline`) never imports Celery: it takes the lease, claims the attempt,
-runs the steps and returns what happened. What it means to run as a task, mapping that outcome to
+runs the steps and returns what happened. What it means to run as a task, mapping that verdict to
 Celery's actions, lives in `EmailJobTask` below.
 """
 
@@ -22,7 +22,7 @@ from mailpipe.enqueue import send_job, sender
 from mailpipe.errors import MailpipeError, RunFailed, TransientError, Unexpected, describe
 from mailpipe.operations import sweeper
 from mailpipe.pipeline import job
-from mailpipe.pipeline.outcome import Kind, Outcome
+from mailpipe.pipeline.policy import Kind, Verdict
 from mailpipe.resources import Resources, get_resources
 from mailpipe.settings import get_settings
 
@@ -93,9 +93,9 @@ class MailpipeTask(Task):
 class EmailJobTask(MailpipeTask):
     """Base of tasks that run one email's job. It adds:
 
-    - one mapping from the job's `Outcome` to Celery: a retry (`self.retry`, so Flower shows
+    - one mapping from the job's `Verdict` to Celery: a retry (`self.retry`, so Flower shows
       it), a deferral (a fresh message with `deferred_since`), a failure (`RunFailed`, so Flower
-      lists the job as failed), or the outcome's name as the task's result;
+      lists the job as failed), or the verdict's name as the task's result;
     - `EmailRequest`: a delivery cut off by the hard time limit comes back, counted.
 
     Acked late and rejected (requeued) when its child dies: the attempt count in the database,
@@ -106,27 +106,27 @@ class EmailJobTask(MailpipeTask):
     reject_on_worker_lost = True
     Request = EmailRequest
 
-    def follow(self, email_id: int, outcome: Outcome, lane: Lane) -> str:
-        """Map the outcome to Celery; every follow-up goes in the delivery's `lane`."""
-        if outcome.kind is Kind.RETRY:
+    def follow(self, email_id: int, verdict: Verdict, lane: Lane) -> str:
+        """Map the verdict to Celery; every follow-up goes in the delivery's `lane`."""
+        if verdict.kind is Kind.RETRY:
             raise self.retry(
                 args=(email_id,),
                 kwargs={"lane": lane.value},
                 queue=queue_of(TaskName(self.name), get_settings(), lane),
-                countdown=outcome.delay,
-                exc=TransientError(outcome.error or "retry"),
+                countdown=verdict.delay,
+                exc=TransientError(verdict.error or "retry"),
                 max_retries=None,
                 headers=job_headers(email_id),
             )
-        if outcome.kind is Kind.DEFER:
+        if verdict.kind is Kind.DEFER:
             send_job(
                 email_id,
                 TaskName(self.name),
                 lane,
-                kwargs={"deferred_since": outcome.deferred_since},
-                countdown=outcome.delay,
+                kwargs={"deferred_since": verdict.deferred_since},
+                countdown=verdict.delay,
             )
-        elif outcome.kind is Kind.PAUSED:
+        elif verdict.kind is Kind.PAUSED:
             # Back to the queue its workers stop consuming within a second of the pause, where
             # it waits the pause out; the second's countdown keeps a worker that has not stopped
             # yet from taking it straight back.
@@ -135,14 +135,14 @@ class EmailJobTask(MailpipeTask):
                 email_id,
                 TaskName(self.name),
                 lane,
-                kwargs={"deferred_since": outcome.deferred_since},
+                kwargs={"deferred_since": verdict.deferred_since},
                 countdown=PAUSED_RESEND_S,
             )
-        elif outcome.kind is Kind.HANDED_OFF:
+        elif verdict.kind is Kind.HANDED_OFF:
             send_job(email_id, TaskName.CLASSIFY_EMAIL, lane)
-        elif outcome.kind is Kind.FAILED:
-            raise RunFailed(f"email {email_id}: {outcome.error}")
-        return outcome.kind.value
+        elif verdict.kind is Kind.FAILED:
+            raise RunFailed(f"email {email_id}: {verdict.error}")
+        return verdict.kind.value
 
 
 # `throws`: an expected failure, logged in a line rather than with a traceback.
@@ -171,10 +171,10 @@ def process_email(
     attempt.
     """
     ignore_unknown(self, unknown)
-    outcome = job.process_email(
+    verdict = job.process_email(
         get_resources(), email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
     )
-    return self.follow(email_id, outcome, Lane(lane))
+    return self.follow(email_id, verdict, Lane(lane))
 
 
 @app.task(
@@ -200,10 +200,10 @@ def classify_email(
     thread, then the job is deferred (not an attempt).
     """
     ignore_unknown(self, unknown)
-    outcome = job.classify_email(
+    verdict = job.classify_email(
         get_resources(), email_id, lane=Lane(lane), deferred_since=deferred_since
     )
-    return self.follow(email_id, outcome, Lane(lane))
+    return self.follow(email_id, verdict, Lane(lane))
 
 
 @app.task(

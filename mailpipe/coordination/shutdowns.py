@@ -4,7 +4,7 @@ When a worker's soft-shutdown window ends (a deploy, a scale-in), Celery cancels
 results it has not yet taken and the broker puts their messages back. The worker's main process
 marks each such email here first, with the time; the next claim of the email that finds its last
 attempt unfinished, started before the mark, gives the attempt back instead of counting a crash
-(mailpipe.pipeline.runs.claim_attempt). Celery also cancels jobs that ended inside the window a
+(mailpipe.pipeline.runs.claim). Celery also cancels jobs that ended inside the window a
 moment before: their marks are older than the email's next attempt, and count for nothing.
 """
 

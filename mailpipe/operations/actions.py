@@ -1,7 +1,7 @@
 """What an operator does, from `mailpipe` or the console: to failed runs, the review list and
 lanes, to emails to forget, and to the fleet's switches (model calls, a stage's pause).
 
-Every write goes through mailpipe.pipeline.runs (a forget's deletions through
+Every write goes through mailpipe.pipeline.interventions (a forget's deletions through
 mailpipe.operations.erasure), in batches of one transaction each, so that acting on ten thousand
 runs never holds ten thousand row locks; a retry enqueues each batch's jobs after its commit,
 through the deduplicated enqueue it is handed (`mailpipe.enqueue.sender`: this layer never
@@ -29,7 +29,7 @@ from mailpipe.errors import input_rejections
 from mailpipe.operations import erasure, search
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
-from mailpipe.pipeline import emails, runs
+from mailpipe.pipeline import emails, interventions
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, Reprocess, RunStatus
@@ -69,7 +69,7 @@ def retry(
     lanes: dict[int, str] = {}
 
     def reopen(session: Session, ids: list[int]) -> list[int]:
-        reopened = runs.reopen_failed(session, ids)[0]
+        reopened = interventions.reopen_failed(session, ids)[0]
         lanes.update(emails.lanes(session, reopened))
         return reopened
 
@@ -111,7 +111,7 @@ def dismiss(
     no retry-all or sweep reopens it. `email_ids`: those; else every listed failed run that
     `filt` matches. `expect`: the count the operator confirmed (`confirmed`)."""
     most = confirmed(res, email_ids, filt, expect)
-    batches = _in_batches(res, email_ids, filt, batch, runs.dismiss, most=most)
+    batches = _in_batches(res, email_ids, filt, batch, interventions.dismiss, most=most)
     return _logged_batches("dismiss", user, batches)
 
 
@@ -119,7 +119,7 @@ def undo_dismiss(
     res: Resources, email_ids: Sequence[int], *, user: str, batch: int = BATCH
 ) -> Done:
     """Put dismissed runs back on the failed list, failed as they were."""
-    batches = _in_batches(res, email_ids, None, batch, runs.undismiss)
+    batches = _in_batches(res, email_ids, None, batch, interventions.undismiss)
     return _logged_batches("undo_dismiss", user, batches)
 
 
@@ -345,7 +345,7 @@ def plan_reprocess(res: Resources, filt: EmailFilter, *, as_of: int | None = Non
     """What `reprocess` would take and cost: the emails `filt` finds whose run succeeded, as of
     `as_of` (a plan's, confirmed later; by default the latest reprocess now), leaving out the
     emails a reprocess still under way took and those one after `as_of` took
-    (`runs.Reprocessing`). NotAFilter when the filter takes every succeeded email and more than
+    (`interventions.Reprocessing`). NotAFilter when the filter takes every succeeded email and more than
     one: a state of `succeeded`, `review=no` with none marked or a time range around every
     email narrows nothing."""
     return _planned(res, filt, as_of)[0]
@@ -353,10 +353,10 @@ def plan_reprocess(res: Resources, filt: EmailFilter, *, as_of: int | None = Non
 
 def _planned(
     res: Resources, filt: EmailFilter, as_of: int | None
-) -> tuple[Reprocessed, runs.Reprocessing]:
+) -> tuple[Reprocessed, interventions.Reprocessing]:
     """The plan, and what it left alone: the batches leave alone the same."""
     with res.db.session() as session:
-        leaving = runs.reprocessing(session, as_of)
+        leaving = interventions.reprocessing(session, as_of)
         found = _succeeded(session, filt, leaving).subquery()
         emails = session.scalar(select(func.count()).select_from(found)) or 0
         every = filt == EmailFilter() or (emails > 1 and not _leaves_out_one(session, filt))
@@ -432,7 +432,7 @@ def reprocess(
             )
             if not chunk:
                 break
-            cpu, model = runs.reopen_to_reprocess(
+            cpu, model = interventions.reopen_to_reprocess(
                 session,
                 chunk,
                 reprocess_id,
@@ -452,7 +452,9 @@ def reprocess(
     return replace(plan, reprocess_id=reprocess_id, enqueued=enqueued, taken=taken)
 
 
-def _succeeded(session: Session, filt: EmailFilter, leaving: runs.Reprocessing) -> Select[Any]:
+def _succeeded(
+    session: Session, filt: EmailFilter, leaving: interventions.Reprocessing
+) -> Select[Any]:
     """The emails `filt` finds whose run succeeded and is free to take (`leaving`), by id, as
     the search finds them in `session`'s transaction (`search.matching`: the same words,
     through the same indexes). The filter's conditions on a run are EXISTS over

@@ -7,7 +7,7 @@ finished by running it again:
 
 1. The fence, in Redis (`mailpipe.coordination.forgotten`): a job in flight checks it before it
    writes a blob, and deletes what it wrote when it finds itself fenced off.
-2. The runs closed, in a transaction of their own (`runs.close_to_forget`), with the fence's
+2. The runs closed, in a transaction of their own (`interventions.close_to_forget`), with the fence's
    row in the database (`forgotten_email`), which a job asks where Redis has no fence (a Redis
    restarted without its data): a delivery in flight is fenced off at its next write and none
    claims another attempt. Committed before the rows are locked for deletion, so that no
@@ -16,7 +16,7 @@ finished by running it again:
    hash, so a copy delivered twice shares one), and the folder of its document texts.
 4. The rows, in one transaction: every table that names the email, its origin handed on to its
    next copy or deleted with its last one. The copy an origin passes to has only ever been a
-   copy: it takes the labels of the email forgotten and its run is reopened (`runs.reopen_copies`)
+   copy: it takes the labels of the email forgotten and its run is reopened (`interventions.reopen_copies`)
    to run the steps it skipped, its job sent once this commits. The stored filters of the
    release before's reprocesses are emptied (`reprocess.search`), as they may name the sender.
 5. What Redis keeps of it, the fence aside.
@@ -39,7 +39,7 @@ from mailpipe.coordination import forgotten
 from mailpipe.errors import MailpipeError
 from mailpipe.mail.headers import normalise_message_id
 from mailpipe.operations.search import BadSearch, EmailFilter, read_search
-from mailpipe.pipeline import emails, runs
+from mailpipe.pipeline import emails, interventions
 from mailpipe.resources import Resources
 from mailpipe.storage.db import insert_ignore, upsert
 from mailpipe.storage.keys import document_texts
@@ -59,6 +59,9 @@ from mailpipe.storage.models import (
     table,
     utcnow,
 )
+
+# What a run closed for a forget whose deletion did not follow says.
+NOT_DELETED_YET = "closed to be forgotten, and not deleted yet: run `mailpipe forget` again"
 
 # Every table whose rows name an email by `email_id`, in the order they are deleted (a run's
 # attempts and answer before the run); then `email_origin` and the email's own row.
@@ -195,7 +198,7 @@ def erase(res: Resources, email_ids: list[int], chosen_ids: set[int] | None = No
                 [{"email_id": email_id, "forgotten_at": now} for email_id in found],
                 ["email_id"],
             )
-            runs.close_to_forget(session, found)
+            interventions.close_to_forget(session, found, NOT_DELETED_YET)
     if not found:
         return Erased([], Tally(), {})
     tally = Tally()
@@ -305,11 +308,11 @@ def _origins_of(session: Session, email_ids: list[int]) -> list[int]:
 def _delete_rows(
     session: Session, email_ids: list[int], chosen_ids: set[int]
 ) -> tuple[Counter[str], int, list[int]]:
-    """Delete every row of the emails, their runs closed already (`runs.close_to_forget`): an
+    """Delete every row of the emails, their runs closed already (`interventions.close_to_forget`): an
     origin first seen as one of them passes to its next copy (the lowest id, of those not in
     `chosen_ids` if any is left), which the other copies then point at; one with no other email
     left is deleted. A copy an origin passes to whose run ended as a copy's takes the labels of
-    the email forgotten and is reopened (`runs.reopen_copies`): it runs the steps it skipped, and
+    the email forgotten and is reopened (`interventions.reopen_copies`): it runs the steps it skipped, and
     is never left without labels meanwhile. Returns the rows deleted per table, the origins
     handed on and the copies reopened.
 
@@ -341,7 +344,9 @@ def _delete_rows(
         staying = [i for i in left[origin_id] if i not in chosen_ids]
         heirs[origin_id] = (staying or left[origin_id])[0]
     # Their runs locked before their rows are written, as every transaction that locks both.
-    completed = runs.reopen_copies(session, [i for i in heirs.values() if i not in chosen_ids])
+    completed = interventions.reopen_copies(
+        session, [i for i in heirs.values() if i not in chosen_ids]
+    )
     for origin_id, first in heirs.items():
         if first in completed:
             _take_labels(session, firsts[origin_id], first)

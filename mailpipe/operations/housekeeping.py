@@ -8,7 +8,7 @@
 - Sweep reports older than the same.
 - The model input of a run that succeeded with the model's answer stored: only a retry of the
   model stage reads it, and a succeeded run has none. A reprocess from `classify` of such an
-  email runs its CPU stage again (`runs.reopen_to_reprocess`).
+  email runs its CPU stage again (`interventions.reopen_to_reprocess`).
 - The database's fences of forgotten emails (`forgotten_email`) once Redis's lapse
   (`forgotten.fence_ttl`): no delivery of their jobs can come after.
 

@@ -17,7 +17,7 @@ small partial indexes:
 - with model calls off, runs waiting for them are left alone;
 - each re-add of a lost job increments the run's sweep_count, over both stages; a run already swept
   `MAILPIPE_MAX_SWEEPS` times (default 3) whose job is lost again is failed and its email marked
-  for review. Every write of a run goes through mailpipe.pipeline.runs.
+  for review. Every write of a run goes through mailpipe.pipeline.interventions.
 
 A job sent after the broker was read is missing from that read; its marker, stamped when it was
 sent, tells the sweep to leave it (`markers.IN_FLIGHT_GRACE_S`). A running job is also known by its
@@ -44,7 +44,7 @@ from mailpipe.broker.queues import TaskName, job_queues
 from mailpipe.broker.sending import Enqueue, in_lanes
 from mailpipe.coordination import markers, redis_keys
 from mailpipe.operations.metrics import read_backlog
-from mailpipe.pipeline import runs
+from mailpipe.pipeline import interventions, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
@@ -250,7 +250,7 @@ def _sweep_emails_without_run(
         if sent:
             with res.db.transaction() as session:
                 runs.ensure_runs(session, sent)
-                runs.count_sweep(session, sent)
+                interventions.count_sweep(session, sent)
         result.readded_no_run += len(sent)
         result.readded_ids.extend(sent)
 
@@ -279,7 +279,7 @@ def _sweep_open_runs(
         started = in_lanes(enqueue, waiting, lanes, TaskName.CLASSIFY_EMAIL)
         if started:
             with res.db.transaction() as session:
-                runs.start_waiting(session, started, read_at)
+                interventions.start_waiting(session, started, read_at)
         result.started_waiting += len(started)
         result.readded_ids.extend(started)
 
@@ -294,7 +294,7 @@ def _sweep_open_runs(
                 f"{settings.max_sweeps} times by the sweeper)"
             )
             with res.db.transaction() as session:
-                failed = runs.fail_stalled(session, exhausted, reason)
+                failed = interventions.fail_stalled(session, exhausted, reason)
             result.marked_for_review += len(failed)
         # A run past its CPU stage needs only its model stage: no parse, no conversion again.
         sent = [
@@ -307,7 +307,7 @@ def _sweep_open_runs(
         ]
         if sent:
             with res.db.transaction() as session:
-                runs.count_sweep(session, sent)
+                interventions.count_sweep(session, sent)
         result.readded_stalled += len(sent)
         result.readded_ids.extend(sent)
 

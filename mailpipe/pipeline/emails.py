@@ -1,8 +1,9 @@
 """The acts on an email's own row that leave its run as it is: the review mark and the lane;
 and whether the email is being forgotten, as the database's fence says.
 
-A run's acts that also take an email off the review list (`runs.reopen`, `runs.dismiss`) or put
-it on (`runs.fail_stalled`) come through here for that part.
+A run's acts that also take an email off the review list (`interventions.reopen`,
+`interventions.dismiss`) or put it on (`interventions.fail_stalled`) come through here for that
+part.
 """
 
 from __future__ import annotations

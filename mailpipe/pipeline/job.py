@@ -6,9 +6,9 @@ email, records its origin, converts its documents and stores them with what the 
 A remote model is called only from the model stage, on the model role's threads, so that no
 CPU-sized process waits on the model; a local classifier (`rules`) answers in the CPU stage at
 once, as a hand-off would cost more than the answer. Each stage takes the email's lease, claims an
-attempt, runs its steps and returns an `Outcome`: what happened, and for a retry, a deferral or a
+attempt, runs its steps and returns a `Verdict` (mailpipe.pipeline.policy): what happened, and for a retry, a deferral or a
 hand-off what comes next. It raises nothing the task shell has to interpret; the shell maps the
-outcome to Celery's actions in one place.
+verdict to Celery's actions in one place.
 
 - Rejected input (`PermanentError`: no such email, not an email, over a limit, no blob) fails
   the run at once.
@@ -48,7 +48,6 @@ from mailpipe.coordination.leases import LeaseHeld
 from mailpipe.coordination.ratelimit import FleetRateLimiter
 from mailpipe.errors import (
     Dependency,
-    PermanentError,
     Throttled,
     dependency_of,
     describe,
@@ -72,11 +71,10 @@ from mailpipe.pipeline.documents import (
 )
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.pipeline.origin import OriginResult, find_origin, link_to_origin
-from mailpipe.pipeline.outcome import Kind, Outcome
+from mailpipe.pipeline.policy import Fault, Kind, Verdict
 from mailpipe.resources import Resources
-from mailpipe.settings import Settings
 from mailpipe.storage.db import once_more_if_disconnected, upsert
-from mailpipe.storage.models import ErrorClass, ModelInput, RunStatus, utcnow
+from mailpipe.storage.models import ModelInput, RunStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +88,7 @@ def process_email(
     lane: Lane = Lane.LIVE,
     cut_off: float | None = None,
     deferred_since: float | None = None,
-) -> Outcome:
+) -> Verdict:
     """Run one delivery of the email's CPU stage.
 
     `lane`: the lane the delivery came in (its deferral is counted on that lane's queue).
@@ -106,7 +104,7 @@ def classify_email(
     *,
     lane: Lane = Lane.LIVE,
     deferred_since: float | None = None,
-) -> Outcome:
+) -> Verdict:
     """Run one delivery of the email's model stage; `lane`: also the model call's lane at the
     fleet's rate limit."""
     return _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since)
@@ -119,34 +117,34 @@ def _deliver(
     lane: Lane,
     cut_off: float | None,
     deferred_since: float | None,
-) -> Outcome:
+) -> Verdict:
     settings = res.settings
     pause = _pause_in_force(res, stage)
     if pause is not None:
         # Taken before its worker stopped consuming the stage: back to the queue, untouched.
-        return Outcome(
+        return Verdict(
             Kind.PAUSED,
             error=f"the {stage} stage is paused: {pause.error}",
             deferred_since=deferred_since or time.time(),
         )
     try:
         with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
-            outcome = run_claimed(res, email_id, cut_off, stage, lane, deferred_since)
-            lease.keep_marker = outcome.follows_up
+            verdict = run_claimed(res, email_id, cut_off, stage, lane, deferred_since)
+            lease.keep_marker = verdict.follows_up
     except LeaseHeld as held:
-        outcome = Outcome(Kind.DEFER, held.wait, str(held))
+        verdict = Verdict(Kind.DEFER, held.wait, str(held))
     except RedisError as exc:
-        outcome = Outcome(
+        verdict = Verdict(
             Kind.DEFER,
-            _deferral_delay(settings, deferred_since),
+            _deferral_delay(res, deferred_since),
             f"Redis unavailable: {describe(exc)}",
             outage=Dependency.REDIS,
         )
-    if outcome.kind is Kind.DEFER:
-        return _deferral(res, email_id, stage_queue(stage, settings, lane), outcome, deferred_since)
-    if outcome.kind is Kind.WAITING and _switched_on_since(res):
-        return Outcome(Kind.HANDED_OFF)
-    return outcome
+    if verdict.kind is Kind.DEFER:
+        return _deferral(res, email_id, stage_queue(stage, settings, lane), verdict, deferred_since)
+    if verdict.kind is Kind.WAITING and _switched_on_since(res):
+        return Verdict(Kind.HANDED_OFF)
+    return verdict
 
 
 def _switched_on_since(res: Resources) -> bool:
@@ -175,19 +173,18 @@ def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
         return None
 
 
-def retry_delay(settings: Settings, attempt: int, retry_after: float | None = None) -> float:
-    """Exponential backoff with equal jitter: uniform in [c/2, c], c = min(max, base *
-    2**(attempt-1)), or the service's own `retry_after` hint when it gave one; never more than
-    the maximum.
-
-    Half of each backoff is certain, so that the retries of an email span a known least time
-    (MAILPIPE_RETRY_BACKOFF_BASE); the other half spreads the retries of jobs that failed
-    together. Celery's own helper draws whole seconds of full jitter only.
-    """
-    if retry_after is not None:
-        return min(retry_after, settings.retry_backoff_max)
-    ceiling = min(settings.retry_backoff_max, settings.retry_backoff_base * 2 ** (attempt - 1))
-    return random.uniform(ceiling / 2, ceiling)
+def _retry(
+    res: Resources, attempt: int, error: str | None, exc: Exception | None = None
+) -> Verdict:
+    """The verdict RETRY for a failed attempt, after its backoff."""
+    return policy.retry(
+        policy.Limits.of(res.settings),
+        attempt,
+        error,
+        error_class=None if exc is None else error_class(exc),
+        jitter=random.random(),
+        retry_after=getattr(exc, "retry_after", None),
+    )
 
 
 def run_claimed(
@@ -197,7 +194,7 @@ def run_claimed(
     stage: Stage = Stage.CPU,
     lane: Lane = Lane.LIVE,
     deferred_since: float | None = None,
-) -> Outcome:
+) -> Verdict:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
     the claim, so two of these at once for one email (what a lapsed lease allows) leave the
     rows one would."""
@@ -206,7 +203,7 @@ def run_claimed(
         claim = once_more_if_disconnected(lambda: _claim(res, email_id, stage, cut_off))
     except runs.Superseded as exc:  # the run was deleted under the claim
         log.warning("%s; this delivery stops without writing", exc)
-        return Outcome(Kind.CLOSED, error=str(exc))
+        return Verdict(Kind.CLOSED, error=str(exc))
     except Exception as exc:
         if isinstance(exc, IntegrityError):
             # The claim met the forget's deletion: it waited on the run's row, and the run it
@@ -221,8 +218,10 @@ def run_claimed(
         if not is_transient(exc):
             raise
         # Nothing was counted: wait like a deferral, bounded the same way.
-        return Outcome(
-            Kind.DEFER, settings.defer_base, f"could not claim an attempt: {describe(exc)}"
+        return Verdict(
+            Kind.DEFER,
+            policy.Limits.of(settings).defer_base,
+            f"could not claim an attempt: {describe(exc)}",
         )
     if not isinstance(claim, runs.Claim):
         return claim
@@ -232,54 +231,50 @@ def run_claimed(
         return _classify_steps(res, email_id, claim, lane)
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
-        return Outcome(Kind.CLOSED, error=str(exc))
+        return Verdict(Kind.CLOSED, error=str(exc))
     except Exception as exc:
         return _after_error(res, email_id, claim, stage, exc, deferred_since)
 
 
 def _claim(
     res: Resources, email_id: int, stage: Stage, cut_off: float | None
-) -> runs.Claim | Outcome:
+) -> runs.Claim | Verdict:
     """Claim an attempt in a transaction of its own: its `Claim`, or what a claim that counted
     none means for the job."""
     settings = res.settings
     limits = policy.Limits.of(settings)
     with res.db.transaction() as session:
-        if cut_off is None:
-            ready = runs.claim_if_ready(session, email_id, limits, stage)
-            if ready is not None:
-                return ready
-        # Any other state of the run: locked and looked at, with the shutdown mark that tells a
-        # last attempt cut off by its worker's shutdown from one whose process died.
-        claim = runs.claim_attempt(
+        claim = runs.claim(
             session,
             email_id,
             limits,
             stage=stage,
             cut_off=cut_off,
-            shutdown_cut_off_at=shutdowns.cut_off_at(res.redis, email_id),
+            # Asked only of a run that is not ready: the shutdown mark that tells a last
+            # attempt cut off by its worker's shutdown from one whose process died.
+            shutdown_cut_off_at=lambda: shutdowns.cut_off_at(res.redis, email_id),
         )
         if isinstance(claim, runs.Refused) and claim.reason is runs.Refusal.CONVERTED:
             # A second delivery of a CPU stage already done (redelivered, or sent again once
             # model calls are on): the model stage is next, sent again in case the first
             # hand-off was lost with its worker. Two of them run once: the lease and the claim
             # see to it.
-            return Outcome(Kind.HANDED_OFF if res.model_calls(session) else Kind.WAITING)
+            return Verdict(Kind.HANDED_OFF if res.model_calls(session) else Kind.WAITING)
     if isinstance(claim, runs.Claim):
         return claim
     if isinstance(claim, runs.Failed):
         log.error("email %s: failed: %s", email_id, claim.error)
-        return Outcome(Kind.FAILED, error=claim.error)
+        return Verdict(Kind.FAILED, error=claim.error)
     if claim.reason is runs.Refusal.UNFINISHED:
         # Killed by the hard time limit, or its process died: a failed attempt like any other,
         # which waits out its backoff before the next one.
-        return Outcome(Kind.RETRY, retry_delay(settings, claim.attempt), claim.error)
+        return _retry(res, claim.attempt, claim.error)
     if claim.reason is runs.Refusal.NO_EMAIL:
         gone = _if_forgotten(res, email_id)
-        return gone or Outcome(Kind.FAILED, error=f"no email_message row with id {email_id}")
+        return gone or Verdict(Kind.FAILED, error=f"no email_message row with id {email_id}")
     if claim.reason is runs.Refusal.NOT_CONVERTED:
-        return Outcome(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
-    return Outcome(Kind.CLOSED)
+        return Verdict(Kind.CLOSED, error="not converted yet: the CPU stage comes first")
+    return Verdict(Kind.CLOSED)
 
 
 def _outage(res: Resources, exc: Exception) -> Dependency | None:
@@ -291,7 +286,7 @@ def _outage(res: Resources, exc: Exception) -> Dependency | None:
     return dependency
 
 
-def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
+def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
     """The CPU stage after the claim: origin, documents, and with a local classifier the labels.
     Each transaction asks `runs` once, with a write fenced by the claim that comes before any
     write to the email row: it finds the run still open at this claim, or raises Superseded and
@@ -320,7 +315,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
         with res.db.transaction() as session:
             origin = _origin_unless_copy(session, email_id, token, parsed, defects)
             if origin is None:
-                return Outcome(Kind.DUPLICATE)
+                return Verdict(Kind.DUPLICATE)
             runs.mark_parsed(session, email_id, token, defects)
             link_to_origin(session, email_id, parsed, origin)
 
@@ -338,7 +333,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
         if not parsed.attachments:
             to_link = _origin_unless_copy(session, email_id, token, parsed, defects)
             if to_link is None:
-                return Outcome(Kind.DUPLICATE)
+                return Verdict(Kind.DUPLICATE)
         store_documents(session, rows)
         model_calls = res.model_calls(session)
         # A local classifier answers in well under a millisecond: in this transaction, with no
@@ -374,8 +369,8 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Outcome:
         if to_link is not None:
             link_to_origin(session, email_id, parsed, to_link)
     if classified_here:
-        return Outcome(Kind.SUCCEEDED)
-    return Outcome(Kind.HANDED_OFF if model_calls else Kind.WAITING)
+        return Verdict(Kind.SUCCEEDED)
+    return Verdict(Kind.HANDED_OFF if model_calls else Kind.WAITING)
 
 
 @contextmanager
@@ -398,7 +393,7 @@ def _blobs_unless_forgotten(res: Resources, email_id: int, rows: list[dict]) -> 
         raise
 
 
-def _if_forgotten(res: Resources, email_id: int, *, ask_database: bool = True) -> Outcome | None:
+def _if_forgotten(res: Resources, email_id: int, *, ask_database: bool = True) -> Verdict | None:
     """CLOSED when `mailpipe forget` fenced the email off: its rows are gone or going, whatever
     else went wrong, and the delivery writes nothing more. The fence is Redis's, or where Redis
     has none (a Redis restarted without its data, or unreachable) the database's, unless
@@ -419,7 +414,7 @@ def _if_forgotten(res: Resources, email_id: int, *, ask_database: bool = True) -
                 "email %s: if it is being forgotten is unknown: %s", email_id, describe(exc)
             )
             return None
-    return Outcome(Kind.CLOSED, error="the email is being forgotten") if fenced else None
+    return Verdict(Kind.CLOSED, error="the email is being forgotten") if fenced else None
 
 
 def _origin_unless_copy(
@@ -451,19 +446,19 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
     }
 
 
-def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane) -> Outcome:
+def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane) -> Verdict:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
     token = claim.token
     with res.db.transaction() as session:
         if not res.model_calls(session):
             runs.give_back(session, email_id, token, waiting=True)
-            return Outcome(Kind.WAITING)
+            return Verdict(Kind.WAITING)
         if claim.classified:
             # An earlier attempt stored the model's answer and died before the labels: no
             # second call, the labels come from the stored answer.
             _close_with_labels(session, email_id, token, stored_result(session, claim.run_id))
-            return Outcome(Kind.SUCCEEDED)
+            return Verdict(Kind.SUCCEEDED)
         runs.lock_current(session, email_id, token)  # a delivery fenced off calls no model
         email_text = input_from_json(session.get_one(ModelInput, email_id).input)
 
@@ -481,7 +476,7 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
         _store_classification(session, email_id, claim, result)
     with res.db.transaction() as session:
         _close_with_labels(session, email_id, token, result)
-    return Outcome(Kind.SUCCEEDED)
+    return Verdict(Kind.SUCCEEDED)
 
 
 def _store_classification(
@@ -505,14 +500,16 @@ def _after_error(
     stage: Stage,
     exc: Exception,
     deferred_since: float | None,
-) -> Outcome:
+) -> Verdict:
     """An attempt that raised, by whose fault it was (mailpipe.errors)."""
     gone = _if_forgotten(res, email_id, ask_database=dependency_of(exc) is not Dependency.DATABASE)
     if gone is not None:
         return gone
     token = claim.token
+    # A throttle is the provider's answer, not a fault to check it for.
     outage = None if isinstance(exc, Throttled) else _outage(res, exc)
-    if outage is not None or isinstance(exc, Throttled):
+    fault = policy.fault_of(exc, outage)
+    if fault is Fault.OUTAGE or fault is Fault.THROTTLED:
         # Not the email's attempt to lose: given back, then deferred or paused.
         def give_back(session: Session) -> bool:
             runs.give_back(
@@ -521,7 +518,7 @@ def _after_error(
             return True
 
         given_back = _write(res, give_back, False)
-        if isinstance(given_back, Outcome):
+        if isinstance(given_back, Verdict):
             return given_back
         if given_back is False:
             # The database is out too: the next claim gives the attempt back, as for a job its
@@ -529,39 +526,36 @@ def _after_error(
             _mark_cut_off(res, email_id)
         if outage is not None:
             return _after_outage(res, email_id, stage, exc, outage, deferred_since)
-        return Outcome(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
-    if not isinstance(exc, PermanentError):
+        return Verdict(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
+    if fault is Fault.ATTEMPT:
         return _after_failed_attempt(res, email_id, claim, exc)
     # Rejected input: trying again cannot help.
     error = describe(exc)
     log.warning("email %s: rejected: %s", email_id, error)
 
-    def fail(session: Session) -> Outcome:
+    def fail(session: Session) -> Verdict:
         runs.close(
             session, email_id, token, RunStatus.FAILED, error=error, error_class=error_class(exc)
         )
-        return Outcome(Kind.FAILED, error=error)
+        return Verdict(Kind.FAILED, error=error, error_class=error_class(exc))
 
     # The database is out: the attempt stays counted, the next one records how it ended.
-    return _write(res, fail, Outcome(Kind.RETRY, retry_delay(res.settings, claim.attempt), error))
+    return _write(res, fail, _retry(res, claim.attempt, error, exc))
 
 
 def _after_failed_attempt(
     res: Resources, email_id: int, claim: runs.Claim, exc: Exception
-) -> Outcome:
+) -> Verdict:
     """A failed attempt that is not the email's fault: recorded, and retried while attempts
     remain."""
     settings = res.settings
     attempt = claim.attempt
+    error, unforeseen = policy.attempt_error(exc, settings.task_soft_time_limit)
     if is_soft_time_limit(exc):
-        error = f"soft time limit ({settings.task_soft_time_limit} s) exceeded"
         log.warning("email %s: attempt %s: %s", email_id, attempt, error)
-    elif is_transient(exc) or dependency_of(exc) is not None:
-        error = describe(exc)
-    else:
+    elif unforeseen:
         # A bug or a library error no one classified: the run records what it was, the log its
         # traceback, except a database error's, whose text can quote an email's values.
-        error = f"unexpected {describe(exc)}"
         if isinstance(exc, DBAPIError):
             log.error("email %s: attempt %s: %s", email_id, attempt, error)
         else:
@@ -579,14 +573,20 @@ def _after_failed_attempt(
         ),
         None,
     )
-    if isinstance(failed, Outcome):
+    if isinstance(failed, Verdict):
         return failed
     if failed is not None:
         log.error("email %s: failed: %s", email_id, failed.error)
-        return Outcome(Kind.FAILED, error=failed.error)
-    delay = retry_delay(settings, attempt, getattr(exc, "retry_after", None))
-    log.info("email %s: attempt %s failed, retrying in %.1fs: %s", email_id, attempt, delay, error)
-    return Outcome(Kind.RETRY, delay, error)
+        return Verdict(Kind.FAILED, error=failed.error, error_class=error_class(exc))
+    verdict = _retry(res, attempt, error, exc)
+    log.info(
+        "email %s: attempt %s failed, retrying in %.1fs: %s",
+        email_id,
+        attempt,
+        verdict.delay,
+        error,
+    )
+    return verdict
 
 
 def _after_outage(
@@ -596,7 +596,7 @@ def _after_outage(
     exc: Exception,
     dependency: Dependency,
     deferred_since: float | None,
-) -> Outcome:
+) -> Verdict:
     """An outage of `dependency`, or its refusal of the whole fleet (the email's attempt, if
     one was counted, given back): counted toward the stage's pause. The job goes back to its
     queue when the stage is paused, and waits as a deferral until then, with no bound."""
@@ -617,10 +617,10 @@ def _after_outage(
         pause = None
     if pause is None:
         log.warning("email %s: %s outage at the %s stage: %s", email_id, dependency, stage, error)
-        return Outcome(
-            Kind.DEFER, _deferral_delay(settings, deferred_since), error, since, outage=dependency
+        return Verdict(
+            Kind.DEFER, _deferral_delay(res, deferred_since), error, since, outage=dependency
         )
-    return Outcome(
+    return Verdict(
         Kind.PAUSED, error=f"the {stage} stage is paused: {pause.error}", deferred_since=since
     )
 
@@ -632,7 +632,7 @@ def _mark_cut_off(res: Resources, email_id: int) -> None:
         log.warning("email %s: its attempt could not be given back", email_id)
 
 
-def _fail_unclaimed(res: Resources, email_id: int, error: str, bound: ErrorClass) -> Outcome:
+def _fail_unclaimed(res: Resources, email_id: int, error: str, bound: str) -> Verdict:
     """Fail the run from outside a claim: its job waited past `bound`."""
 
     def fail(session: Session) -> bool:
@@ -641,11 +641,11 @@ def _fail_unclaimed(res: Resources, email_id: int, error: str, bound: ErrorClass
 
     failed = _write(res, fail, False)
     log.error("email %s: %s%s", email_id, error, "" if failed else " (the run could not be failed)")
-    return Outcome(Kind.FAILED, error=error)
+    return Verdict(Kind.FAILED, error=error)
 
 
-def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | Outcome:
-    """Run `write` in a transaction and return what it returns: the outcome CLOSED when this
+def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | Verdict:
+    """Run `write` in a transaction and return what it returns: the verdict CLOSED when this
     delivery was superseded, `unwritten` when the database could not take it (a transient
     error, logged)."""
     try:
@@ -654,40 +654,36 @@ def _write(res: Resources, write: Callable[[Session], T], unwritten: T) -> T | O
         return written
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
-        return Outcome(Kind.CLOSED, error="superseded")
+        return Verdict(Kind.CLOSED, error="superseded")
     except Exception as exc:
         if not is_transient(exc):
             raise
-        log.warning("could not record the outcome: %s", describe(exc))
+        log.warning("could not record the verdict: %s", describe(exc))
         return unwritten
 
 
 def _deferral(
-    res: Resources, email_id: int, queue: str, outcome: Outcome, deferred_since: float | None
-) -> Outcome:
-    """Count the deferral; fail the run instead when it has waited past MAILPIPE_MAX_DEFERRAL in
-    all, unless it waits out an outage, which has no bound."""
-    settings = res.settings
+    res: Resources, email_id: int, queue: str, wanted: Verdict, deferred_since: float | None
+) -> Verdict:
+    """Count the deferral, as the policy bounds it; or fail the run, when the policy says the
+    job has waited past MAILPIPE_MAX_DEFERRAL in all."""
     now = time.time()
-    since = deferred_since or now
-    delay = min(max(outcome.delay, 0.5), settings.retry_backoff_max)
-    if outcome.outage is None and now + delay - since > settings.max_deferral:
-        return _fail_unclaimed(
-            res,
-            email_id,
-            f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
-            f"({settings.max_deferral} s): {outcome.error}",
-            ErrorClass.DEFERRED_TOO_LONG,
-        )
+    verdict = policy.deferred(
+        policy.Limits.of(res.settings),
+        Verdict(Kind.DEFER, wanted.delay, wanted.error, deferred_since, wanted.outage),
+        now,
+    )
+    if verdict.kind is Kind.FAILED:
+        assert verdict.error is not None and verdict.error_class is not None
+        return _fail_unclaimed(res, email_id, verdict.error, verdict.error_class)
     try:
-        deferrals.record(res.redis, queue, email_id, now + delay)
+        deferrals.record(res.redis, queue, email_id, now + verdict.delay)
     except RedisError:
         log.warning("email %s: deferral not counted in the metrics", email_id, exc_info=True)
-    log.info("email %s: deferred %.1fs: %s", email_id, delay, outcome.error)
-    return Outcome(Kind.DEFER, delay, outcome.error, since, outage=outcome.outage)
+    log.info("email %s: deferred %.1fs: %s", email_id, verdict.delay, verdict.error)
+    return verdict
 
 
-def _deferral_delay(settings: Settings, deferred_since: float | None) -> float:
-    """Doubles with the time already waited, from MAILPIPE_DEFER_BASE up to MAILPIPE_DEFER_MAX."""
+def _deferral_delay(res: Resources, deferred_since: float | None) -> float:
     waited = time.time() - deferred_since if deferred_since else 0.0
-    return min(settings.defer_max, settings.defer_base + waited)
+    return policy.deferral_delay(policy.Limits.of(res.settings), waited)

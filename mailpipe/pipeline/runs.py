@@ -1,14 +1,17 @@
 """The pipeline run of an email: its status, attempts and error, moved only through here.
 
-This module records and answers facts. How an ended attempt is judged (counted, given back,
-the run failed) is the policy's (mailpipe.pipeline.policy), which this module records in one
-write; what the rest means for the job is decided in mailpipe.pipeline.job. A delivery claims an attempt: in the usual case, a run that is new or
-ready for the stage, in one statement (`claim_if_ready`); in any other, by locking the run and
-looking at it (`claim_attempt`), which answers with the `Claim` to run the steps under, or with
-why none was counted (`Refused`, or `Failed` when the claim failed the run). Each transaction of the steps then writes through this module once, with
-one act: `mark_parsed`, `mark_converted`, `mark_classified` or `close` (the one way a delivery
-closes its run), `lock_current` before it reads, or after an error `give_back` or
-`record_failed_attempt`. `fail` fails a run from outside any claim.
+This module records and answers facts; it decides nothing and logs nothing. How an ended
+attempt is judged (counted, given back, the run failed) is the policy's
+(mailpipe.pipeline.policy), which this module records in one write; what the rest means for the
+job is decided in mailpipe.pipeline.job. A delivery claims an attempt with one call (`claim`): in
+the usual case, a run that is new or ready for the stage, in one statement; in any other, by
+locking the run and looking at it. It answers with the `Claim` to run the steps under, or with
+why none was counted (`Refused`, or `Failed` when the claim failed the run). Each transaction of
+the steps then writes through this module once, with one act: `mark_parsed`, `mark_converted`,
+`mark_classified` or `close` (the one way a delivery closes its run), `lock_current` before it
+reads, or after an error `give_back` or `record_failed_attempt`. `fail` fails a run from outside
+any claim. What is done to runs from outside a delivery (an operator's retry, dismiss and
+reprocess, the sweeper's, erasure's) is in mailpipe.pipeline.interventions.
 
 Every transaction a delivery writes in after its claim is fenced by the run's status and the
 delivery's claim, a token that grows by one at every claim and is never reset (`claims`), so a
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
@@ -47,22 +51,19 @@ from sqlalchemy import (
     func,
     insert,
     literal,
-    or_,
     select,
     update,
 )
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Stage
-from mailpipe.pipeline import emails, policy
+from mailpipe.pipeline import policy
 from mailpipe.storage.db import dialect_insert, insert_ignore
 from mailpipe.storage.models import (
     AttemptOutcome,
     EmailMessage,
     ErrorClass,
-    ModelInput,
     PipelineRun,
-    Reprocess,
     RunAttempt,
     RunStatus,
     clip_error,
@@ -123,26 +124,47 @@ class _AttemptEnd:
     at: datetime | None = None  # the time the act also sets on the run (closed_at); else now
 
 
-def claim_attempt(
+def claim(
     session: Session,
     email_id: int,
     limits: policy.Limits,
     *,
     stage: Stage = Stage.CPU,
     cut_off: float | None = None,
-    shutdown_cut_off_at: float | None = None,
+    shutdown_cut_off_at: Callable[[], float | None] = lambda: None,
 ) -> Claim | Refused | Failed:
-    """Lock the run, count one attempt of `stage` and return its `Claim`; or say why no attempt
-    was counted (`Refused`); or fail the run, when the policy says its attempts or shutdown
-    windows are used up (`Failed`). A run that is ready is counted as `claim_if_ready` counts it.
+    """Count one attempt of `stage` and return its `Claim`; or say why no attempt was counted
+    (`Refused`); or fail the run, when the policy says its attempts or shutdown windows are used
+    up (`Failed`).
+
+    In the usual case (a run that is new, or open with no attempt running and attempts left, at
+    `stage`) the claim is one statement. In any other, or when `cut_off` says the last attempt
+    hit the hard time limit (its seconds), the run is locked and looked at, and
+    `shutdown_cut_off_at` is asked when the email's job was last cut off at the end of its
+    worker's shutdown window (unix time, or None): a last attempt that ended without a result
+    and started before that is given back.
 
     An attempt is counted before any work, in its own commit, so that a try whose process dies
     still counts: a job that crashes its child every time stops after the policy's attempts.
-    `cut_off`: this delivery was sent because the last attempt hit the hard time limit (seconds).
-    `shutdown_cut_off_at`: when the email's job was last cut off at the end of its worker's
-    shutdown window (unix time); a last attempt that ended without a result and started before
-    that is given back.
     """
+    if cut_off is None:
+        ready = _claim_if_ready(session, email_id, limits, stage)
+        if ready is not None:
+            return ready
+    # A delivery the hard time limit cut off knows how its last attempt ended.
+    marked_at = shutdown_cut_off_at() if cut_off is None else None
+    return _claim_locked(session, email_id, limits, stage, cut_off, marked_at)
+
+
+def _claim_locked(
+    session: Session,
+    email_id: int,
+    limits: policy.Limits,
+    stage: Stage,
+    cut_off: float | None,
+    shutdown_cut_off_at: float | None,
+) -> Claim | Refused | Failed:
+    """The claim of a run that is not ready, or not known to be: locked, and looked at."""
     blob_key = session.execute(_BLOB_KEY, {"run_email_id": email_id}).scalar()
     if blob_key is None:
         return Refused(Refusal.NO_EMAIL)
@@ -156,11 +178,11 @@ def claim_attempt(
     if stage is Stage.MODEL and not converted:
         return Refused(Refusal.NOT_CONVERTED)
     if run.attempt_started_at is not None:
-        shutdown = cut_off is None and _cut_off_after(shutdown_cut_off_at, run.attempt_started_at)
-        verdict = policy.unfinished(
+        shutdown = _cut_off_after(shutdown_cut_off_at, run.attempt_started_at)
+        ending = policy.unfinished(
             run.attempts, run.cutoffs, limits, cut_off=cut_off, shutdown=shutdown
         )
-        failed = _record_verdict(session, run, verdict)
+        failed = _record_ending(session, run, ending)
         if failed is not None:
             return failed
         if run.error_class != ErrorClass.SHUTDOWN_CUTOFFS:
@@ -180,15 +202,15 @@ def claim_attempt(
     )
 
 
-def _record_verdict(session: Session, run: PipelineRun, verdict: policy.Verdict) -> Failed | None:
-    """Record how the locked run's attempt ended, as `verdict` says: its row, while the run
+def _record_ending(session: Session, run: PipelineRun, ending: policy.Ending) -> Failed | None:
+    """Record how the locked run's attempt ended, as `ending` says: its row, while the run
     still holds the attempt, then the run's counts and error, or its failure (`Failed`)."""
-    _record(session, run, _AttemptEnd(verdict.outcome, verdict.error_class, verdict.error))
+    _record(session, run, _AttemptEnd(ending.outcome, ending.error_class, ending.error))
     run.attempt_started_at = None
-    run.attempts, run.cutoffs = verdict.attempts, verdict.cutoffs
-    if verdict.failure is not None:
-        return _fail_run(run, verdict.failure)
-    _set_error(run, verdict.error_class, verdict.error)
+    run.attempts, run.cutoffs = ending.attempts, ending.cutoffs
+    if ending.failure is not None:
+        return _fail_run(run, ending.failure)
+    _set_error(run, ending.error_class, ending.error)
     return None
 
 
@@ -199,12 +221,12 @@ def _cut_off_after(marked_at: float | None, started: datetime) -> bool:
     return marked_at >= started_at.timestamp()
 
 
-def claim_if_ready(
-    session: Session, email_id: int, limits: policy.Limits, stage: Stage = Stage.CPU
+def _claim_if_ready(
+    session: Session, email_id: int, limits: policy.Limits, stage: Stage
 ) -> Claim | None:
     """Count an attempt of a run that is open, has no attempt running, has attempts left and is
     at `stage`, in one statement, and return its `Claim`; None when the run is in any other
-    state (or missing, for the model stage; or when there is no such email): `claim_attempt`
+    state (or missing, for the model stage; or when there is no such email): `_claim_locked`
     then looks at it. For the CPU stage a missing run is created with its first attempt counted,
     and the statement returns the email's blob key with the run."""
     given = {"run_email_id": email_id, "max_attempts": limits.max_attempts, "now": utcnow()}
@@ -399,7 +421,7 @@ def close(
     Superseded, and the transaction rolls back every write the delivery made in it. `error`: why
     it failed, of `error_class`. `classified`: the model's answer is stored in this transaction.
     The attempt ends as the run does."""
-    values = _closed(status, error, error_class)
+    values = closed_columns(status, error, error_class)
     if classified:
         values["classified_at"] = values["closed_at"]
     ended = _AttemptEnd(_CLOSED_AS[status], error_class, error, values["closed_at"])
@@ -495,8 +517,8 @@ def record_failed_attempt(
     (None), and fails for good once none do (`Failed`). The attempt's row keeps its own error;
     a run failed here says its attempts are used up."""
     run = lock_current(session, email_id, token)
-    verdict = policy.failed_attempt(run.attempts, run.cutoffs, limits, error_class, error)
-    return _record_verdict(session, run, verdict)
+    ending = policy.failed_attempt(run.attempts, run.cutoffs, limits, error_class, error)
+    return _record_ending(session, run, ending)
 
 
 def fail(session: Session, email_id: int, error: str, *, error_class: str) -> bool:
@@ -511,235 +533,6 @@ def fail(session: Session, email_id: int, error: str, *, error_class: str) -> bo
     return True
 
 
-def count_sweep(session: Session, email_ids: list[int]) -> None:
-    """The sweeper re-added the jobs of these open runs."""
-    session.execute(
-        update(PipelineRun)
-        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-        .values(sweep_count=PipelineRun.sweep_count + 1, last_swept_at=utcnow())
-    )
-
-
-def start_waiting(session: Session, email_ids: list[int], read_at: datetime) -> None:
-    """The sweeper sent the model stage of these runs, which waited for model calls: they wait
-    no more. A run that began waiting again after `read_at` (its stage met the switch off once
-    more) keeps waiting."""
-    session.execute(
-        update(PipelineRun)
-        .where(
-            PipelineRun.email_id.in_(email_ids),
-            PipelineRun.status == RunStatus.OPEN,
-            PipelineRun.waiting_since <= read_at,
-        )
-        .values(waiting_since=None)
-    )
-
-
-def fail_stalled(session: Session, email_ids: list[int], reason: str) -> list[int]:
-    """Fail the open runs among `email_ids` and put their emails on the review list: their jobs
-    were lost more often than the sweeper re-adds one. Returns the emails failed. No attempt's
-    row is written: the jobs are lost, not running (one still running is fenced off), and the
-    run's error (`Stalled`) says what happened."""
-    failed = list(
-        session.scalars(
-            update(PipelineRun)
-            .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-            .values(_closed(RunStatus.FAILED, reason, ErrorClass.STALLED))
-            .returning(PipelineRun.email_id)
-        )
-    )
-    if failed:
-        emails.mark_for_review(session, failed, reason)
-    return failed
-
-
-def close_to_forget(session: Session, email_ids: list[int]) -> None:
-    """Fail the open runs of emails about to be forgotten, creating those missing, from outside
-    any claim (`mailpipe forget`, which deletes them next): a delivery in flight is fenced off
-    at its next write, and none claims another attempt. Should the deletion not follow, the run
-    is on the failed list, saying so."""
-    ensure_runs(session, email_ids)
-    session.execute(
-        update(PipelineRun)
-        .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == RunStatus.OPEN)
-        .values(
-            _closed(
-                RunStatus.FAILED,
-                "closed to be forgotten, and not deleted yet: run `mailpipe forget` again",
-                ErrorClass.FORGOTTEN,
-            )
-        )
-    )
-
-
-def reopen(session: Session, email_id: int) -> bool:
-    """Put a failed run back to open with a fresh attempt budget (`mailpipe failed --retry`).
-    Its classification is kept but no longer counts: the reopened run calls the model again.
-    The email leaves the review list in the same transaction: the operator's retry answers the
-    review, and a run that stalls again is marked again by the sweeper. Its claims go on growing:
-    a delivery of before the reopen stays fenced off. Its error is cleared: each attempt's
-    error stays in the history."""
-    run = _locked_run(session, email_id)
-    if run.status is not RunStatus.FAILED:
-        return False
-    _reopen(run)
-    # A manual retry runs the whole job again, the CPU stage included.
-    run.converted_at = None
-    emails.clear_review(session, [email_id])
-    return True
-
-
-def _reopen(run: PipelineRun) -> None:
-    """Open a locked run that ended, with a fresh attempt budget, no error, and no answer that
-    counts: its model stage calls the model again."""
-    run.status = RunStatus.OPEN
-    run.error = None
-    run.error_class = None
-    run.attempts = 0
-    run.sweep_count = 0
-    run.cutoffs = 0
-    run.attempt_started_at = None
-    run.classified_at = None
-    # Asked for by its id, a dismissed run is taken back onto the failed list should it fail again.
-    run.dismissed_at = None
-    run.closed_at = None
-
-
-def reopen_failed(
-    session: Session, email_ids: list[int] | None
-) -> tuple[list[int], dict[int, RunStatus]]:
-    """Reopen the failed runs among `email_ids` (None: every failed run). Returns the emails
-    reopened and the status each asked-for email's run had (no entry: it has no run). A dismissed
-    run among `email_ids` is reopened too; None passes over them."""
-    query = select(PipelineRun.email_id, PipelineRun.status).order_by(PipelineRun.email_id)
-    if email_ids is None:
-        query = query.where(
-            PipelineRun.status == RunStatus.FAILED, PipelineRun.dismissed_at.is_(None)
-        )
-    else:
-        query = query.where(PipelineRun.email_id.in_(email_ids))
-    # Locked, so that the statuses read are those reopen finds.
-    statuses: dict[int, RunStatus] = dict(session.execute(query.with_for_update()).all())
-    reopened = [
-        email_id
-        for email_id, status in statuses.items()
-        if status is RunStatus.FAILED and reopen(session, email_id)
-    ]
-    return reopened, statuses
-
-
-def undismiss(session: Session, email_ids: list[int]) -> list[int]:
-    """Take the operator's dismiss back from the dismissed runs among `email_ids`: each is on
-    the failed list again, as it was. Returns the emails taken back."""
-    return sorted(
-        session.scalars(
-            update(PipelineRun)
-            .where(
-                PipelineRun.email_id.in_(email_ids),
-                PipelineRun.status == RunStatus.FAILED,
-                PipelineRun.dismissed_at.is_not(None),
-            )
-            .values(dismissed_at=None)
-            .returning(PipelineRun.email_id)
-        )
-    )
-
-
-@dataclass(frozen=True)
-class Reprocessing:
-    """The runs a reprocess counted at `as_of` (the latest reprocess then) leaves alone: those a
-    reprocess after it took, since it was counted, and those of the reprocesses up to it that
-    are still under way (`busy`: a run of theirs is open). So the same reprocess sent again, or
-    twice at once, takes no email twice; one sent once the first has ended takes them anew."""
-
-    as_of: int
-    busy: tuple[int, ...]
-
-    def free(self, run: Any = PipelineRun) -> ColumnElement[bool]:
-        """Whether `run` (the model or an alias of it) is one a reprocess may take."""
-        taken = run.reprocess_id
-        return or_(taken.is_(None), and_(taken <= self.as_of, taken.not_in(self.busy)))
-
-
-def reprocessing(session: Session, as_of: int | None = None) -> Reprocessing:
-    """What a reprocess counted now leaves alone; `as_of`: as counted when the latest reprocess
-    was that one (a plan confirmed later), never past the latest there is."""
-    latest = session.scalar(select(func.max(Reprocess.id))) or 0
-    as_of = latest if as_of is None else min(as_of, latest)
-    busy = session.scalars(
-        select(Reprocess.id)
-        .where(
-            Reprocess.id <= as_of,
-            select(PipelineRun.id)
-            .where(PipelineRun.reprocess_id == Reprocess.id, PipelineRun.status == RunStatus.OPEN)
-            .exists(),
-        )
-        .order_by(Reprocess.id)
-    )
-    return Reprocessing(as_of, tuple(busy))
-
-
-def reopen_to_reprocess(
-    session: Session,
-    email_ids: list[int],
-    reprocess_id: int,
-    *,
-    keep_documents: bool,
-    leaving: Reprocessing,
-) -> tuple[list[int], list[int]]:
-    """Reopen the succeeded runs among `email_ids` for an operator's reprocess `reprocess_id`,
-    with a fresh attempt budget, locked so that none changes meanwhile, but those `leaving`
-    leaves alone, as they are once locked (another reprocess may have taken one since it was
-    read). `keep_documents`: a run whose documents and model input are stored goes on from its
-    model stage; any other runs its CPU stage again. The classification and labels stay until
-    the new answer replaces them; the runs' claims go on growing, so no delivery of before is
-    taken for a new one. Returns the emails whose CPU stage runs next, and those whose model
-    stage does."""
-    runs = _locked_runs(session, email_ids, RunStatus.SUCCEEDED, leaving.free())
-    with_input = set(
-        session.scalars(
-            select(ModelInput.email_id).where(ModelInput.email_id.in_([r.email_id for r in runs]))
-        )
-    )
-    cpu: list[int] = []
-    model: list[int] = []
-    for run in runs:
-        from_model = keep_documents and run.converted_at is not None and run.email_id in with_input
-        _reopen(run)
-        run.reprocess_id = reprocess_id
-        if not from_model:
-            run.converted_at = None
-        (model if from_model else cpu).append(run.email_id)
-    return cpu, model
-
-
-def reopen_copies(session: Session, email_ids: list[int]) -> list[int]:
-    """Reopen the runs among `email_ids` that ended as a copy's (`duplicate`), each email now
-    its origin's first (the email it copied is being forgotten), with a fresh attempt budget:
-    its job runs the steps a copy skips, the CPU stage from the parse, then the model stage.
-    Locked, so that none changes meanwhile. Returns the emails reopened."""
-    found = _locked_runs(session, email_ids, RunStatus.DUPLICATE)
-    for run in found:
-        _reopen(run)
-        run.converted_at = None
-    return [run.email_id for run in found]
-
-
-def _locked_runs(
-    session: Session, email_ids: list[int], status: RunStatus, *also: ColumnElement[bool]
-) -> list[PipelineRun]:
-    """The runs among `email_ids` with `status` (and the conditions `also`), locked, in email
-    order."""
-    return list(
-        session.scalars(
-            select(PipelineRun)
-            .where(PipelineRun.email_id.in_(email_ids), PipelineRun.status == status, *also)
-            .order_by(PipelineRun.email_id)
-            .with_for_update()
-        )
-    )
-
-
 def _locked_run(session: Session, email_id: int) -> PipelineRun:
     # FOR UPDATE on PostgreSQL serialises two deliveries that lost their lease; SQLite ignores
     # it and serialises every write transaction anyway (BEGIN IMMEDIATE).
@@ -750,7 +543,7 @@ def _locked_run(session: Session, email_id: int) -> PipelineRun:
     return run
 
 
-def _closed(
+def closed_columns(
     status: RunStatus, error: str | None = None, error_class: str | None = None
 ) -> dict[str, Any]:
     """What a closed run holds, however it was closed: no attempt running, and the error it
@@ -772,7 +565,7 @@ def _set_error(run: PipelineRun, error_class: str | None, error: str | None) -> 
 
 def _fail(run: PipelineRun, error: str, error_class: str) -> None:
     """Fail a run locked in this transaction (`_locked_run`)."""
-    for column, value in _closed(RunStatus.FAILED, error, error_class).items():
+    for column, value in closed_columns(RunStatus.FAILED, error, error_class).items():
         setattr(run, column, value)
 
 
@@ -816,24 +609,3 @@ def _ended_row(ended: _AttemptEnd) -> dict[str, Any]:
 @cache
 def _host() -> str:
     return socket.gethostname()
-
-
-def dismiss(session: Session, email_ids: list[int]) -> list[int]:
-    """An operator gives up on the failed runs among `email_ids` not dismissed yet: each stays
-    failed, leaves the failed list and the review list, and no retry-all or sweep reopens it (a
-    retry by its id does). Returns the emails dismissed."""
-    dismissed = list(
-        session.scalars(
-            update(PipelineRun)
-            .where(
-                PipelineRun.email_id.in_(email_ids),
-                PipelineRun.status == RunStatus.FAILED,
-                PipelineRun.dismissed_at.is_(None),
-            )
-            .values(dismissed_at=utcnow())
-            .returning(PipelineRun.email_id)
-        )
-    )
-    if dismissed:
-        emails.clear_review(session, dismissed)
-    return sorted(dismissed)

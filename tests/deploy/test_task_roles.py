@@ -33,7 +33,7 @@ from mailpipe.enqueue import sender
 from mailpipe.errors import BlobAccessDenied, BlobMissing, Dependency
 from mailpipe.operations import actions
 from mailpipe.pipeline import health, job
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.keys import document_texts

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails, send_job
 from mailpipe.pipeline import job
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.storage.models import (
     Classification,
     Document,
@@ -122,7 +122,7 @@ def _run_in_child(email_id: int, inside, starts) -> str:  # type: ignore[no-unty
 
     real_steps = job._run_steps
 
-    def meeting(*args: object) -> job.Outcome:
+    def meeting(*args: object) -> job.Verdict:
         starts.append(time.time())
         inside.wait(30)
         return real_steps(*args)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.operations import status, sweeper
 from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.classify import store_classification
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
@@ -66,7 +66,7 @@ def purge(res: Resources) -> None:
 def start_attempt(res: Resources, email_id: int) -> int:
     """A delivery's claim: what a job whose worker then vanished with its message leaves."""
     with res.db.transaction() as session:
-        return runs.claim_attempt(session, email_id, policy.Limits.of(res.settings)).attempt
+        return runs.claim(session, email_id, policy.Limits.of(res.settings)).attempt
 
 
 def classify_then_die(res: Resources, email_id: int) -> None:
@@ -76,7 +76,7 @@ def classify_then_die(res: Resources, email_id: int) -> None:
     assert job.process_email(res, email_id).kind is Kind.WAITING  # the CPU stage, done
     set_model_calls(res, model_calls)
     with res.db.transaction() as session:
-        token = runs.claim_attempt(
+        token = runs.claim(
             session, email_id, policy.Limits.of(res.settings), stage=queues.Stage.MODEL
         ).token
     with res.db.transaction() as session:

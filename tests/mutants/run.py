@@ -194,7 +194,7 @@ MUTANTS = [
     ),
     Mutant(
         "reopen-keeps-answer",
-        "mailpipe/pipeline/runs.py",
+        "mailpipe/pipeline/interventions.py",
         "    run.classified_at = None\n",
         "",
         "a reopened run never asks the model again",
@@ -304,7 +304,7 @@ MUTANTS = [
     ),
     Mutant(
         "sweeper-counts-nothing",
-        "mailpipe/pipeline/runs.py",
+        "mailpipe/pipeline/interventions.py",
         "sweep_count=PipelineRun.sweep_count + 1",
         "sweep_count=PipelineRun.sweep_count",
         "a stalled run is re-added for ever",
@@ -410,7 +410,7 @@ MUTANTS = [
     ),
     Mutant(
         "dismiss-keeps-review",
-        "mailpipe/pipeline/runs.py",
+        "mailpipe/pipeline/interventions.py",
         "    if dismissed:\n        emails.clear_review(session, dismissed)",
         "    if False:\n        emails.clear_review(session, dismissed)",
         "a dismissed email stays on the review list",

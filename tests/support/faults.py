@@ -183,7 +183,7 @@ def quoting_error(res, email_id: int) -> ValueError:  # type: ignore[no-untyped-
 _real_run_steps = job._run_steps
 
 
-def _run_steps_with_faults(res, email_id: int, *args: object) -> job.Outcome:  # type: ignore[no-untyped-def]
+def _run_steps_with_faults(res, email_id: int, *args: object) -> job.Verdict:  # type: ignore[no-untyped-def]
     res.redis.incr(runs_key(email_id))
     res.redis.rpush(starts_key(email_id), time.time())
     mode = _take_fault(res.redis, email_id)
@@ -205,7 +205,7 @@ job._run_steps = _run_steps_with_faults
 _real_process_email = job.process_email
 
 
-def _process_email_with_faults(res, email_id: int, **kwargs: object) -> job.Outcome:  # type: ignore[no-untyped-def]
+def _process_email_with_faults(res, email_id: int, **kwargs: object) -> job.Verdict:  # type: ignore[no-untyped-def]
     """The task's call of the pipeline (`job.process_email`): a ``quote-outside`` fault raises
     here, where no step's handling catches it."""
     fault = res.redis.hget(fault_key(email_id), "mode")
@@ -257,8 +257,8 @@ def _held_by_a_claim_fault(session, email_id: int) -> None:  # type: ignore[no-u
 
 
 def _with_claim_fault(claim):  # type: ignore[no-untyped-def]
-    """A claim (`runs.claim_if_ready`, `runs.claim_attempt`) that meets the email's claim fault
-    once it has counted, or decided: one that counted nothing (None) goes on to the next."""
+    """A claim (`runs.claim`, or the previous release's `runs.claim_attempt`) that meets the
+    email's claim fault once it has counted, or decided."""
 
     def claim_with_faults(session, email_id: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         result = claim(session, email_id, *args, **kwargs)
@@ -271,14 +271,15 @@ def _with_claim_fault(claim):  # type: ignore[no-untyped-def]
 
 # The previous release's worker (tests/integration/test_rolling_deploy.py) loads these faults
 # too, and its claims are `claim_attempt` alone.
-if hasattr(runs, "claim_if_ready"):
-    runs.claim_if_ready = _with_claim_fault(runs.claim_if_ready)
-runs.claim_attempt = _with_claim_fault(runs.claim_attempt)
+if hasattr(runs, "claim"):
+    runs.claim = _with_claim_fault(runs.claim)
+else:
+    runs.claim_attempt = _with_claim_fault(runs.claim_attempt)
 
 _real_follow = EmailJobTask.follow
 
 
-def _follow_recorded(self, email_id: int, outcome: job.Outcome, lane: Lane) -> str:  # type: ignore[no-untyped-def]
+def _follow_recorded(self, email_id: int, outcome: job.Verdict, lane: Lane) -> str:  # type: ignore[no-untyped-def]
     if outcome.kind is job.Kind.RETRY:
         from mailpipe.resources import get_resources
 

@@ -13,7 +13,7 @@ from mailpipe.pipeline import job
 MESSAGE = "an error nothing foresaw"
 
 
-def _steps_that_raise(res, email_id: int, *args: object, **kwargs: object) -> job.Outcome:  # type: ignore[no-untyped-def]
+def _steps_that_raise(res, email_id: int, *args: object, **kwargs: object) -> job.Verdict:  # type: ignore[no-untyped-def]
     raise RuntimeError(f"{MESSAGE} (email {email_id})")
 
 

@@ -203,7 +203,7 @@ def test_a_bulk_job_s_follow_up_stays_in_the_bulk_lane(
     [email_id] = store_emails(res, [email(f"bulk-{follow_up}")])
     if follow_up == "retry":
         with res.db.transaction() as session:
-            runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
+            runs.claim(session, email_id, policy.Limits.of(res.settings))
     elif follow_up == "deferral":
         res.redis.set(redis_keys.lease(email_id), "elsewhere:1:holder", px=60_000)
     else:

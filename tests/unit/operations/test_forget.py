@@ -22,7 +22,7 @@ from mailpipe.operations import actions, erasure
 from mailpipe.operations.housekeeping import prune
 from mailpipe.operations.search import BadSearch
 from mailpipe.pipeline import job, policy, runs
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.keys import document_texts
@@ -265,13 +265,13 @@ def test_a_job_whose_email_is_forgotten_during_its_conversion_writes_no_blob(  #
 def test_a_deleted_run_reads_as_superseded(res) -> None:  # type: ignore[no-untyped-def]
     [email_id] = store_emails(res, [with_document()])
     with res.db.transaction() as session:
-        claim = runs.claim_if_ready(session, email_id, policy.Limits.of(res.settings))
+        claim = runs.claim(session, email_id, policy.Limits.of(res.settings))
     assert claim is not None
     actions.forget(res, [email_id], enqueue=sender(res), user=USER)
     with res.db.transaction() as session, pytest.raises(runs.Superseded, match="gone"):
         runs.lock_current(session, email_id, claim.token)
     with res.db.transaction() as session:
-        refused = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
+        refused = runs.claim(session, email_id, policy.Limits.of(res.settings))
     assert refused == runs.Refused(runs.Refusal.NO_EMAIL)
     # Its next delivery ends without a failure, and without writing anything.
     assert job.process_email(res, email_id).kind is Kind.CLOSED

@@ -16,8 +16,8 @@ from mailpipe.operations import actions
 from mailpipe.operations.actions import Step
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import reprocesses
-from mailpipe.pipeline import emails, job, runs
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline import emails, interventions, job, runs
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
 from tests.support.switches import set_model_calls
@@ -148,12 +148,12 @@ def test_only_a_succeeded_run_is_reopened_whatever_ids_it_is_handed(res) -> None
     assert job.process_email(res, succeeded).kind is Kind.SUCCEEDED
     with res.db.transaction() as session:
         runs.ensure_runs(session, [still_open])
-        reopened = runs.reopen_to_reprocess(
+        reopened = interventions.reopen_to_reprocess(
             session,
             [succeeded, still_open],
             1,
             keep_documents=True,
-            leaving=runs.reprocessing(session),
+            leaving=interventions.reprocessing(session),
         )
     assert reopened == ([succeeded], [])  # rules answered in the CPU stage: it runs again
     assert status_of(res, still_open) is RunStatus.OPEN
@@ -166,13 +166,15 @@ def test_a_run_another_reprocess_took_since_it_was_read_is_not_reopened(res) -> 
     ids = store_emails(res, [INVOICE, PLAIN])
     assert [job.process_email(res, i).kind for i in ids] == [Kind.SUCCEEDED] * 2
     with res.db.session() as session:
-        leaving = runs.reprocessing(session)
+        leaving = interventions.reprocessing(session)
     later = actions.reprocess(
         res, EmailFilter(email_id=ids[0]), Step.PARSE, enqueue=Sent(), user=USER
     )
     assert job.process_email(res, ids[0], lane=Lane.BULK).kind is Kind.SUCCEEDED
     with res.db.transaction() as session:
-        reopened = runs.reopen_to_reprocess(session, ids, 99, keep_documents=False, leaving=leaving)
+        reopened = interventions.reopen_to_reprocess(
+            session, ids, 99, keep_documents=False, leaving=leaving
+        )
     assert reopened == ([ids[1]], [])
     with res.db.session() as session:
         taken = dict(session.execute(select(PipelineRun.email_id, PipelineRun.reprocess_id)).all())

@@ -14,7 +14,7 @@ from mailpipe.mail.parse import ParseLimits, parse_email
 from mailpipe.pipeline import job, policy, runs
 from mailpipe.pipeline.classify import email_for_classifier, store_classification
 from mailpipe.pipeline.labels import sync_model_labels
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel, EmailMessage, PipelineRun, RunStatus
@@ -49,7 +49,7 @@ def classify_on_a_run(res: Resources, result: ClassificationResult) -> int:
     synced in the same transaction, as the pipeline does."""
     [email_id] = store_emails(res, [PHISHING])
     with res.db.transaction() as session:
-        attempt = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings)).attempt
+        attempt = runs.claim(session, email_id, policy.Limits.of(res.settings)).attempt
     with res.db.transaction() as session:
         run = runs.lock_current(session, email_id, attempt)
         store_classification(session, run.id, email_id, result)

@@ -15,7 +15,7 @@ from mailpipe.operations import metrics
 from mailpipe.operations.activity import HOUR, fleet_activity
 from mailpipe.operations.status import HISTORY_PAGE, email_detail, history
 from mailpipe.pipeline import job, policy, runs
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import QueueSample, RunAttempt, utcnow
 from tests.support.switches import set_model_calls
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 def claimed(res: Resources, email_id: int) -> int:
     """A delivery's claim of the run: its token."""
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
+        claim = runs.claim(session, email_id, policy.Limits.of(res.settings))
     assert isinstance(claim, runs.Claim), claim
     return claim.token
 

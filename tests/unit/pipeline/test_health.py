@@ -14,7 +14,7 @@ from mailpipe.coordination import pauses
 from mailpipe.errors import BlobAccessDenied, BlobUnavailable, Dependency
 from mailpipe.operations.status import fleet_status
 from mailpipe.pipeline import health, job
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import RunStatus
 from tests.support.switches import set_model_calls

@@ -15,8 +15,8 @@ from mailpipe.coordination import forgotten, redis_keys
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import TransientError
 from mailpipe.operations import sweeper
-from mailpipe.pipeline import job, policy, runs
-from mailpipe.pipeline.outcome import Kind, Outcome
+from mailpipe.pipeline import interventions, job, policy, runs
+from mailpipe.pipeline.policy import Kind, Verdict
 from mailpipe.resources import Resources
 from mailpipe.storage.models import (
     Classification,
@@ -69,16 +69,16 @@ def start_attempt(res: Resources, email_id: int) -> int:
     leaves exactly this behind. When the attempt before died too, the claim records that and
     asks for the backoff first: the retry sent after it claims."""
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
+        claim = runs.claim(session, email_id, policy.Limits.of(res.settings))
     if isinstance(claim, runs.Refused):
         assert claim.reason is runs.Refusal.UNFINISHED, claim
         with res.db.transaction() as session:
-            claim = runs.claim_attempt(session, email_id, policy.Limits.of(res.settings))
+            claim = runs.claim(session, email_id, policy.Limits.of(res.settings))
     assert isinstance(claim, runs.Claim), claim
     return claim.attempt
 
 
-def after_backoff(res: Resources, email_id: int) -> job.Outcome:
+def after_backoff(res: Resources, email_id: int) -> job.Verdict:
     """A delivery that finds the last attempt unfinished, and the retry sent after its backoff."""
     outcome = job.process_email(res, email_id)
     if outcome.kind is Kind.RETRY and "ended without a result" in (outcome.error or ""):
@@ -186,15 +186,6 @@ def test_a_run_at_a_lowered_attempt_limit_fails_without_another_attempt(res) -> 
     run = run_of(res, email_id)
     assert (run.status.value, run.attempts) == ("failed", 2)
     assert run.error.startswith("gave up after 2 attempts: TransientError: S3 unavailable")
-
-
-def test_a_service_s_retry_after_takes_precedence_over_the_backoff(res) -> None:  # type: ignore[no-untyped-def]
-    settings = res.settings
-    assert job.retry_delay(settings, 1, retry_after=3.5) == 3.5
-    # ...but never past the longest backoff, which keeps every countdown inside the visibility
-    # timeout.
-    assert job.retry_delay(settings, 1, retry_after=10_000) == settings.retry_backoff_max
-    assert all(0 <= job.retry_delay(settings, 9) <= settings.retry_backoff_max for _ in range(100))
 
 
 def test_an_attempt_that_died_is_named_and_counted(res) -> None:  # type: ignore[no-untyped-def]
@@ -315,20 +306,18 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
     claim, which only grows, not the attempts, which a new stage resets."""
     [email_id] = store_emails(res, [INVOICE])
     with res.db.transaction() as session:
-        a = runs.claim_attempt(session, email_id, policy.Limits(4, 10))
+        a = runs.claim(session, email_id, policy.Limits(4, 10))
     with res.db.transaction() as session:
-        died = runs.claim_attempt(
+        died = runs.claim(
             session, email_id, policy.Limits(4, 10)
         )  # finds A unfinished: A's process died
     assert isinstance(died, runs.Refused) and died.reason is runs.Refusal.UNFINISHED
     with res.db.transaction() as session:
-        b = runs.claim_attempt(
-            session, email_id, policy.Limits(4, 10)
-        )  # the retry, after its backoff
+        b = runs.claim(session, email_id, policy.Limits(4, 10))  # the retry, after its backoff
     with res.db.transaction() as session:
         runs.mark_converted(session, email_id, b.token, model_calls=True)
     with res.db.transaction() as session:
-        c = runs.claim_attempt(session, email_id, policy.Limits(4, 10), stage=Stage.MODEL)
+        c = runs.claim(session, email_id, policy.Limits(4, 10), stage=Stage.MODEL)
     assert (a.attempt, b.attempt, c.attempt) == (1, 2, 1)
     assert (a.token, b.token, c.token) == (1, 2, 3)
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
@@ -345,8 +334,8 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
     # A mark from before the attempt started (a job that had ended inside an earlier window)
     # counts for nothing: this attempt died, and it counts.
     with res.db.transaction() as session:
-        died = runs.claim_attempt(
-            session, email_id, policy.Limits(4, 10), shutdown_cut_off_at=marked_before
+        died = runs.claim(
+            session, email_id, policy.Limits(4, 10), shutdown_cut_off_at=lambda: marked_before
         )
     assert isinstance(died, runs.Refused) and died.reason is runs.Refusal.UNFINISHED
     run = run_of(res, email_id)
@@ -356,15 +345,15 @@ def test_a_shutdown_cut_off_gives_its_attempt_back_until_the_bound(res) -> None:
     assert run_of(res, email_id).attempts == 2
     for cut in (1, 2):
         with res.db.transaction() as session:
-            claim = runs.claim_attempt(
-                session, email_id, policy.Limits(4, 3), shutdown_cut_off_at=time.time()
+            claim = runs.claim(
+                session, email_id, policy.Limits(4, 3), shutdown_cut_off_at=lambda: time.time()
             )
         run = run_of(res, email_id)
         assert (type(claim), run.attempts, run.cutoffs) == (runs.Claim, 2, cut)
         assert run.error.startswith(f"cut off by shutdown ({cut} of at most 3)")
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(
-            session, email_id, policy.Limits(4, 3), shutdown_cut_off_at=time.time()
+        claim = runs.claim(
+            session, email_id, policy.Limits(4, 3), shutdown_cut_off_at=lambda: time.time()
         )
     run = run_of(res, email_id)
     assert (type(claim), run.status, run.cutoffs) == (runs.Failed, RunStatus.FAILED, 3)
@@ -436,7 +425,7 @@ def test_a_delivery_that_lost_its_lease_writes_nothing_and_leaves_the_holder_s_m
     [email_id] = store_emails(res, [INVOICE])
     set_model_calls(res, True)
     stalled, blobs = stalling(res)
-    first: list[job.Outcome] = []
+    first: list[job.Verdict] = []
     thread = threading.Thread(target=lambda: first.append(job.process_email(stalled, email_id)))
     thread.start()
     assert blobs.reached.wait(30)
@@ -556,7 +545,7 @@ def test_a_superseded_delivery_writes_nothing_while_the_new_holder_still_runs(  
     [email_id] = store_emails(res, [raw])
     set_model_calls(res, True)
     (first_res, first_blobs), (second_res, second_blobs) = stalling(res), stalling(res)
-    outcomes: dict[str, job.Outcome] = {}
+    outcomes: dict[str, job.Verdict] = {}
     first = threading.Thread(
         target=lambda: outcomes.update(first=job.process_email(first_res, email_id))
     )
@@ -611,7 +600,7 @@ def test_a_delivery_whose_run_was_failed_meanwhile_writes_nothing(res) -> None: 
     [email_id] = store_emails(res, [INVOICE])
     set_model_calls(res, True)
     stalled, blobs = stalling(res)
-    outcomes: list[job.Outcome] = []
+    outcomes: list[job.Verdict] = []
     thread = threading.Thread(target=lambda: outcomes.append(job.process_email(stalled, email_id)))
     thread.start()
     assert blobs.reached.wait(30)
@@ -658,7 +647,7 @@ def test_a_reopened_run_asks_the_model_again(res) -> None:  # type: ignore[no-un
             .values(status=RunStatus.FAILED, error="labels refused")
         )
     with res.db.transaction() as session:
-        assert runs.reopen(session, email_id)
+        assert interventions.reopen(session, email_id)
     run = run_of(res, email_id)
     assert (run.status.value, run.classified_at, run.converted_at) == ("open", None, None)
     assert job.process_email(remote, email_id).kind is Kind.HANDED_OFF
@@ -675,7 +664,7 @@ def test_a_claim_that_meets_the_forgets_deletion_ends_as_forgotten(res) -> None:
     with res.db.transaction() as session:
         runs.ensure_runs(session, [email_id])
     forgotten.fence(res.redis, [email_id], 60)
-    outcomes: list[Outcome | Exception] = []
+    outcomes: list[Verdict | Exception] = []
     claiming = threading.Thread(
         target=lambda: outcomes.append(_outcome_of(res, email_id)), daemon=True
     )
@@ -696,11 +685,11 @@ def test_a_claim_that_meets_the_forgets_deletion_ends_as_forgotten(res) -> None:
     claiming.join(30)
     assert not claiming.is_alive()
     [outcome] = outcomes
-    assert isinstance(outcome, Outcome), outcome
+    assert isinstance(outcome, Verdict), outcome
     assert outcome.kind is Kind.CLOSED and outcome.error == "the email is being forgotten"
 
 
-def _outcome_of(res: Resources, email_id: int) -> Outcome | Exception:
+def _outcome_of(res: Resources, email_id: int) -> Verdict | Exception:
     try:
         return job.process_email(res, email_id)
     except Exception as exc:

@@ -13,8 +13,8 @@ from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.errors import TransientError
-from mailpipe.pipeline import job, policy, runs
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline import interventions, job, policy, runs
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, RunAttempt, RunStatus
 from tests.support.switches import set_model_calls
@@ -130,7 +130,7 @@ def test_an_unfinished_attempt_is_written_by_the_claim_that_finds_it(res) -> Non
     assert run_of(res, email_id).error_class == "HardTimeLimit"
     start_attempt(res, email_id)  # attempt 2, then its worker's shutdown cut it off
     with res.db.transaction() as session:
-        runs.claim_attempt(session, email_id, policy.Limits(4, 10), shutdown_cut_off_at=time.time())
+        runs.claim(session, email_id, policy.Limits(4, 10), shutdown_cut_off_at=lambda: time.time())
     assert run_of(res, email_id).error_class == "ShutdownCutoffs"
     started = run_of(res, email_id).attempt_started_at  # attempt 2 again, its process died
     assert job.process_email(res, email_id).kind is Kind.RETRY  # the death waits its backoff
@@ -162,8 +162,8 @@ def test_an_unfinished_attempt_that_fails_the_run_is_written_as_failed(res) -> N
 
     start_attempt(res, cut)
     with res.db.transaction() as session:
-        claim = runs.claim_attempt(
-            session, cut, policy.Limits(4, 1), shutdown_cut_off_at=time.time()
+        claim = runs.claim(
+            session, cut, policy.Limits(4, 1), shutdown_cut_off_at=lambda: time.time()
         )
     assert isinstance(claim, runs.Failed)
     assert history(res, cut) == [("cpu", 1, "failed", "ShutdownCutoffs")]
@@ -178,14 +178,14 @@ def test_runs_failed_from_outside_a_claim_name_their_bound_and_write_no_attempt(
     since = time.time() - res.settings.max_deferral
     assert job.process_email(res, deferred, deferred_since=since).kind is Kind.FAILED
     with res.db.transaction() as session:
-        assert runs.fail_stalled(session, [stalled], "stalled: lost 4 times") == [stalled]
+        assert interventions.fail_stalled(session, [stalled], "stalled: lost 4 times") == [stalled]
 
     classes = {i: run_of(res, i).error_class for i in (deferred, stalled)}
     assert classes == {deferred: "DeferredTooLong", stalled: "Stalled"}
     assert history(res, deferred) == history(res, stalled) == []
 
     with res.db.transaction() as session:
-        assert runs.reopen(session, deferred)
+        assert interventions.reopen(session, deferred)
     run = run_of(res, deferred)
     assert (run.status, run.error, run.error_class) == (RunStatus.OPEN, None, None)
 
@@ -203,7 +203,7 @@ def test_a_claim_that_counts_no_attempt_says_why_and_writes_nothing_of_the_job_s
 
     def claim(email_id: int, stage: Stage = Stage.CPU) -> object:
         with res.db.transaction() as session:
-            return runs.claim_attempt(session, email_id, policy.Limits(4, 10), stage=stage)
+            return runs.claim(session, email_id, policy.Limits(4, 10), stage=stage)
 
     assert claim(10**9) == runs.Refused(runs.Refusal.NO_EMAIL)
     assert claim(closed) == runs.Refused(runs.Refusal.CLOSED)

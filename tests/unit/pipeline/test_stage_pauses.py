@@ -13,7 +13,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
 from mailpipe.operations import actions
 from mailpipe.pipeline import job, stage_pauses
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import PipelineRun
 from tests.support.services import delete_prefix

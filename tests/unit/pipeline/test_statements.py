@@ -12,10 +12,11 @@ import pytest
 from sqlalchemy import event
 
 from mailpipe.cli.ingest import store_emails
-from mailpipe.pipeline import job, stage_pauses
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline import job, runs, stage_pauses
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
+from tests.unit.pipeline.test_job import remote_model
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -171,3 +172,89 @@ def test_the_model_calls_flag_is_read_once_per_cache_window(res) -> None:  # typ
         flags.set_model_calls(session, True)
     [later] = store_emails(res, [email(PLAIN, 9)])
     assert job.process_email(cached(res), later).kind is Kind.SUCCEEDED
+
+
+@contextmanager
+def runs_asked(res: Resources, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
+    """The state store's functions a delivery calls, by transaction: a list per transaction
+    begun on this engine that asked it anything (one reading only a flag or the pauses asks
+    nothing), each call named once."""
+    by_transaction: list[list[str]] = []
+    inside: list[str] = []  # a call of the store's own, under the one asked, is not asked
+
+    def counted(name: str, function):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            inside.append(name)
+            try:
+                return function(*args, **kwargs)
+            finally:  # a transaction begins at its first statement, in the call
+                inside.pop()
+                if not inside:
+                    by_transaction[-1].append(name)
+
+        return call
+
+    for name in (
+        "claim",
+        "lock_current",
+        "mark_parsed",
+        "mark_converted",
+        "mark_classified",
+        "close",
+        "give_back",
+        "record_failed_attempt",
+        "fail",
+    ):
+        monkeypatch.setattr(runs, name, counted(name, getattr(runs, name)))
+
+    def on_begin(_conn) -> None:  # type: ignore[no-untyped-def]
+        by_transaction.append([])
+
+    asked: list[list[str]] = []
+    event.listen(res.db.engine, "begin", on_begin)
+    try:
+        yield asked
+    finally:
+        event.remove(res.db.engine, "begin", on_begin)
+        asked.extend(calls for calls in by_transaction if calls)
+
+
+@pytest.mark.parametrize(
+    ("template", "asked"),
+    [
+        (PLAIN, [["claim"], ["close"]]),
+        (WITH_DOCUMENT, [["claim"], ["mark_parsed"], ["close"]]),
+    ],
+    ids=["plain", "with-a-document"],
+)
+def test_each_transaction_of_the_cpu_stage_asks_the_state_store_once(  # type: ignore[no-untyped-def]
+    res, monkeypatch, template, asked
+) -> None:
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    worker = cached(res)
+    first, second = store_emails(res, [email(template, 1), email(template, 2)])
+    assert job.process_email(worker, first).kind is Kind.SUCCEEDED
+    with runs_asked(worker, monkeypatch) as seen:
+        assert job.process_email(worker, second).kind is Kind.SUCCEEDED
+    assert seen == asked, seen
+
+
+def test_the_model_stage_asks_the_state_store_once_a_transaction(res, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    worker = remote_model(cached(res))
+    [email_id] = store_emails(res, [email(PLAIN, 1)])
+    with runs_asked(worker, monkeypatch) as seen:
+        assert job.process_email(worker, email_id).kind is Kind.HANDED_OFF
+        assert job.classify_email(worker, email_id).kind is Kind.SUCCEEDED
+    # The CPU stage: claim, then convert; the model stage: claim, the run locked before the
+    # model's input is read, the answer kept, then the labels and the close.
+    assert seen == [
+        ["claim"],
+        ["mark_converted"],
+        ["claim"],
+        ["lock_current"],
+        ["mark_classified"],
+        ["close"],
+    ]

@@ -12,7 +12,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from mailpipe.cli.ingest import store_emails
 from mailpipe.errors import describe, is_statement_timeout
 from mailpipe.pipeline import job
-from mailpipe.pipeline.outcome import Kind
+from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage import db, flags
