@@ -1,7 +1,7 @@
 """Celery configuration for every mailpipe process: lowercase Celery keys, values from the one
 settings object (`mailpipe.settings`), each with the reason it is set. `celeryconfig.py` at the
 top of the repository re-exports it. Figures behind the choices: docs/benchmarks.md and
-docs/decisions/; why each window has its value: docs/operations.md.
+docs/decisions/; why each window has its value: docs/settings.md.
 
 Only Celery's keys are public names here: Celery reads every public name of this module as a
 setting (`celery report` lists them), so helpers are imported under private names.

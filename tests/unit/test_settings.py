@@ -25,7 +25,7 @@ def test_embedded_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_production_windows_default_to_the_documented_values(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The values docs/operations.md and docs/sweeper.md state, and the reasons they rest on."""
+    """The values docs/settings.md and docs/sweeper.md state, and the reasons they rest on."""
     for name in list(os.environ):
         if name.startswith("MAILPIPE_"):
             monkeypatch.delenv(name)
