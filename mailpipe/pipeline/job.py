@@ -296,7 +296,6 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
     origin is recorded in a transaction of its own first, so that a copy stops before its
     documents are converted."""
     settings = res.settings
-    token = claim.token
     assert claim.blob_key is not None  # a claim of the CPU stage says where the email is
     raw = res.blobs.get(claim.blob_key, max_bytes=settings.max_email_bytes)
     parsed = parse_email(
@@ -313,10 +312,10 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
     to_link = None  # the origin, when the last transaction below finds it
     if parsed.attachments:
         with res.db.transaction() as session:
-            origin = _origin_unless_copy(session, email_id, token, parsed, defects)
+            origin = _origin_unless_copy(session, claim, parsed, defects)
             if origin is None:
                 return Verdict(Kind.DUPLICATE)
-            runs.mark_parsed(session, email_id, token, defects)
+            runs.mark_parsed(session, claim, defects)
             link_to_origin(session, email_id, parsed, origin)
 
     documents = convert_documents(parsed, settings)
@@ -331,7 +330,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
     )
     with _blobs_unless_forgotten(res, email_id, rows), res.db.transaction() as session:
         if not parsed.attachments:
-            to_link = _origin_unless_copy(session, email_id, token, parsed, defects)
+            to_link = _origin_unless_copy(session, claim, parsed, defects)
             if to_link is None:
                 return Verdict(Kind.DUPLICATE)
         store_documents(session, rows)
@@ -343,8 +342,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
             result = res.classifier.classify(email_text)
             runs.close(
                 session,
-                email_id,
-                token,
+                claim,
                 RunStatus.SUCCEEDED,
                 classified=True,
                 parse_defects=defects,
@@ -352,7 +350,7 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
             store_classification(session, claim.run_id, email_id, result)
             sync_model_labels(session, email_id, result.labels)
         else:
-            runs.mark_converted(session, email_id, token, defects, model_calls=model_calls)
+            runs.mark_converted(session, claim, defects, model_calls=model_calls)
             # What the model will read is kept, so that its stage never parses the email again.
             upsert(
                 session,
@@ -419,19 +417,18 @@ def _if_forgotten(res: Resources, email_id: int, *, ask_database: bool = True) -
 
 def _origin_unless_copy(
     session: Session,
-    email_id: int,
-    token: int,
+    claim: runs.Claim,
     parsed: ParsedEmail,
     defects: dict[str, object] | None,
 ) -> OriginResult | None:
     """The email's origin, found or recorded (which locks neither the run nor the email row),
     to link once the run is locked. None for a copy: its run is closed `duplicate` here and it
     is linked to the first email."""
-    origin = find_origin(session, email_id, parsed)
+    origin = find_origin(session, claim.email_id, parsed)
     if origin.duplicate_of is None:
         return origin
-    runs.close(session, email_id, token, RunStatus.DUPLICATE, parse_defects=defects)
-    link_to_origin(session, email_id, parsed, origin)
+    runs.close(session, claim, RunStatus.DUPLICATE, parse_defects=defects)
+    link_to_origin(session, claim.email_id, parsed, origin)
     return None
 
 
@@ -449,17 +446,16 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
 def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane) -> Verdict:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
-    token = claim.token
     with res.db.transaction() as session:
         if not res.model_calls(session):
-            runs.give_back(session, email_id, token, waiting=True)
+            runs.give_back(session, claim, waiting=True)
             return Verdict(Kind.WAITING)
         if claim.classified:
             # An earlier attempt stored the model's answer and died before the labels: no
             # second call, the labels come from the stored answer.
-            _close_with_labels(session, email_id, token, stored_result(session, claim.run_id))
+            _close_with_labels(session, claim, stored_result(session, claim.run_id))
             return Verdict(Kind.SUCCEEDED)
-        runs.lock_current(session, email_id, token)  # a delivery fenced off calls no model
+        runs.lock_current(session, claim)  # a delivery fenced off calls no model
         email_text = input_from_json(session.get_one(ModelInput, email_id).input)
 
     if res.classifier.remote:
@@ -473,24 +469,22 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
     # The answer is kept before anything else: a job that dies after the call never pays for it
     # twice (the sweeper re-adds such a run after MAILPIPE_STALL_AFTER).
     with res.db.transaction() as session:
-        _store_classification(session, email_id, claim, result)
+        _store_classification(session, claim, result)
     with res.db.transaction() as session:
-        _close_with_labels(session, email_id, token, result)
+        _close_with_labels(session, claim, result)
     return Verdict(Kind.SUCCEEDED)
 
 
 def _store_classification(
-    session: Session, email_id: int, claim: runs.Claim, result: ClassificationResult
+    session: Session, claim: runs.Claim, result: ClassificationResult
 ) -> None:
-    runs.mark_classified(session, email_id, claim.token)
-    store_classification(session, claim.run_id, email_id, result)
+    runs.mark_classified(session, claim)
+    store_classification(session, claim.run_id, claim.email_id, result)
 
 
-def _close_with_labels(
-    session: Session, email_id: int, token: int, result: ClassificationResult
-) -> None:
-    runs.close(session, email_id, token, RunStatus.SUCCEEDED)
-    sync_model_labels(session, email_id, result.labels)
+def _close_with_labels(session: Session, claim: runs.Claim, result: ClassificationResult) -> None:
+    runs.close(session, claim, RunStatus.SUCCEEDED)
+    sync_model_labels(session, claim.email_id, result.labels)
 
 
 def _after_error(
@@ -505,16 +499,13 @@ def _after_error(
     gone = _if_forgotten(res, email_id, ask_database=dependency_of(exc) is not Dependency.DATABASE)
     if gone is not None:
         return gone
-    token = claim.token
     # A throttle is the provider's answer, not a fault to check it for.
     outage = None if isinstance(exc, Throttled) else _outage(res, exc)
     fault = policy.fault_of(exc, outage)
     if fault is Fault.OUTAGE or fault is Fault.THROTTLED:
         # Not the email's attempt to lose: given back, then deferred or paused.
         def give_back(session: Session) -> bool:
-            runs.give_back(
-                session, email_id, token, error=describe(exc), error_class=error_class(exc)
-            )
+            runs.give_back(session, claim, error=describe(exc), error_class=error_class(exc))
             return True
 
         given_back = _write(res, give_back, False)
@@ -534,9 +525,7 @@ def _after_error(
     log.warning("email %s: rejected: %s", email_id, error)
 
     def fail(session: Session) -> Verdict:
-        runs.close(
-            session, email_id, token, RunStatus.FAILED, error=error, error_class=error_class(exc)
-        )
+        runs.close(session, claim, RunStatus.FAILED, error=error, error_class=error_class(exc))
         return Verdict(Kind.FAILED, error=error, error_class=error_class(exc))
 
     # The database is out: the attempt stays counted, the next one records how it ended.
@@ -565,8 +554,7 @@ def _after_failed_attempt(
         res,
         lambda session: runs.record_failed_attempt(
             session,
-            email_id,
-            claim.token,
+            claim,
             error,
             policy.Limits.of(settings),
             error_class=error_class(exc),

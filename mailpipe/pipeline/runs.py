@@ -74,8 +74,10 @@ from mailpipe.storage.models import (
 
 @dataclass(frozen=True)
 class Claim:
-    """An attempt counted for this delivery: its steps run under it."""
+    """An attempt counted for this delivery: its steps run under it, and every write they make
+    through this module is fenced by it (the email's run, at this claim's `token`)."""
 
+    email_id: int
     attempt: int  # the stage's attempts, this one included
     token: int  # the fence every later write of this delivery is checked against
     run_id: int
@@ -194,6 +196,7 @@ def _claim_locked(
     run.attempt_started_at = utcnow()
     run.waiting_since = None
     return Claim(
+        email_id,
         run.attempts,
         token=run.claims,
         run_id=run.id,
@@ -242,6 +245,7 @@ def _claim_if_ready(
         # Created just now: the email is flagged as having a run, as `ensure_runs` does.
         session.execute(_FLAG_HAS_RUN, {"flag_email_id": email_id})
     return Claim(
+        email_id,
         attempts,
         token=claims,
         run_id=run_id,
@@ -352,8 +356,12 @@ def ensure_runs(session: Session, email_ids: list[int]) -> None:
         )
 
 
-def lock_current(session: Session, email_id: int, token: int) -> PipelineRun:
-    """The run, locked, if it is still open at claim `token`; raises Superseded otherwise."""
+def lock_current(session: Session, claim: Claim) -> PipelineRun:
+    """The run, locked, if it is still open at `claim`; raises Superseded otherwise."""
+    return _lock_at(session, claim.email_id, claim.token)
+
+
+def _lock_at(session: Session, email_id: int, token: int) -> PipelineRun:
     run = _locked_run(session, email_id)
     if run.status is not RunStatus.OPEN:
         raise Superseded(f"email {email_id}: the run is {run.status.value} already")
@@ -362,20 +370,17 @@ def lock_current(session: Session, email_id: int, token: int) -> PipelineRun:
     return run
 
 
-def mark_parsed(
-    session: Session, email_id: int, token: int, parse_defects: dict[str, Any] | None
-) -> None:
+def mark_parsed(session: Session, claim: Claim, parse_defects: dict[str, Any] | None) -> None:
     """The email is parsed and is no copy: its documents are converted next, outside this
     transaction. Locks the run as `lock_current` does, and keeps what the parser got past."""
-    run = lock_current(session, email_id, token)
+    run = lock_current(session, claim)
     if parse_defects is not None:
         run.parse_defects = parse_defects
 
 
 def mark_converted(
     session: Session,
-    email_id: int,
-    token: int,
+    claim: Claim,
     parse_defects: dict[str, Any] | None = None,
     *,
     model_calls: bool,
@@ -396,19 +401,18 @@ def mark_converted(
     ended = _AttemptEnd(
         AttemptOutcome.HANDED_OFF if model_calls else AttemptOutcome.WAITING, at=now
     )
-    _update_fenced(session, email_id, token, values, parse_defects, ended)
+    _update_fenced(session, claim, values, parse_defects, ended)
 
 
-def mark_classified(session: Session, email_id: int, token: int) -> None:
+def mark_classified(session: Session, claim: Claim) -> None:
     """The model's answer is stored in this transaction: a later attempt syncs the labels from
     it and never calls the model again. Fenced as `close`."""
-    _update_fenced(session, email_id, token, {"classified_at": utcnow()}, None, None)
+    _update_fenced(session, claim, {"classified_at": utcnow()}, None, None)
 
 
 def close(
     session: Session,
-    email_id: int,
-    token: int,
+    claim: Claim,
     status: RunStatus,
     *,
     error: str | None = None,
@@ -425,7 +429,7 @@ def close(
     if classified:
         values["classified_at"] = values["closed_at"]
     ended = _AttemptEnd(_CLOSED_AS[status], error_class, error, values["closed_at"])
-    _update_fenced(session, email_id, token, values, parse_defects, ended)
+    _update_fenced(session, claim, values, parse_defects, ended)
 
 
 _CLOSED_AS = {
@@ -437,8 +441,7 @@ _CLOSED_AS = {
 
 def _update_fenced(
     session: Session,
-    email_id: int,
-    token: int,
+    claim: Claim,
     values: dict[str, Any],
     parse_defects: dict[str, Any] | None,
     ended: _AttemptEnd | None,
@@ -448,19 +451,18 @@ def _update_fenced(
     (a fenced-off delivery's row goes with the rollback Superseded brings)."""
     if parse_defects is not None:
         values["parse_defects"] = parse_defects
-    fence = {"fence_email_id": email_id, "fence_token": token}
+    fence = {"fence_email_id": claim.email_id, "fence_token": claim.token}
     connection = session.connection()
     if ended is not None:
         connection.execute(_RECORD_IF_AT_CLAIM, {**_ended_row(ended), **fence})
     if connection.execute(_UPDATE_IF_AT_CLAIM, {**values, **fence}).rowcount != 1:
-        lock_current(session, email_id, token)  # raises Superseded, saying why
-        raise Superseded(f"email {email_id}: the run is not at claim {token}")
+        lock_current(session, claim)  # raises Superseded, saying why
+        raise Superseded(f"email {claim.email_id}: the run is not at claim {claim.token}")
 
 
 def give_back(
     session: Session,
-    email_id: int,
-    token: int,
+    claim: Claim,
     *,
     error: str | None = None,
     error_class: str | None = None,
@@ -470,7 +472,7 @@ def give_back(
     rate-limited, an outage, model calls switched off). `error`, of `error_class`: why,
     for the attempt's row; the run's error stays as it was. `waiting`: model calls are off, and
     the run waits for them with no job of its own."""
-    run = lock_current(session, email_id, token)
+    run = lock_current(session, claim)
     if waiting:
         run.waiting_since = utcnow()
     ended = _AttemptEnd(AttemptOutcome.DEFERRED, error_class, error)
@@ -506,8 +508,7 @@ def _count_on_last_deferral(session: Session, run: PipelineRun, ended: _AttemptE
 
 def record_failed_attempt(
     session: Session,
-    email_id: int,
-    token: int,
+    claim: Claim,
     error: str,
     limits: policy.Limits,
     *,
@@ -516,7 +517,7 @@ def record_failed_attempt(
     """Record a failed attempt as the policy judges it: the run goes on while attempts remain
     (None), and fails for good once none do (`Failed`). The attempt's row keeps its own error;
     a run failed here says its attempts are used up."""
-    run = lock_current(session, email_id, token)
+    run = lock_current(session, claim)
     ending = policy.failed_attempt(run.attempts, run.cutoffs, limits, error_class, error)
     return _record_ending(session, run, ending)
 

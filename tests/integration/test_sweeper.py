@@ -76,13 +76,14 @@ def classify_then_die(res: Resources, email_id: int) -> None:
     assert job.process_email(res, email_id).kind is Kind.WAITING  # the CPU stage, done
     set_model_calls(res, model_calls)
     with res.db.transaction() as session:
-        token = runs.claim(
+        claim = runs.claim(
             session, email_id, policy.Limits.of(res.settings), stage=queues.Stage.MODEL
-        ).token
+        )
+    assert isinstance(claim, runs.Claim), claim
     with res.db.transaction() as session:
-        run = runs.lock_current(session, email_id, token)
+        run = runs.lock_current(session, claim)
         store_classification(session, run.id, email_id, ClassificationResult((), "m", "p"))
-        runs.mark_classified(session, email_id, token)
+        runs.mark_classified(session, claim)
 
 
 def answered_earlier(res: Resources, email_id: int, seconds: float) -> None:

@@ -219,8 +219,10 @@ job.process_email = _process_email_with_faults
 _real_store_classification = job._store_classification
 
 
-def _store_classification_with_faults(session, email_id: int, *args: object) -> None:  # type: ignore[no-untyped-def]
-    _real_store_classification(session, email_id, *args)
+def _store_classification_with_faults(session, *args: object) -> None:  # type: ignore[no-untyped-def]
+    _real_store_classification(session, *args)
+    # This release passes the claim, which names the email; the previous one the email's id.
+    email_id = args[0] if isinstance(args[0], int) else args[0].email_id  # type: ignore[attr-defined]
     from mailpipe.resources import get_resources
 
     redis = get_resources().redis

@@ -269,7 +269,7 @@ def test_a_deleted_run_reads_as_superseded(res) -> None:  # type: ignore[no-unty
     assert claim is not None
     actions.forget(res, [email_id], enqueue=sender(res), user=USER)
     with res.db.transaction() as session, pytest.raises(runs.Superseded, match="gone"):
-        runs.lock_current(session, email_id, claim.token)
+        runs.lock_current(session, claim)
     with res.db.transaction() as session:
         refused = runs.claim(session, email_id, policy.Limits.of(res.settings))
     assert refused == runs.Refused(runs.Refusal.NO_EMAIL)

@@ -49,9 +49,10 @@ def classify_on_a_run(res: Resources, result: ClassificationResult) -> int:
     synced in the same transaction, as the pipeline does."""
     [email_id] = store_emails(res, [PHISHING])
     with res.db.transaction() as session:
-        attempt = runs.claim(session, email_id, policy.Limits.of(res.settings)).attempt
+        claim = runs.claim(session, email_id, policy.Limits.of(res.settings))
+    assert isinstance(claim, runs.Claim), claim
     with res.db.transaction() as session:
-        run = runs.lock_current(session, email_id, attempt)
+        run = runs.lock_current(session, claim)
         store_classification(session, run.id, email_id, result)
         sync_model_labels(session, email_id, result.labels)
     return email_id

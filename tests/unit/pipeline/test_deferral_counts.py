@@ -25,12 +25,12 @@ from tests.unit.pipeline.test_job import history as outcomes
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
-def claimed(res: Resources, email_id: int) -> int:
-    """A delivery's claim of the run: its token."""
+def claimed(res: Resources, email_id: int) -> runs.Claim:
+    """A delivery's claim of the run."""
     with res.db.transaction() as session:
         claim = runs.claim(session, email_id, policy.Limits.of(res.settings))
     assert isinstance(claim, runs.Claim), claim
-    return claim.token
+    return claim
 
 
 def deferrals(res: Resources, email_id: int) -> list[int | None]:
@@ -72,15 +72,15 @@ def test_a_deferral_after_another_end_starts_a_row_of_its_own(res) -> None:  # t
 
     def deferred(times: int) -> None:
         for _ in range(times):
-            token = claimed(res, email_id)
+            claim = claimed(res, email_id)
             with res.db.transaction() as session:
-                runs.give_back(session, email_id, token, error="slow down", error_class="Throttled")
+                runs.give_back(session, claim, error="slow down", error_class="Throttled")
 
     deferred(2)
-    token = claimed(res, email_id)
+    claim = claimed(res, email_id)
     with res.db.transaction() as session:
         failed = runs.record_failed_attempt(
-            session, email_id, token, "it broke", policy.Limits(4, 10), error_class="TransientError"
+            session, claim, "it broke", policy.Limits(4, 10), error_class="TransientError"
         )
     assert failed is None  # attempts remain
     deferred(3)
@@ -98,7 +98,7 @@ def test_a_deferral_row_of_the_release_before_counts_one_and_is_not_counted_on(r
     [email_id] = store_emails(res, [PLAIN])
     with res.db.transaction() as session:
         runs.ensure_runs(session, [email_id])
-    token = claimed(res, email_id)
+    claim = claimed(res, email_id)
     run = run_of(res, email_id)
     with res.db.transaction() as session:
         session.execute(
@@ -112,7 +112,7 @@ def test_a_deferral_row_of_the_release_before_counts_one_and_is_not_counted_on(r
                 error_class="Throttled",
             )
         )
-        runs.give_back(session, email_id, token, error="slow down", error_class="Throttled")
+        runs.give_back(session, claim, error="slow down", error_class="Throttled")
     assert deferrals(res, email_id) == [None, 1]
     with res.db.session() as session:
         shown = history(session, email_id)["history"]

@@ -315,15 +315,15 @@ def test_a_stale_delivery_cannot_pass_for_a_later_claim(res) -> None:  # type: i
     with res.db.transaction() as session:
         b = runs.claim(session, email_id, policy.Limits(4, 10))  # the retry, after its backoff
     with res.db.transaction() as session:
-        runs.mark_converted(session, email_id, b.token, model_calls=True)
+        runs.mark_converted(session, b, model_calls=True)
     with res.db.transaction() as session:
         c = runs.claim(session, email_id, policy.Limits(4, 10), stage=Stage.MODEL)
     assert (a.attempt, b.attempt, c.attempt) == (1, 2, 1)
     assert (a.token, b.token, c.token) == (1, 2, 3)
     with pytest.raises(runs.Superseded), res.db.transaction() as session:
-        runs.mark_converted(session, email_id, a.token, model_calls=True)
+        runs.mark_converted(session, a, model_calls=True)
     with res.db.transaction() as session:
-        runs.close(session, email_id, c.token, RunStatus.SUCCEEDED)
+        runs.close(session, c, RunStatus.SUCCEEDED)
     assert run_of(res, email_id).status is RunStatus.SUCCEEDED
 
 
