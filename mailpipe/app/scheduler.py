@@ -33,7 +33,7 @@ from mailpipe.app.periodic import Periodic
 from mailpipe.broker.queues import control_queue, job_queues
 from mailpipe.coordination import redis_keys
 from mailpipe.enqueue import declare_queue
-from mailpipe.operations import housekeeping, metrics
+from mailpipe.operations import housekeeping, metrics, sinks
 from mailpipe.resources import get_resources
 from mailpipe.settings import get_settings
 
@@ -57,7 +57,7 @@ class LockedScheduler(PersistentScheduler):
         self._active = False
         self._health_file: Path = settings.beat_health_file
         self._health_file_failed = False
-        res, sink = get_resources(), metrics.make_sink(settings)
+        res, sink = get_resources(), sinks.make_sink(settings)
         self._reporter = Periodic(
             "metrics report", lambda: metrics.report(res, sink), settings.metrics_interval
         )

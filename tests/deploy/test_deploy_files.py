@@ -29,7 +29,8 @@ from mailpipe.broker.queues import (
     model_queue,
     stage_queue,
 )
-from mailpipe.operations.metrics import JOB_COUNT_NAMES, BacklogMetrics, metric_data, stage_jobs
+from mailpipe.operations.metrics import JOB_COUNT_NAMES, BacklogMetrics, stage_jobs
+from mailpipe.operations.sinks import metric_data
 from mailpipe.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

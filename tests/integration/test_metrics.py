@@ -30,7 +30,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
 from mailpipe.coordination.heartbeat import redis_time
 from mailpipe.enqueue import enqueue_emails, send_job
-from mailpipe.operations import metrics, sweeper
+from mailpipe.operations import metrics, sinks, sweeper
 from mailpipe.pipeline import runs
 from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
@@ -152,8 +152,9 @@ def report(env: dict[str, str]) -> None:
     """One report, what beat's reporter sends every interval, run once by hand."""
     in_fleet(
         env,
-        "from mailpipe.operations import metrics; from mailpipe.resources import get_resources; "
-        "res = get_resources(); metrics.make_sink(res.settings).send(metrics.collect(res))",
+        "from mailpipe.operations import metrics, sinks; "
+        "from mailpipe.resources import get_resources; "
+        "res = get_resources(); sinks.make_sink(res.settings).send(metrics.collect(res))",
     )
 
 
@@ -572,8 +573,8 @@ def test_the_sweeper_reads_the_backlog_and_sends_nothing(res) -> None:  # type: 
             "cloudwatch_endpoint_url": os.environ["MAILPIPE_S3_ENDPOINT_URL"],
         }
     )
-    assert isinstance(metrics.make_sink(settings), metrics.CloudWatchSink)
-    assert metrics.make_sink(res.settings).__class__ is metrics.LogMetricsSink  # no namespace
+    assert isinstance(sinks.make_sink(settings), sinks.CloudWatchSink)
+    assert sinks.make_sink(res.settings).__class__ is sinks.LogMetricsSink  # no namespace
     store_emails(res, [good_email(i) for i in range(3)])
     # The sweep runs with the settings that give it a CloudWatch namespace: were it to send
     # figures, they would be there.
@@ -720,7 +721,7 @@ def test_a_bulk_lane_reports_its_own_figures(res) -> None:  # type: ignore[no-un
     res.redis.zadd(redis_keys.workers_on(live_queue), {"celery@a:1:x": now})
     res.redis.zadd(redis_keys.workers_on(bulk_queue), {"celery@a:1:x": now, "celery@b:1:y": now})
     sent_from = time.time() - 1
-    metrics.CloudWatchSink(namespace, endpoint).send(metrics.collect(res))
+    sinks.CloudWatchSink(namespace, endpoint).send(metrics.collect(res))
     sent_until = time.time() + 1
 
     def sent(name: str, lane: Lane, queue: str = live_queue) -> float:

@@ -13,11 +13,10 @@ from mailpipe.operations.metrics import (
     JOB_COUNT_NAMES,
     JOB_COUNTS,
     BacklogMetrics,
-    LogMetricsSink,
     duration_step,
-    metric_data,
     stage_jobs,
 )
+from mailpipe.operations.sinks import LogMetricsSink, metric_data
 from mailpipe.storage.models import AttemptOutcome
 
 
