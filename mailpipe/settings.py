@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -42,6 +42,9 @@ WEB_SECRET_BYTES = 32
 # float with NaN (`allow_inf_nan`).
 LONGEST_DAYS = 3650
 LONGEST_S = LONGEST_DAYS * 24 * 3600
+# A window, wait or interval in seconds, within that bound; each field adds its own least value.
+Seconds = Annotated[float, Field(le=LONGEST_S)]
+WholeSeconds = Annotated[int, Field(le=LONGEST_S)]
 
 
 def is_loopback(host: str) -> bool:
@@ -81,33 +84,33 @@ class Settings(BaseSettings):
     model_burst: int = Field(5, ge=1)
     model_max_in_flight: int = Field(16, ge=1)  # fleet-wide model calls at once
     # How long a model-stage job waits in its thread for a model-call slot before it is deferred.
-    model_slot_wait: float = Field(30.0, ge=0, le=LONGEST_S)
+    model_slot_wait: Seconds = Field(30.0, ge=0)
     # How long a job process trusts the model-calls flag it read (seconds): `mailpipe model-calls
     # on|off` reaches every worker within this; 0 reads it on every job.
-    model_calls_cache_seconds: float = Field(5.0, ge=0, le=LONGEST_S)
+    model_calls_cache_seconds: Seconds = Field(5.0, ge=0)
 
     # Jobs: time limits, retries and the broker's redelivery window (seconds).
-    visibility_timeout: int = Field(1800, ge=5, le=LONGEST_S)
-    task_soft_time_limit: int = Field(240, ge=1, le=LONGEST_S)
-    task_time_limit: int = Field(300, ge=2, le=LONGEST_S)
+    visibility_timeout: WholeSeconds = Field(1800, ge=5)
+    task_soft_time_limit: WholeSeconds = Field(240, ge=1)
+    task_time_limit: WholeSeconds = Field(300, ge=2)
     max_retries: int = Field(3, ge=0)
     # A failed attempt waits between half and all of min(max, base * 2**(attempt - 1)): with the
     # defaults the 3 retries wait 100-200, 200-400 and 400-800 s, at least 700 s together, so
     # that an email whose own attempts fail keeps them over minutes, not seconds.
-    retry_backoff_base: float = Field(200.0, gt=0, le=LONGEST_S)
-    retry_backoff_max: int = Field(900, ge=1, le=LONGEST_S)
+    retry_backoff_base: Seconds = Field(200.0, gt=0)
+    retry_backoff_max: WholeSeconds = Field(900, ge=1)
     # Renewed before half of it has passed while the job runs.
-    lease_ttl: int = Field(30, ge=3, le=LONGEST_S)
+    lease_ttl: WholeSeconds = Field(30, ge=3)
     # The enqueue dedup marker lapses this long after it was last set; sweeps refresh the markers
     # of jobs they find in the broker, so a waiting job keeps its marker however long it waits.
-    dedup_ttl: int = Field(3600, ge=2, le=LONGEST_S)
+    dedup_ttl: WholeSeconds = Field(3600, ge=2)
     # Deferrals (a held lease, the fleet rate limit, the provider's throttling) wait without
     # using an attempt, this long in all before the run is failed with the reason. A job waiting
     # out a dependency's outage is deferred too, from `defer_base` seconds growing with the time
     # waited up to `defer_max` at a time, and never failed for it.
-    max_deferral: int = Field(3600, ge=1, le=LONGEST_S)
-    defer_base: float = Field(5.0, gt=0, le=LONGEST_S)
-    defer_max: float = Field(60.0, gt=0, le=LONGEST_S)
+    max_deferral: WholeSeconds = Field(3600, ge=1)
+    defer_base: Seconds = Field(5.0, gt=0)
+    defer_max: Seconds = Field(60.0, gt=0)
     # A job cut off by the soft-shutdown window (a deploy, a scale-in) goes back to the queue with
     # its attempt given back; past this many cut-offs it can never fit a window, and its run fails.
     max_shutdown_cutoffs: int = Field(10, ge=1)
@@ -120,20 +123,20 @@ class Settings(BaseSettings):
     # long it lasts; past `outage_alarm_after` seconds the stage's alarm fires. A process keeps a
     # check's verdict `health_cache_seconds`.
     pause_after_emails: int = Field(3, ge=1)
-    pause_window: float = Field(60.0, gt=0, le=LONGEST_S)
-    pause_probe_interval: float = Field(30.0, gt=0, le=LONGEST_S)
-    outage_alarm_after: float = Field(900.0, gt=0, le=LONGEST_S)
-    health_cache_seconds: float = Field(5.0, ge=0, le=LONGEST_S)
+    pause_window: Seconds = Field(60.0, gt=0)
+    pause_probe_interval: Seconds = Field(30.0, gt=0)
+    outage_alarm_after: Seconds = Field(900.0, gt=0)
+    health_cache_seconds: Seconds = Field(5.0, ge=0)
 
     # Worker liveness: each worker's main process writes a heartbeat with the messages it holds;
     # a worker silent for `worker_dead_after` seconds is dead, and its messages go back to the
     # front of their queue at once instead of after the visibility timeout.
-    worker_heartbeat_interval: float = Field(10.0, gt=0, le=LONGEST_S)
-    worker_dead_after: float = Field(30.0, gt=0, le=LONGEST_S)
+    worker_heartbeat_interval: Seconds = Field(10.0, gt=0)
+    worker_dead_after: Seconds = Field(30.0, gt=0)
 
     # Database connections: a dead or unreachable server fails a statement in seconds, as a
     # transient error, instead of hanging the job until its hard time limit.
-    db_connect_timeout: int = Field(5, ge=1, le=LONGEST_S)
+    db_connect_timeout: WholeSeconds = Field(5, ge=1)
     # PostgreSQL takes at most 2^31 - 1 ms as a statement's timeout, and libpq as the
     # connection's (tcp_user_timeout: their sum, storage/db.py); Linux 32767 s as TCP_KEEPIDLE.
     db_statement_timeout: int = Field(30, ge=1, le=2_000_000)
@@ -166,7 +169,7 @@ class Settings(BaseSettings):
     # first job costs ~0.2 s; the memory cap is the guard against one pathological document.
     worker_max_tasks_per_child: int = Field(10_000, ge=1)
     worker_max_memory_per_child_kb: int = Field(400 * 1024, ge=10 * 1024)
-    soft_shutdown_timeout: float = Field(90.0, ge=0, le=LONGEST_S)  # inside ECS's 120 s stopTimeout
+    soft_shutdown_timeout: Seconds = Field(90.0, ge=0)  # inside ECS's 120 s stopTimeout
 
     # Parsing limits: an email over any of them is rejected, not retried.
     max_email_bytes: int = Field(50 * 1024 * 1024, ge=1024)
@@ -181,24 +184,24 @@ class Settings(BaseSettings):
     doc_max_uncompressed_bytes: int = Field(200 * 1024 * 1024, ge=1)
     doc_max_zip_entries: int = Field(5_000, ge=1)
     doc_max_zip_ratio: float = Field(200.0, gt=1)
-    doc_time_limit: float = Field(30.0, gt=0, le=LONGEST_S)
+    doc_time_limit: Seconds = Field(30.0, gt=0)
     doc_max_text_chars: int = Field(2_000_000, ge=1000)
     doc_inline_text_bytes: int = Field(64 * 1024, ge=0)  # longer text goes to blob storage
 
     # Sweeper.
-    sweep_interval: float = Field(300.0, gt=0, le=LONGEST_S)
+    sweep_interval: Seconds = Field(300.0, gt=0)
     sweep_batch_size: int = Field(1000, ge=1)
     # Open runs already classified count as stalled after this.
-    stall_after: int = Field(1800, ge=0, le=LONGEST_S)
+    stall_after: WholeSeconds = Field(1800, ge=0)
     max_sweeps: int = Field(3, ge=1)
-    beat_lock_timeout: int = Field(60, ge=5, le=LONGEST_S)
+    beat_lock_timeout: WholeSeconds = Field(60, ge=5)
 
     # The most emails one operator's reprocess takes (a model call each with a remote model);
     # more only with the override every face names (`reprocess --over-max`, `over_max`).
     reprocess_max: int = Field(10_000, ge=1)
 
     # Housekeeping (mailpipe.operations.housekeeping), by beat's lock holder.
-    housekeeping_interval: float = Field(3600.0, gt=0, le=LONGEST_S)  # seconds between passes
+    housekeeping_interval: Seconds = Field(3600.0, gt=0)  # seconds between passes
     # Closed runs' attempts, sweep reports.
     keep_attempts_days: float = Field(30.0, gt=0, le=LONGEST_DAYS)
     housekeeping_batch: int = Field(1000, ge=1, le=100_000)  # rows per transaction
@@ -206,7 +209,7 @@ class Settings(BaseSettings):
     # Metrics.
     metrics_namespace: str | None = None  # unset: metrics go to the log
     # Seconds between the fleet's reports (beat).
-    metrics_interval: float = Field(60.0, gt=0, le=LONGEST_S)
+    metrics_interval: Seconds = Field(60.0, gt=0)
     # A CloudWatch-compatible endpoint (tests); boto3's AWS_ENDPOINT_URL_CLOUDWATCH works too.
     cloudwatch_endpoint_url: str | None = None
 

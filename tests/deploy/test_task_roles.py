@@ -15,7 +15,6 @@ Beat, model and release call no S3 at all, and their policies grant no S3 action
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from collections.abc import Iterator
@@ -39,7 +38,8 @@ from mailpipe.storage import flags
 from mailpipe.storage.keys import document_texts
 from mailpipe.storage.models import Document, EmailMessage, PipelineRun, RunStatus
 from tests.support.cloudformation import resolved
-from tests.support.document_samples import docx_with_text
+from tests.support.document_samples import DOCX, docx_with_text
+from tests.support.emails import raw_email
 from tests.support.services import S3Server
 
 pytestmark = pytest.mark.services
@@ -164,16 +164,12 @@ def as_role(res, keys, monkeypatch):  # type: ignore[no-untyped-def]
 
 def an_email_with_a_document(tag: str) -> bytes:
     document = docx_with_text(f"the attached text {tag}")
-    body = base64.encodebytes(document).decode()
-    return (
-        "From: a@example.org\r\nTo: b@example.org\r\nSubject: with a document\r\n"
-        f"Message-ID: <{tag}@example.org>\r\nMIME-Version: 1.0\r\n"
-        'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
-        "--b\r\nContent-Type: text/plain\r\n\r\nhello\r\n"
-        "--b\r\nContent-Type: application/vnd.openxmlformats-officedocument."
-        'wordprocessingml.document\r\nContent-Disposition: attachment; filename="a.docx"\r\n'
-        f"Content-Transfer-Encoding: base64\r\n\r\n{body}\r\n--b--\r\n"
-    ).encode()
+    return raw_email(
+        "with a document",
+        to="b@example.org",
+        message_id=f"{tag}@example.org",
+        attachments=[("a.docx", DOCX, document)],
+    )
 
 
 def refused(call: Any) -> bool:

@@ -10,12 +10,12 @@ from mailpipe.enqueue import enqueue_email, enqueue_emails
 from mailpipe.pipeline import job
 from mailpipe.storage import flags
 from mailpipe.storage.models import PipelineRun
-from tests.support.emails import nested_multipart
+from tests.support.emails import nested_multipart, raw_email
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
-GOOD = b"From: a@example.org\r\nSubject: Invoice 7\r\nMessage-ID: <good@x>\r\n\r\nAmount due: 5 EUR\r\n"
+GOOD = raw_email("Invoice 7", message_id="good@x", body="Amount due: 5 EUR")
 # An address header the default policy cannot read; the job must read it raw and go on.
 RAISING_HEADER = (
     b'From: =?utf-8?b?////?= <@@@>, "unclosed\r\nTo: <<>>\r\nSubject: odd\r\n\r\nbody\r\n'

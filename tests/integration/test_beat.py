@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
+from tests.support.emails import raw_email
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -79,7 +80,7 @@ def test_flush_while_200_emails_wait_then_each_is_processed_once(res, tmp_path: 
     folder.mkdir()
     for i in range(200):
         (folder / f"{i:03}.eml").write_bytes(
-            f"From: a@example.org\r\nSubject: Invoice {i}\r\nMessage-ID: <f{i}@x>\r\n\r\nAmount due {i}\r\n".encode()
+            raw_email(f"Invoice {i}", message_id=f"f{i}@x", body=f"Amount due {i}")
         )
     ingest = subprocess.run(
         [sys.executable, "-m", "mailpipe.cli.main", "ingest", str(folder)],

@@ -15,6 +15,7 @@ from mailpipe.broker.queues import control_queue, email_queue, model_queue
 from mailpipe.cli.ingest import store_emails
 from mailpipe.storage.models import PipelineRun, RunAttempt
 from tests.support.bedrock_server import BedrockServer
+from tests.support.emails import raw_email
 from tests.support.fleet import Fleet
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and t
 
 
 def email(tag: str) -> bytes:
-    return f"From: a@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\nAmount due\r\n".encode()
+    return raw_email(f"Invoice {tag}", message_id=f"{tag}@x", body="Amount due")
 
 
 def run_of(res, email_id: int) -> PipelineRun:  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
 from mailpipe.storage.models import Document, PipelineRun
 from tests.support.document_samples import (
+    DOCX,
     corpus_files,
     docx_zip_bomb,
     nested_email,
@@ -28,7 +29,6 @@ from tests.support.waits import wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
-DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 XLSX = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
 
 

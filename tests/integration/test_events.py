@@ -16,6 +16,7 @@ from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
+from tests.support.emails import raw_email
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -50,7 +51,7 @@ def test_every_jobs_events_arrive_and_the_last_ones_at_shutdown(res, tmp_path: P
         flags.set_model_calls(session, True)
     ids = store_emails(
         res,
-        [f"From: a@example.org\r\nSubject: e{i}\r\n\r\nbody {i}\r\n".encode() for i in range(JOBS)],
+        [raw_email(f"e{i}", body=f"body {i}") for i in range(JOBS)],
     )
     with app.connection_for_read() as connection:
         receiver = JobEvents(connection, app=app)

@@ -17,8 +17,9 @@ from mailpipe.operations.status import email_detail
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, RunAttempt
 from tests.integration.test_web import failed_run
+from tests.support.emails import raw_email
 from tests.support.waits import wait_for, wait_until_closed
-from tests.unit.operations.test_housekeeping import OLD, add_attempts
+from tests.unit.operations.test_housekeeping import OLD, add_retries
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -41,7 +42,7 @@ def test_the_attempt_table_stays_flat_while_the_fleet_works(res, tmp_path: Path)
         flags.set_model_calls(session, True)
     # A run on the failed list, with its attempts: the operator still needs them.
     listed = failed_run(res)
-    add_attempts(res, listed, OLD)
+    add_retries(res, listed, OLD)
     with res.db.session() as session:
         needed = session.scalar(
             select(func.count()).select_from(RunAttempt).where(RunAttempt.email_id == listed)
@@ -58,8 +59,9 @@ def test_the_attempt_table_stays_flat_while_the_fleet_works(res, tmp_path: Path)
             folder.mkdir()
             for i in range(PER_WAVE):
                 (folder / f"{i:03}.eml").write_bytes(
-                    f"From: a@example.org\r\nSubject: Invoice {wave}-{i}\r\n"
-                    f"Message-ID: <h{wave}-{i}@x>\r\n\r\nAmount due {i}\r\n".encode()
+                    raw_email(
+                        f"Invoice {wave}-{i}", message_id=f"h{wave}-{i}@x", body=f"Amount due {i}"
+                    )
                 )
             subprocess.run(
                 [sys.executable, "-m", "mailpipe.cli.main", "ingest", str(folder)],

@@ -22,19 +22,22 @@ from mailpipe.storage.models import (
     RunAttempt,
 )
 from tests.support.database import clean
+from tests.support.emails import raw_email
 from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
-EMAIL = (
-    b"From: billing@acme.example\r\nTo: d@example.org\r\nSubject: Invoice 9\r\nMessage-ID: <i9@acme>\r\n"
-    b'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
-    b"--b\r\nContent-Type: text/plain\r\n\r\nAmount due: 3 EUR. Unsubscribe here.\r\n"
-    b'--b\r\nContent-Type: text/csv; name="a.csv"\r\nContent-Disposition: attachment; filename="a.csv"\r\n\r\n'
-    b"x,y\r\n1,2\r\n--b--\r\n"
-)
-COPY = EMAIL.replace(b"To: d@", b"Received: from mx2\r\nTo: d@")
+INVOICE = {
+    "subject": "Invoice 9",
+    "sender": "billing@acme.example",
+    "to": "d@example.org",
+    "message_id": "i9@acme",
+    "body": "Amount due: 3 EUR. Unsubscribe here.",
+    "attachments": [("a.csv", "text/csv", b"x,y\r\n1,2\r\n")],
+}
+EMAIL = raw_email(**INVOICE)
+COPY = raw_email(**INVOICE, headers={"Received": "from mx2"})  # another delivery of it
 MODELS = (EmailMessage, EmailOrigin, PipelineRun, RunAttempt, Document, EmailLabel, Classification)
 # Columns that record when, or how long, rather than what.
 WHEN = {

@@ -15,6 +15,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.pipeline import runs
 from mailpipe.storage.models import EmailMessage, ErrorClass
 from tests.support.bedrock_server import BedrockServer
+from tests.support.emails import raw_email
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for
 
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def emails(n: int, tag: str) -> list[bytes]:
-    return [
-        f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <{tag}{i}@x>\r\n\r\nbody {i}\r\n".encode()
-        for i in range(n)
-    ]
+    return [raw_email(f"s{i}", message_id=f"{tag}{i}@x", body=f"body {i}") for i in range(n)]
 
 
 def mailpipe(f: Fleet, *args: str) -> str:

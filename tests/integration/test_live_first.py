@@ -24,6 +24,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
+from tests.support.emails import raw_email
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -37,8 +38,7 @@ SHARE = 0.1
 def plain_emails(count: int) -> list[bytes]:
     tag = uuid.uuid4().hex[:8]  # distinct emails, not copies of one another
     return [
-        b"From: a@example.org\r\nTo: b@example.org\r\nSubject: lanes\r\n"
-        b"Message-ID: <%s.%d@example.org>\r\n\r\nhello\r\n" % (tag.encode(), n)
+        raw_email("lanes", to="b@example.org", message_id=f"{tag}.{n}@example.org")
         for n in range(count)
     ]
 

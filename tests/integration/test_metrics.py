@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ from mailpipe.resources import Resources
 from mailpipe.settings import get_settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import ErrorClass, PipelineRun, RunAttempt, RunStatus
+from tests.support.emails import raw_email
+from tests.support.failed_runs import add_attempts, attempt
 from tests.support.fleet import enqueue_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
@@ -66,11 +68,9 @@ def stage_dimension(stage: Stage) -> list[dict[str, str]]:
 
 
 def good_email(i: int) -> bytes:
-    message_id = f"<m{i}-{uuid.uuid4().hex}@x>"
-    return (
-        f"From: a@example.org\r\nSubject: Invoice {i}\r\nMessage-ID: {message_id}\r\n\r\n"
-        f"Amount due {i}\r\n"
-    ).encode()
+    return raw_email(
+        f"Invoice {i}", message_id=f"m{i}-{uuid.uuid4().hex}@x", body=f"Amount due {i}"
+    )
 
 
 def metrics_settings(endpoint: str | None = None, interval: float = 60.0) -> dict[str, str]:
@@ -427,29 +427,15 @@ def test_only_the_beat_holding_the_lock_reports(res, tmp_path: Path) -> None:  #
     )  # the control queue is not a job queue: no figures of its own
 
 
-def add_attempts(res: Resources, rows: list[tuple[str, str, float | None, float]]) -> list[int]:
+def with_attempts(res: Resources, rows: list[tuple[str, str, float | None, float]]) -> list[int]:
     """One email and run per (stage, outcome, seconds it ran or None, when it ended as unix time),
     with its attempt row, as the job writes them."""
     ids = store_emails(res, [good_email(i) for i in range(len(rows))])
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
-        run_ids = {
-            row.email_id: row.id
-            for row in session.execute(select(PipelineRun.email_id, PipelineRun.id))
-        }
-        for email_id, (stage, outcome, seconds, ended) in zip(ids, rows, strict=True):
-            ended_at = datetime.fromtimestamp(ended, UTC).replace(tzinfo=None)
-            session.add(
-                RunAttempt(
-                    run_id=run_ids[email_id],
-                    email_id=email_id,
-                    stage=stage,
-                    attempt=1,
-                    started_at=None if seconds is None else ended_at - timedelta(seconds=seconds),
-                    ended_at=ended_at,
-                    outcome=outcome,
-                )
-            )
+    for email_id, (stage, outcome, seconds, ended) in zip(ids, rows, strict=True):
+        ended_at = datetime.fromtimestamp(ended, UTC).replace(tzinfo=None)
+        add_attempts(res, email_id, [attempt(stage, outcome, ended_at, ran=seconds)])
     return ids
 
 
@@ -463,7 +449,7 @@ def test_failed_runs_and_ended_attempts_are_counted_once_across_concurrent_repor
             assert runs.fail(
                 session, email_id, "given up", error_class=ErrorClass.DEFERRED_TOO_LONG
             )
-    add_attempts(res, [("cpu", "succeeded", 0.2, time.time())] * 5)
+    with_attempts(res, [("cpu", "succeeded", 0.2, time.time())] * 5)
     wait_for_window_to_settle(res)
     reporters = [Resources(get_settings()) for _ in range(8)]
     barrier = threading.Barrier(len(reporters))
@@ -501,7 +487,7 @@ def test_a_report_gives_each_stage_s_jobs_and_durations(res) -> None:  # type: i
     cursor_key = env["MAILPIPE_REDIS_PREFIX"] + "mailpipe:metrics:report-cursor"
     now = time.time()
     res.redis.set(cursor_key, repr(now - 30))  # where the last report stopped
-    add_attempts(
+    with_attempts(
         res,
         [
             # before the window: counted by the last report

@@ -27,6 +27,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.mail.parse import ParsedEmail
 from mailpipe.storage.models import Document, EmailMessage, PipelineRun, RunAttempt
 from tests.support.corpus import parse_corpus
+from tests.support.emails import raw_email
 from tests.support.flower import Flower
 from tests.support.hostile import INPUTS
 from tests.support.paths import REPO
@@ -36,10 +37,10 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 # Emails that meet the quoting bug: each with words of its own, in its subject and its body.
 QUOTED = {
-    "quote": b"From: a@example.org\r\nSubject: Quarterly Sonnenschein figures\r\n\r\n"
-    b"Please wire the Zahlungseingang.\r\n",
-    "quote-outside": b"From: b@example.org\r\nSubject: Marmalade Kumquatish order\r\n\r\n"
-    b"The Brontosaurier invoice.\r\n",
+    "quote": raw_email("Quarterly Sonnenschein figures", body="Please wire the Zahlungseingang."),
+    "quote-outside": raw_email(
+        "Marmalade Kumquatish order", sender="b@example.org", body="The Brontosaurier invoice."
+    ),
 }
 WORD = re.compile(r"[A-Za-z]{6,}")
 LETTERS = re.compile(r"[A-Za-z]+")

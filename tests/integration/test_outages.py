@@ -9,7 +9,6 @@ alone, after its attempts, with an error class of its own, and the stage never p
 
 from __future__ import annotations
 
-import base64
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,8 @@ from tests.support.bedrock_server import (
     unlimited_bedrock_env,
 )
 from tests.support.database import on_server
-from tests.support.document_samples import docx_bytes
+from tests.support.document_samples import DOCX, docx_bytes
+from tests.support.emails import raw_email
 from tests.support.flaky_proxy import FlakyProxy
 from tests.support.fleet import Fleet
 from tests.support.services import PrivatePostgres
@@ -54,28 +54,26 @@ FAST = {"MAILPIPE_PAUSE_PROBE_INTERVAL": str(PROBE_INTERVAL_S)}
 
 def emails(n: int, tag: str) -> list[bytes]:
     return [
-        (
-            f"From: billing{i}@acme.example\r\nSubject: Invoice {i}\r\n"
-            f"Message-ID: <{tag}-{i}@acme.example>\r\n\r\nInvoice {i}: amount due {i} EUR\r\n"
-        ).encode()
+        raw_email(
+            f"Invoice {i}",
+            sender=f"billing{i}@acme.example",
+            message_id=f"{tag}-{i}@acme.example",
+            body=f"Invoice {i}: amount due {i} EUR",
+        )
         for i in range(n)
     ]
 
 
 def with_document(n: int, tag: str) -> list[bytes]:
-    doc = base64.encodebytes(docx_bytes([f"Payment terms: thirty days. {tag}"]))
+    doc = docx_bytes([f"Payment terms: thirty days. {tag}"])
     return [
-        (
-            f"From: billing{i}@acme.example\r\nSubject: Invoice {i}\r\n"
-            f"Message-ID: <{tag}-{i}@acme.example>\r\nMIME-Version: 1.0\r\n"
-            'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
-            f"--b\r\nContent-Type: text/plain\r\n\r\nInvoice {i}\r\n--b\r\n"
-            "Content-Type: application/vnd.openxmlformats-officedocument.wordprocessingml.document"
-            '\r\nContent-Disposition: attachment; filename="terms.docx"\r\n'
-            "Content-Transfer-Encoding: base64\r\n\r\n"
-        ).encode()
-        + doc
-        + b"\r\n--b--\r\n"
+        raw_email(
+            f"Invoice {i}",
+            sender=f"billing{i}@acme.example",
+            message_id=f"{tag}-{i}@acme.example",
+            body=f"Invoice {i}",
+            attachments=[("terms.docx", DOCX, doc)],
+        )
         for i in range(n)
     ]
 
@@ -187,9 +185,7 @@ def test_a_reprocess_during_a_model_outage_fails_nothing(res, fleet, tmp_path: P
         f.worker("model", "-P", "threads", "-c", "8", "-Q", f"{queue}.model,{queue}.model.bulk")
         ids = store_emails(res, emails(REPROCESSED, "reprocess-outage"))
         # What the reprocess's filter leaves out: one that took every email would be refused.
-        [lunch] = store_emails(
-            res, [b"From: carol@corp.example\r\nSubject: lunch\r\n\r\nNoon?\r\n"]
-        )
+        [lunch] = store_emails(res, [raw_email("lunch", sender="carol@corp.example", body="Noon?")])
         f.enqueue([*ids, lunch])
         assert set(wait_until_closed(res, [*ids, lunch]).values()) == {"succeeded"}
         assert labels_of(res, ids) == {frozenset({"invoice"})}

@@ -24,6 +24,7 @@ from mailpipe.resources import Resources
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun, SweepReport
 from tests.support.bedrock_server import BedrockServer, throttling
 from tests.support.database import on_server
+from tests.support.emails import raw_email
 from tests.support.faults import claims_held, release_claim, set_claim_fault
 from tests.support.services import PrivatePostgres
 from tests.support.waits import wait_for, wait_until_closed
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and t
 
 
 def email(tag: str) -> bytes:
-    return f"From: a@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\nAmount due\r\n".encode()
+    return raw_email(f"Invoice {tag}", message_id=f"{tag}@x", body="Amount due")
 
 
 def runs_of(res, email_ids: list[int]) -> dict[int, PipelineRun]:  # type: ignore[no-untyped-def]

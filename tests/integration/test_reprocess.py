@@ -12,21 +12,24 @@ import pytest
 
 from mailpipe.cli.ingest import store_emails
 from tests.support.bedrock_server import TimedBedrockServer, keyword_labels, unlimited_bedrock_env
+from tests.support.emails import raw_email
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 120
-OTHER = b"From: carol@corp.example\r\nSubject: lunch\r\nMessage-ID: <l1@corp>\r\n\r\nNoon?\r\n"
+OTHER = raw_email("lunch", sender="carol@corp.example", message_id="l1@corp", body="Noon?")
 
 
 def invoices(n: int) -> list[bytes]:
     return [
-        (
-            f"From: billing{i}@acme.example\r\nSubject: Invoice {i}\r\n"
-            f"Message-ID: <again-{i}@acme.example>\r\n\r\nInvoice {i}: amount due {i} EUR\r\n"
-        ).encode()
+        raw_email(
+            f"Invoice {i}",
+            sender=f"billing{i}@acme.example",
+            message_id=f"again-{i}@acme.example",
+            body=f"Invoice {i}: amount due {i} EUR",
+        )
         for i in range(n)
     ]
 

@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from mailpipe.cli.ingest import store_emails
 from mailpipe.resources import Resources
 from mailpipe.storage.models import PipelineRun, RunStatus, SweepReport
+from tests.support.emails import raw_email
 from tests.support.faults import release_claim, set_claim_fault
 from tests.support.waits import wait_for, wait_until_closed
 
@@ -26,7 +27,7 @@ BACKOFF = {"MAILPIPE_RETRY_BACKOFF_BASE": "0.5", "MAILPIPE_RETRY_BACKOFF_MAX": "
 
 
 def email(tag: str) -> bytes:
-    return f"From: a@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\nAmount due\r\n".encode()
+    return raw_email(f"Invoice {tag}", message_id=f"{tag}@x", body="Amount due")
 
 
 def run_of(res, email_id: int) -> PipelineRun:  # type: ignore[no-untyped-def]

@@ -58,6 +58,7 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailLabel, SweepReport
 from tests.conftest import PG_ADMIN_URL, REDIS_URL, S3_PORT
 from tests.support.bedrock_server import BedrockServer, invoices
+from tests.support.emails import raw_email
 from tests.support.fleet import enqueue_in
 from tests.support.paths import REPO
 from tests.support.services import Database
@@ -271,10 +272,12 @@ def migrated_database(database: Database) -> Database:
 
 
 def email(tag: str) -> bytes:
-    return (
-        f"From: a@example.org\r\nTo: b@example.org\r\nSubject: {tag}\r\n"
-        f"Message-ID: <{tag}.{uuid.uuid4().hex}@example.org>\r\n\r\nHello {tag}\r\n"
-    ).encode()
+    return raw_email(
+        tag,
+        to="b@example.org",
+        body=f"Hello {tag}",
+        message_id=f"{tag}.{uuid.uuid4().hex}@example.org",
+    )
 
 
 def own_prefix() -> str:

@@ -48,6 +48,7 @@ from mailpipe.storage.models import (
     SweepReport,
 )
 from tests.support.bedrock_server import TimedBedrockServer, unlimited_bedrock_env
+from tests.support.emails import raw_email
 from tests.support.faults import set_fault
 from tests.support.paths import REPO
 from tests.support.waits import wait_for, wait_until_closed
@@ -166,10 +167,12 @@ def ingest(res, env: dict[str, str], prefix: str, n: int) -> list[int]:  # type:
     ids = store_emails(
         res,
         [
-            (
-                f"From: billing{i}@acme.example\r\nSubject: Invoice {i}\r\n"
-                f"Message-ID: <{tag}-{i}@acme.example>\r\n\r\nInvoice {i}: amount due\r\n"
-            ).encode()
+            raw_email(
+                f"Invoice {i}",
+                sender=f"billing{i}@acme.example",
+                message_id=f"{tag}-{i}@acme.example",
+                body=f"Invoice {i}: amount due",
+            )
             for i in range(n)
         ],
     )

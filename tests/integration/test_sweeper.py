@@ -30,6 +30,7 @@ from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport
 from tests.support.bedrock_server import BedrockServer
+from tests.support.emails import raw_email
 from tests.support.services import delete_prefix
 from tests.support.switches import set_model_calls
 from tests.support.waits import wait_for, wait_until_closed
@@ -38,10 +39,7 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def emails(n: int, tag: str = "") -> list[bytes]:
-    return [
-        f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <{tag}{i}@x>\r\n\r\nbody {i}\r\n".encode()
-        for i in range(n)
-    ]
+    return [raw_email(f"s{i}", message_id=f"{tag}{i}@x", body=f"body {i}") for i in range(n)]
 
 
 def run_sweep(res: Resources, grace: float = 0.0) -> sweeper.SweepResult:

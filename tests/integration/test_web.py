@@ -43,6 +43,7 @@ from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunAttempt, RunStatus, utcnow
 from mailpipe.web.auth import CSRF_MAX_AGE, csrf_token
 from tests.support.console import OPERATOR, OPERATOR_ARGON2, VIEWER, ConsoleProcess, users_env
+from tests.support.emails import raw_email
 from tests.support.fleet import Fleet
 from tests.support.searched import store_searched
 from tests.support.switches import set_model_calls
@@ -55,10 +56,12 @@ SECRET = "the console's CSRF key in these tests, 32 bytes or more"
 
 
 def email(tag: str) -> bytes:
-    return (
-        f"From: a@example.org\r\nTo: b@example.org\r\nSubject: about {tag}\r\n"
-        f"Message-ID: <{tag}.{os.urandom(6).hex()}@example.org>\r\n\r\nHello {tag}\r\n"
-    ).encode()
+    return raw_email(
+        f"about {tag}",
+        to="b@example.org",
+        body=f"Hello {tag}",
+        message_id=f"{tag}.{os.urandom(6).hex()}@example.org",
+    )
 
 
 def store_without_blob(res, raw: bytes) -> int:  # type: ignore[no-untyped-def]

@@ -42,6 +42,7 @@ from mailpipe.storage.models import EmailMessage, PipelineRun, QueueSample, RunA
 from tests.conftest import CHROMIUM
 from tests.support.bedrock_server import BedrockServer, keyword_labels, unlimited_bedrock_env
 from tests.support.console import OPERATOR, ConsoleProcess, users_env
+from tests.support.emails import raw_email
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
 
@@ -66,10 +67,13 @@ MAIL = [
 
 
 def email(sender: str, subject: str, body: str) -> bytes:
-    return (
-        f"From: {sender}\r\nTo: ops@corp.example\r\nSubject: {subject}\r\n"
-        f"Message-ID: <{os.urandom(8).hex()}@corp.example>\r\n\r\n{body}\r\n"
-    ).encode()
+    return raw_email(
+        subject,
+        sender=sender,
+        to="ops@corp.example",
+        body=body,
+        message_id=f"{os.urandom(8).hex()}@corp.example",
+    )
 
 
 def store_without_blob(res, raw: bytes) -> tuple[int, str]:  # type: ignore[no-untyped-def]

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import unquote
 
+from tests.support.emails import raw_email
+
 log = logging.getLogger(__name__)
 
 _CONVERSE_PATH = re.compile(r"^/model/(?P<model_id>[^/]+)/converse$")
@@ -431,8 +433,13 @@ def unlimited_bedrock_env(server: BedrockServer, aws_dir: Path) -> dict[str, str
 def invoices(n: int) -> list[bytes]:
     tag = uuid.uuid4().hex[:8]
     return [
-        f"From: billing@example.org\r\nTo: a@example.org\r\nSubject: Invoice {i}\r\n"
-        f"Message-ID: <{tag}.{i}@example.org>\r\n\r\nAmount due: {i} EUR.\r\n".encode()
+        raw_email(
+            f"Invoice {i}",
+            sender="billing@example.org",
+            to="a@example.org",
+            message_id=f"{tag}.{i}@example.org",
+            body=f"Amount due: {i} EUR.",
+        )
         for i in range(n)
     ]
 

@@ -31,6 +31,7 @@ from tests.support.paths import CORPUS as SHARED_CORPUS
 from tests.support.paths import REPO
 
 CORPUS = SHARED_CORPUS / "documents"
+DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 MiB = 1024 * 1024
 
 DEFAULT_LIMITS = DocumentLimits(

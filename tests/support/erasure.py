@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 from mailpipe.resources import Resources
 from mailpipe.storage.blobs import LocalBlobStore
 from mailpipe.storage.models import Base, EmailMessage
+from tests.support.emails import raw_email
 
 # A document's text longer than MAILPIPE_DOC_INLINE_TEXT_BYTES (64 KiB) is stored as a blob.
 LONG_TEXT = "pay by the end of the month. " * 3000
@@ -21,15 +22,13 @@ def with_document(
 ) -> bytes:
     """An email whose attached document's text goes to a blob of its own."""
     tag = uuid.uuid4().hex[:12]
-    return (
-        f"From: {name} <{sender}>\r\nSubject: {subject} {tag}\r\n"
-        f"Message-ID: <{tag}@acme.example>\r\n"
-        'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
-        "--b\r\nContent-Type: text/plain\r\n\r\nAmount due: 12 EUR, see the invoice\r\n"
-        '--b\r\nContent-Type: text/plain; name="terms.txt"\r\n'
-        'Content-Disposition: attachment; filename="terms.txt"\r\n\r\n'
-        f"{LONG_TEXT}\r\n--b--\r\n"
-    ).encode()
+    return raw_email(
+        f"{subject} {tag}",
+        sender=f"{name} <{sender}>",
+        message_id=f"{tag}@acme.example",
+        body="Amount due: 12 EUR, see the invoice",
+        attachments=[("terms.txt", "text/plain", LONG_TEXT.encode())],
+    )
 
 
 def rows_naming(res: Resources, email_id: int) -> dict[str, int]:

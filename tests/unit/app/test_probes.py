@@ -13,10 +13,11 @@ from mailpipe.broker.queues import Stage
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import pauses
 from mailpipe.resources import Resources
+from tests.support.emails import raw_email
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
-EMAIL = b"From: a@example.com\r\nSubject: probe\r\nMessage-ID: <probe@x>\r\n\r\nbody\r\n"
+EMAIL = raw_email("probe", sender="a@example.com", message_id="probe@x", body="body")
 
 
 def test_a_database_that_refuses_the_role_keeps_the_pause(res) -> None:  # type: ignore[no-untyped-def]

@@ -31,6 +31,7 @@ from mailpipe.pipeline import policy, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, SweepReport
+from tests.support.emails import raw_email
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -122,10 +123,12 @@ def send(app: Celery, name: TaskName, *args: object) -> str:
 
 
 def email(tag: str) -> bytes:
-    return (
-        f"From: billing@example.org\r\nSubject: Invoice {tag}\r\nMessage-ID: <{tag}@x>\r\n\r\n"
-        "Amount due: 40 EUR\r\n"
-    ).encode()
+    return raw_email(
+        f"Invoice {tag}",
+        sender="billing@example.org",
+        message_id=f"{tag}@x",
+        body="Amount due: 40 EUR",
+    )
 
 
 def test_a_job_ends_succeeded_with_its_labels(

@@ -12,15 +12,13 @@ from mailpipe.broker import layout
 from mailpipe.broker.queues import Lane, Stage, TaskName, job_queues, stage_queue
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
+from tests.support.emails import raw_email
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 
 def emails(n: int) -> list[bytes]:
-    return [
-        f"From: a@example.org\r\nSubject: s{i}\r\nMessage-ID: <enq{i}@x>\r\n\r\nbody\r\n".encode()
-        for i in range(n)
-    ]
+    return [raw_email(f"s{i}", message_id=f"enq{i}@x", body="body") for i in range(n)]
 
 
 def test_a_batch_the_broker_drops_midway_leaves_no_marker_and_can_be_sent_again(

@@ -18,8 +18,8 @@ from mailpipe.operations.activity import DAY, HOUR, KINDS, fleet_activity
 from mailpipe.resources import Resources
 from mailpipe.settings import Settings
 from mailpipe.storage.migrate import upgrade
-from mailpipe.storage.models import PipelineRun, QueueSample, RunAttempt, RunStatus, utcnow
-from tests.support.failed_runs import add_emails, add_run
+from mailpipe.storage.models import QueueSample, RunStatus, utcnow
+from tests.support.failed_runs import add_attempts, add_emails, add_run, attempt
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -43,31 +43,19 @@ def at(hour: int, minute: int, second: float = 0) -> datetime:
     return datetime(2026, 1, 1, hour, minute) + timedelta(seconds=second)
 
 
-def add_attempts(db: Resources, rows: list[tuple[str, str, float | None, datetime]]) -> None:
+def add_run_attempts(db: Resources, rows: list[tuple[str, str, float | None, datetime]]) -> None:
     """An attempt per (stage, outcome, seconds it ran or None, when it ended), of one run."""
     [email_id] = add_emails(db, 1)
     add_run(db, email_id, RunStatus.OPEN)
-    with db.db.transaction() as session:
-        run_id = session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id))
-        session.execute(
-            insert(RunAttempt),
-            [
-                {
-                    "run_id": run_id,
-                    "email_id": email_id,
-                    "stage": stage,
-                    "attempt": 1,
-                    "started_at": None if ran is None else ended - timedelta(seconds=ran),
-                    "ended_at": ended,
-                    "outcome": outcome,
-                }
-                for stage, outcome, ran, ended in rows
-            ],
-        )
+    add_attempts(
+        db,
+        email_id,
+        [attempt(stage, outcome, ended, ran=ran) for stage, outcome, ran, ended in rows],
+    )
 
 
 def test_attempts_per_minute_by_stage_and_kind(db: Resources) -> None:
-    add_attempts(
+    add_run_attempts(
         db,
         [
             ("model", "succeeded", 1.0, at(11, 30, 59.9)),  # before the window
@@ -115,7 +103,7 @@ def test_attempts_per_minute_by_stage_and_kind(db: Resources) -> None:
 
 def test_a_minute_s_p50_and_p90_are_of_the_attempts_that_succeeded(db: Resources) -> None:
     minute = at(12, 20)
-    add_attempts(
+    add_run_attempts(
         db,
         [("cpu", "succeeded", float(s), minute + timedelta(seconds=s)) for s in range(1, 11)]
         + [
@@ -139,7 +127,7 @@ def test_a_minute_s_p50_and_p90_are_of_the_attempts_that_succeeded(db: Resources
 
 
 def test_the_day_has_quarter_hours_and_a_rate_a_minute(db: Resources) -> None:
-    add_attempts(
+    add_run_attempts(
         db,
         [
             ("cpu", "succeeded", 0.5, at(12, 14, 59)),

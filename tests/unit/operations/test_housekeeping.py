@@ -20,6 +20,8 @@ from mailpipe.storage.models import (
     SweepReport,
     utcnow,
 )
+from tests.support.emails import raw_email
+from tests.support.failed_runs import add_attempts, attempt
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -29,7 +31,7 @@ RECENT = NOW - timedelta(days=29)
 
 
 def emails(res: Resources, n: int) -> list[int]:
-    raws = [f"From: a@b.example\r\nSubject: {i}\r\n\r\nbody {i}\r\n".encode() for i in range(n)]
+    raws = [raw_email(str(i), sender="a@b.example", body=f"body {i}") for i in range(n)]
     ids = store_emails(res, raws)
     with res.db.transaction() as session:
         runs.ensure_runs(session, ids)
@@ -45,23 +47,12 @@ def set_run(res: Resources, email_id: int, status: RunStatus, closed_at, **value
         )
 
 
-def add_attempts(res: Resources, email_id: int, ended_at, n: int = 3) -> None:  # type: ignore[no-untyped-def]
-    with res.db.transaction() as session:
-        run_id = session.scalar(select(PipelineRun.id).where(PipelineRun.email_id == email_id))
-        session.execute(
-            insert(RunAttempt),
-            [
-                {
-                    "run_id": run_id,
-                    "email_id": email_id,
-                    "stage": "cpu",
-                    "attempt": i,
-                    "ended_at": ended_at + timedelta(seconds=i),
-                    "outcome": "retrying",
-                }
-                for i in range(1, n + 1)
-            ],
-        )
+def add_retries(res: Resources, email_id: int, ended_at, n: int = 3) -> None:  # type: ignore[no-untyped-def]
+    retries = [
+        attempt("cpu", "retrying", ended_at + timedelta(seconds=i), number=i)
+        for i in range(1, n + 1)
+    ]
+    add_attempts(res, email_id, retries)
 
 
 def attempts_of(res: Resources) -> dict[int, int]:
@@ -82,7 +73,7 @@ def test_a_pass_prunes_what_only_grows_and_keeps_what_a_run_needs(res: Resources
     # Open again (a retry, a reprocess), with the time it last closed.
     set_run(res, still_open, RunStatus.OPEN, OLD)
     for email_id in (done_old, done_recent, listed, dismissed, still_open, copy):
-        add_attempts(res, email_id, OLD)  # every attempt ended long ago
+        add_retries(res, email_id, OLD)  # every attempt ended long ago
     with res.db.transaction() as session:
         session.execute(
             insert(SweepReport),
@@ -121,7 +112,7 @@ def test_a_pass_prunes_what_only_grows_and_keeps_what_a_run_needs(res: Resources
 def test_the_retention_is_a_setting(res: Resources) -> None:
     [email_id] = emails(res, 1)
     set_run(res, email_id, RunStatus.SUCCEEDED, RECENT)
-    add_attempts(res, email_id, RECENT)
+    add_retries(res, email_id, RECENT)
     assert prune(res, NOW).attempts == 0  # 29 days: within the default 30
     shorter = Resources(res.settings.model_copy(update={"keep_attempts_days": 7}))
     assert prune(shorter, NOW).attempts == 3

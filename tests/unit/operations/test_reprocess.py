@@ -20,13 +20,14 @@ from mailpipe.pipeline import emails, interventions, job, runs
 from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus
+from tests.support.emails import raw_email
 from tests.support.switches import set_model_calls
 from tests.unit.pipeline.test_job import INVOICE, PLAIN, remote_model
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 USER = "test:operator"
-OTHER = b"From: someone@else.example\r\nSubject: lunch\r\nMessage-ID: <l1@else>\r\n\r\nNoon?\r\n"
+OTHER = raw_email("lunch", sender="someone@else.example", message_id="l1@else", body="Noon?")
 
 
 class Sent:
@@ -188,8 +189,8 @@ def test_a_reprocess_takes_the_emails_the_search_finds(res) -> None:  # type: ig
 
     set_model_calls(res, True)
     raws = [
-        b"From: a@acme.example\r\nSubject: invoice 7\r\nMessage-ID: <w1@acme>\r\n\r\nDue\r\n",
-        b"From: a@acme.example\r\nSubject: invoices for May\r\nMessage-ID: <w2@acme>\r\n\r\nDue\r\n",
+        raw_email("invoice 7", sender="a@acme.example", message_id="w1@acme", body="Due"),
+        raw_email("invoices for May", sender="a@acme.example", message_id="w2@acme", body="Due"),
     ]
     ids = store_emails(res, raws)
     assert {job.process_email(res, i).kind for i in ids} == {Kind.SUCCEEDED}

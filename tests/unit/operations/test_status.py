@@ -7,7 +7,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import insert, select, update
+from sqlalchemy import update
 
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.coordination import pauses, redis_keys
@@ -27,8 +27,8 @@ from mailpipe.operations.status import (
 from mailpipe.pipeline import emails
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
-from mailpipe.storage.models import EmailLabel, PipelineRun, RunAttempt, RunStatus, utcnow
-from tests.support.failed_runs import T0, add_emails, add_failed, add_run
+from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus, utcnow
+from tests.support.failed_runs import T0, add_attempts, add_emails, add_failed, add_run, attempt
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
@@ -133,23 +133,16 @@ def test_the_review_list_pages_with_the_run_s_status(res) -> None:  # type: igno
 
 def test_an_email_s_detail_carries_its_history_in_order_and_its_dismissal(res) -> None:  # type: ignore[no-untyped-def]
     email_id = add_failed(res, 1, "AttemptsUsedUp", dismissed=True)
-    with res.db.transaction() as session:
-        run = session.query(PipelineRun).filter_by(email_id=email_id).one()
-        for attempt, outcome in ((1, "retrying"), (2, "lost"), (3, "failed")):
-            session.execute(
-                insert(RunAttempt).values(
-                    run_id=run.id,
-                    email_id=email_id,
-                    stage="cpu",
-                    attempt=attempt,
-                    started_at=T0,
-                    ended_at=T0 + timedelta(seconds=attempt),
-                    outcome=outcome,
-                    error_class="OperationalError",
-                    error="e",
-                    host="w1",
-                )
-            )
+    failure = {"error_class": "OperationalError", "error": "e", "host": "w1"}
+    tries = ((1, "retrying"), (2, "lost"), (3, "failed"))
+    add_attempts(
+        res,
+        email_id,
+        [
+            {**attempt("cpu", outcome, T0 + timedelta(seconds=n), ran=n, number=n), **failure}
+            for n, outcome in tries
+        ],
+    )
     with res.db.session() as session:
         detail = email_detail(session, email_id)
         assert email_detail(session, email_id + 1000) is None
@@ -182,19 +175,14 @@ def test_the_history_marks_where_the_run_was_opened_again(res) -> None:  # type:
     # The first run, a reprocess, and a retry after it failed: the run counts each from 1.
     email_id = add_failed(res, 1, "AttemptsUsedUp")
     passes = [(1, "succeeded"), (1, "succeeded"), (1, "retrying"), (2, "failed"), (1, "succeeded")]
-    with res.db.transaction() as session:
-        run = session.query(PipelineRun).filter_by(email_id=email_id).one()
-        for n, (attempt, outcome) in enumerate(passes):
-            session.execute(
-                insert(RunAttempt).values(
-                    run_id=run.id,
-                    email_id=email_id,
-                    stage="cpu",
-                    attempt=attempt,
-                    ended_at=T0 + timedelta(seconds=n),
-                    outcome=outcome,
-                )
-            )
+    add_attempts(
+        res,
+        email_id,
+        [
+            attempt("cpu", outcome, T0 + timedelta(seconds=n), number=number)
+            for n, (number, outcome) in enumerate(passes)
+        ],
+    )
     marks = [False, True, True, False, True]
     with res.db.session() as session:
         whole = history(session, email_id)["history"]
@@ -249,21 +237,9 @@ def test_a_waiting_job_says_what_it_waits_for(res) -> None:  # type: ignore[no-u
     later = time.time() + 60
     queue = stage_queue(Stage.CPU, res.settings, Lane.LIVE)
     res.redis.zadd(redis_keys.deferred(queue), {str(deferred): later, str(limited): later})
-    with res.db.transaction() as session:
-        run_id = session.scalars(
-            select(PipelineRun.id).where(PipelineRun.email_id == limited)
-        ).one()
-        session.execute(
-            insert(RunAttempt).values(
-                run_id=run_id,
-                email_id=limited,
-                stage="cpu",
-                attempt=1,
-                ended_at=utcnow(),
-                outcome="deferred",
-                error_class="RateLimited",
-            )
-        )
+    add_attempts(
+        res, limited, [{**attempt("cpu", "deferred", utcnow()), "error_class": "RateLimited"}]
+    )
     assert state(res, deferred) == ("waiting", "deferral")
     assert state(res, limited) == ("waiting", "rate_limit")
     assert state(res, paused) == ("queued", None)

@@ -18,10 +18,13 @@ from mailpipe.settings import Settings
 from mailpipe.storage import db, flags
 from mailpipe.storage.models import EmailMessage, EmailOrigin, PipelineRun
 from tests.conftest import DATABASE, PG_ADMIN_URL
+from tests.support.emails import raw_email
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
-PLAIN = b"From: a@example.org\r\nSubject: note {n}\r\nMessage-ID: <c{n}@example.org>\r\n\r\nhello {n}\r\n"
+
+def note(n: int) -> bytes:
+    return raw_email(f"note {n}", message_id=f"c{n}@example.org", body=f"hello {n}")
 
 
 def close_connections_from_the_server(res: Resources) -> int:
@@ -44,7 +47,7 @@ def test_a_job_meeting_a_closed_connection_runs_its_claim_again(res, monkeypatch
     with res.db.transaction() as session:
         flags.set_model_calls(session, True)
     worker = Resources(res.settings)
-    first, second = store_emails(res, [PLAIN.replace(b"{n}", b"1"), PLAIN.replace(b"{n}", b"2")])
+    first, second = store_emails(res, [note(1), note(2)])
     assert job.process_email(worker, first).kind is Kind.SUCCEEDED
     assert close_connections_from_the_server(res) >= 1
     assert job.process_email(worker, second).kind is Kind.SUCCEEDED
@@ -90,7 +93,7 @@ def test_a_statement_s_parameters_are_in_no_database_error(res) -> None:  # type
 
 
 def test_describe_names_a_unique_violation_by_its_sqlstate_alone(res) -> None:  # type: ignore[no-untyped-def]
-    (email_id,) = store_emails(res, [PLAIN.replace(b"{n}", b"1")])
+    (email_id,) = store_emails(res, [note(1)])
     origin = {"fingerprint": "f" * 64, "message_id": MESSAGE_ID, "first_email_id": email_id}
     with res.db.transaction() as session:
         session.execute(insert(EmailOrigin), [origin])
