@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from pydantic import ValidationError
@@ -20,28 +20,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mailpipe.cli import context
+from mailpipe.cli.exits import BadInput, NoSchema, NotFound, Unavailable
+from mailpipe.cli.filters import email_filter, email_filters, failed_filter, failed_filters
+from mailpipe.cli.output import YES, as_confirmed, asked, console, name_refused, to_second
 from mailpipe.resources import Resources, get_resources
-
-console = Console(stderr=False)
-T = TypeVar("T")
-
-
-# The failures: one line on stderr ("Error: ..."), then the exit code of the kind (0 is done, 1 a
-# bug, printed with its traceback).
-class BadInput(click.ClickException):
-    exit_code = 2  # click's own code for a usage error
-
-
-class NotFound(click.ClickException):
-    exit_code = 3
-
-
-class Unavailable(click.ClickException):
-    exit_code = 4
-
-
-class NoSchema(click.ClickException):
-    exit_code = 5
 
 
 class Commands(click.Group):
@@ -122,16 +105,6 @@ def _unavailable(exc: Exception) -> str | None:
 def _first_line(error: BaseException | None) -> str:
     # Drivers add hint lines (psycopg: "Is the server running ...?") that would break the one.
     return str(error).strip().partition("\n")[0]
-
-
-def _migrated() -> Resources:
-    """This process's resources, once the database is known to be there and migrated: a
-    command finds out before it connects, so that no command but `db upgrade` creates one."""
-    from mailpipe.storage.migrate import check_schema
-
-    res = get_resources()
-    check_schema(res.db)
-    return res
 
 
 @click.group(cls=Commands)
@@ -215,7 +188,7 @@ def ingest(
     from mailpipe.broker.queues import Lane
     from mailpipe.cli.ingest import ingest as run_ingest
 
-    res = _migrated()
+    res = context.migrated()
     with Progress(
         TextColumn("ingest"),
         BarColumn(),
@@ -253,7 +226,7 @@ def status(as_json: bool) -> None:
     """Emails, runs by status, review count, each queue, the live workers and the last sweep."""
     from mailpipe.operations.status import fleet_status
 
-    data = fleet_status(_migrated())
+    data = fleet_status(context.migrated())
     if as_json:
         click.echo(json.dumps(data))
         return
@@ -299,69 +272,10 @@ def _count(n: int, estimated: bool) -> str:
 
 
 _STAGES = click.Choice(["cpu", "model"])
-# As the console's forms say it; `search.TIME_FORMAT` is the error's wording.
-_TIME = "an ISO 8601 date, or date and time: UTC unless it has an offset or Z"
-
-
-def _failed_filters(command: Any) -> Any:
-    """The options that choose failed runs, for listing and acting alike: text, read by
-    `search.read_failed` as the console's query is (`_failed_filter`)."""
-    for option in reversed(
-        (
-            click.option("--error-class", metavar="NAME", help="Only runs failed with this class."),
-            click.option(
-                "--stage",
-                metavar="STAGE",
-                help="Only runs failed at this stage: cpu (before the documents were stored) "
-                "or model.",
-            ),
-            click.option(
-                "--since", metavar="TIME", help=f"Only runs failed at or after this time ({_TIME})."
-            ),
-            click.option(
-                "--until", metavar="TIME", help=f"Only runs failed before this time ({_TIME})."
-            ),
-        )
-    ):
-        command = option(command)
-    return command
-
-
-def _failed_filter(ids: Sequence[int], options: dict[str, Any], dismissed: bool = False) -> Any:
-    """The filter the options give, or BadInput saying why not, in the console's words; refused
-    beside email ids, which name the runs already."""
-    from mailpipe.operations import search
-    from mailpipe.operations.status import FailedFilter
-
-    given = {name: value for name, value in options.items() if value is not None}
-    if dismissed:
-        given["view"] = "dismissed"
-    try:
-        filt = search.read_failed(given)
-    except search.BadSearch as exc:
-        raise BadInput(str(exc)) from None
-    if ids and filt != FailedFilter(dismissed=filt.dismissed):
-        raise BadInput("email ids name the runs: the filters go with --retry-all or --all")
-    return filt
-
-
-def _user() -> str:
-    """Who acts, as the actions' audit lines name them (`cli:` and the OS user); the lines go to
-    stderr, in the settings' log format, as the console's go to its log."""
-    import getpass
-    import logging
-
-    from mailpipe.app.logs import to_stderr
-    from mailpipe.settings import get_settings
-
-    to_stderr(logging.getLogger("mailpipe.operations.actions"), get_settings().log_format)
-    return f"cli:{getpass.getuser()}"
-
 
 _PAGE = click.option(
     "--page", type=click.IntRange(min=1), default=1, show_default=True, help="Which page."
 )
-_YES = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 
 
 @main.command()
@@ -378,7 +292,7 @@ _YES = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
     is_flag=True,
     help="Reopen and re-enqueue every listed failed run the filters match (none dismissed).",
 )
-@_failed_filters
+@failed_filters
 @_PAGE
 @click.option(
     "--limit",
@@ -397,7 +311,7 @@ _YES = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
     "--dismissed", is_flag=True, help="List the dismissed runs instead (`dismiss --undo`)."
 )
-@_YES
+@YES
 def failed(
     retry_ids: tuple[int, ...],
     retry_all: bool,
@@ -416,8 +330,8 @@ def failed(
         raise BadInput("--retry and --retry-all: one or the other")
     if dismissed and (retry_ids or retry_all):
         raise BadInput("--dismissed lists; retry a dismissed run with --retry EMAIL_ID")
-    filt = _failed_filter(retry_ids, filters, dismissed)
-    res = _migrated()
+    filt = failed_filter(retry_ids, filters, dismissed)
+    res = context.migrated()
     if retry_ids:
         _retry(res, retry_ids, None, None)
     elif retry_all:
@@ -443,15 +357,10 @@ def failed(
         table.add_row(
             str(row["email_id"]),
             str(row["attempts"]),
-            _to_second(row["failed_at"]),
+            to_second(row["failed_at"]),
             row["error"],
         )
     console.print(table)
-
-
-def _to_second(iso: str | None) -> str:
-    """A time of the JSON rows as tables show it: to the second, the width the errors need."""
-    return "" if iso is None else iso[: len("YYYY-MM-DDTHH:MM:SS")].replace("T", " ")
 
 
 def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any, expect: int | None) -> None:
@@ -461,25 +370,13 @@ def _retry(res: Resources, email_ids: Sequence[int] | None, filt: Any, expect: i
     from mailpipe.enqueue import sender
     from mailpipe.operations import actions
 
-    done = _as_confirmed(
+    done = as_confirmed(
         lambda: actions.retry(
-            res, email_ids, filt, enqueue=sender(res), user=_user(), expect=expect
+            res, email_ids, filt, enqueue=sender(res), user=context.user(), expect=expect
         )
     )
     click.echo(f"reopened {len(done.done)}, enqueued {done.enqueued}")
-    _name_refused(done.refused, "retried")
-
-
-def _asked(question: str) -> bool:
-    """The operator's answer to `question`: no says so and does nothing (exit 0); no answer at
-    all (no terminal on stdin, end of input, Ctrl-C) is refused, since a script says --yes."""
-    try:
-        if click.confirm(question):
-            return True
-    except click.exceptions.Abort:
-        raise BadInput("no answer, so nothing done: --yes acts without asking") from None
-    click.echo("nothing done")
-    return False
+    name_refused(done.refused, "retried")
 
 
 def _confirmed_count(res: Resources, filt: Any, verb: str, yes: bool) -> int | None:
@@ -495,27 +392,9 @@ def _confirmed_count(res: Resources, filt: Any, verb: str, yes: bool) -> int | N
         f"{counted.runs} failed runs match; {counted.rejected} of them failed as {rejections}"
         + (": their input is rejected, and a retry fails again" if counted.rejected else "")
     )
-    if not counted.runs or not (yes or _asked(f"{verb} these {counted.runs}?")):
+    if not counted.runs or not (yes or asked(f"{verb} these {counted.runs}?")):
         return None
     return counted.runs
-
-
-def _as_confirmed(act: Callable[[], T]) -> T:
-    """`act`, or BadInput when it refused, nothing done: what it takes changed since it was
-    confirmed (look again, and confirm that), or its filter or count is refused now."""
-    from mailpipe.operations import actions
-
-    try:
-        return act()
-    except actions.Refused as refused:
-        raise BadInput(f"{refused}, so nothing done") from None
-
-
-def _name_refused(refused: dict[int, str], act: str) -> None:
-    for email_id, reason in refused.items():
-        click.echo(f"email {email_id}: not {act}, {reason}", err=True)
-    if refused:
-        sys.exit(NotFound.exit_code)
 
 
 @main.command()
@@ -526,8 +405,8 @@ def _name_refused(refused: dict[int, str], act: str) -> None:
 @click.option(
     "--undo", is_flag=True, help="Take the dismiss back: the runs are on the failed list again."
 )
-@_failed_filters
-@_YES
+@failed_filters
+@YES
 def dismiss(
     email_ids: tuple[int, ...],
     dismiss_all: bool,
@@ -545,12 +424,12 @@ def dismiss(
         raise BadInput("give EMAIL_ID... or --all (with filters), one or the other")
     if undo and dismiss_all:
         raise BadInput("--undo takes EMAIL_ID..., not --all")
-    filt = _failed_filter(email_ids, filters)
-    res = _migrated()
+    filt = failed_filter(email_ids, filters)
+    res = context.migrated()
     if undo:
-        undone = actions.undo_dismiss(res, email_ids, user=_user())
+        undone = actions.undo_dismiss(res, email_ids, user=context.user())
         click.echo(f"back on the failed list: {len(undone.done)}")
-        _name_refused(undone.refused, "taken back")
+        name_refused(undone.refused, "taken back")
         return
     expect = None
     if dismiss_all:
@@ -558,13 +437,13 @@ def dismiss(
         if counted is None:
             return
         expect = None if yes else counted
-    done = _as_confirmed(
+    done = as_confirmed(
         lambda: actions.dismiss(
-            res, email_ids or None, None if email_ids else filt, user=_user(), expect=expect
+            res, email_ids or None, None if email_ids else filt, user=context.user(), expect=expect
         )
     )
     click.echo(f"dismissed {len(done.done)}")
-    _name_refused(done.refused, "dismissed")
+    name_refused(done.refused, "dismissed")
 
 
 @main.command()
@@ -588,7 +467,7 @@ def review(page: int, limit: int, as_json: bool) -> None:
     the mark."""
     from mailpipe.operations.status import review_page
 
-    with _migrated().db.session() as session:
+    with context.migrated().db.session() as session:
         listed = review_page(session, page, limit)
     if as_json:
         click.echo(json.dumps(listed.as_json()))
@@ -607,67 +486,8 @@ def review(page: int, limit: int, as_json: bool) -> None:
     console.print(table)
 
 
-def _email_filters(command: Any) -> Any:
-    """The search's filters, for finding emails and acting on what they find alike."""
-    for option in reversed(
-        (
-            click.argument("text", required=False),
-            click.option(
-                "--message-id", metavar="ID", help="Only the emails with this Message-ID."
-            ),
-            click.option(
-                "--sender", metavar="TEXT", help="Only emails whose From holds this (any case)."
-            ),
-            click.option(
-                "--subject",
-                metavar="WORDS",
-                help="Only emails whose subject holds each word (any case).",
-            ),
-            click.option(
-                "--since", metavar="TIME", help=f"Only emails received at or after this ({_TIME})."
-            ),
-            click.option(
-                "--until", metavar="TIME", help=f"Only emails received before this ({_TIME})."
-            ),
-            click.option(
-                "--state",
-                metavar="STATE",
-                help="Only emails whose run is in this state: no_run, open, succeeded, "
-                "duplicate, failed (not dismissed), dismissed.",
-            ),
-            click.option(
-                "--error-class", metavar="NAME", help="Only emails whose run has this error class."
-            ),
-            click.option("--label", metavar="LABEL", help="Only emails with this label."),
-            click.option("--lane", metavar="LANE", help="Only emails in this lane: live or bulk."),
-            click.option(
-                "--review/--no-review",
-                default=None,
-                help="Only emails marked for review, or only those not marked.",
-            ),
-        )
-    ):
-        command = option(command)
-    return command
-
-
-def _email_filter(text: str | None, review: bool | None, options: dict[str, Any]) -> Any:
-    """The search's filter and page position the options give, or BadInput saying why not."""
-    from mailpipe.operations import search
-
-    given = {name: value for name, value in options.items() if value is not None}
-    if text is not None:
-        given["q"] = text
-    if review is not None:
-        given["review"] = "yes" if review else "no"
-    try:
-        return search.read_search(given)
-    except search.BadSearch as exc:
-        raise BadInput(str(exc)) from None
-
-
 @main.command()
-@_email_filters
+@email_filters
 @click.option(
     "--before", metavar="EMAIL_ID", help="The next page: emails older than this id (as printed)."
 )
@@ -686,8 +506,8 @@ def find(text: str | None, review: bool | None, as_json: bool, **options: str | 
 
     from mailpipe.operations import search
 
-    filt, before = _email_filter(text, review, options)
-    with _migrated().db.session() as session:
+    filt, before = email_filter(text, review, options)
+    with context.migrated().db.session() as session:
         found = search.find(session, filt, before)
     if as_json:
         click.echo(json.dumps(found.as_json()))
@@ -710,7 +530,7 @@ def find(text: str | None, review: bool | None, as_json: bool, **options: str | 
         # Text, not markup: a subject's "[bold]" is the sender's, to be shown as it is.
         table.add_row(
             str(row["email_id"]),
-            _to_second(row["received_at"]),
+            to_second(row["received_at"]),
             Text(row["sender"] or ""),
             Text(row["subject"] or ""),
             row["lane"],
@@ -730,12 +550,14 @@ def model_calls(state: str | None) -> None:
     from mailpipe.operations import actions
     from mailpipe.storage import flags
 
-    res = _migrated()
+    res = context.migrated()
     if state is None:
         with res.db.session() as session:
             console.print("on" if flags.model_calls_enabled(session) else "off")
         return
-    actions.switch_model_calls(res, state == "on", send_sweep=sweep.apply_async, user=_user())
+    actions.switch_model_calls(
+        res, state == "on", send_sweep=sweep.apply_async, user=context.user()
+    )
     console.print(f"model calls {state}")
     if state == "on":
         console.print("sweep enqueued")
@@ -754,7 +576,7 @@ def pause(stage: str, reason: str) -> None:
     from mailpipe.broker.queues import Stage
     from mailpipe.operations import actions
 
-    held = actions.pause(get_resources(), Stage(stage), reason, user=_user())
+    held = actions.pause(get_resources(), Stage(stage), reason, user=context.user())
     console.print(f"{stage} stage paused ({held.by}): {held.error}")
 
 
@@ -765,7 +587,7 @@ def resume(stage: str) -> None:
     from mailpipe.broker.queues import Stage
     from mailpipe.operations import actions
 
-    ended = actions.resume(get_resources(), Stage(stage), user=_user())
+    ended = actions.resume(get_resources(), Stage(stage), user=context.user())
     console.print(f"{stage} stage resumed" if ended else f"{stage} stage was not paused")
 
 
@@ -774,7 +596,7 @@ def sweep() -> None:
     """Run one sweep now, in this process, and print what it did (JSON)."""
     from mailpipe.app.tasks import run_sweep
 
-    result = run_sweep(_migrated())
+    result = run_sweep(context.migrated())
     if not result.ran:
         console.print("another sweep is running; nothing done")
         return
@@ -789,7 +611,7 @@ def housekeeping() -> None:
 
     from mailpipe.operations.housekeeping import prune
 
-    click.echo(json.dumps(asdict(prune(_migrated()))))
+    click.echo(json.dumps(asdict(prune(context.migrated()))))
 
 
 @main.command()
@@ -800,9 +622,9 @@ def lane(lane: str, email_ids: tuple[int, ...]) -> None:
     from mailpipe.broker.queues import Lane
     from mailpipe.operations import actions
 
-    done = actions.move(_migrated(), email_ids, Lane(lane), user=_user())
+    done = actions.move(context.migrated(), email_ids, Lane(lane), user=context.user())
     click.echo(f"moved {len(done.done)} to {lane}")
-    _name_refused(done.refused, "moved")
+    name_refused(done.refused, "moved")
 
 
 @main.command()
@@ -817,7 +639,7 @@ def show(email_id: int, history_before: int | None) -> None:
     attempts, as JSON."""
     from mailpipe.operations.status import email_detail, job_state
 
-    res = _migrated()
+    res = context.migrated()
     with res.db.session() as session:
         detail = email_detail(session, email_id, history_before)
         if detail is None:
@@ -846,7 +668,7 @@ def web() -> None:
 
 
 @main.command()
-@_email_filters
+@email_filters
 @click.option(
     "--from",
     "step",
@@ -868,7 +690,7 @@ def web() -> None:
     is_flag=True,
     help="Take them even when they are more than MAILPIPE_REPROCESS_MAX.",
 )
-@_YES
+@YES
 def reprocess(
     text: str | None,
     review: bool | None,
@@ -889,8 +711,8 @@ def reprocess(
     from mailpipe.enqueue import sender
     from mailpipe.operations import actions
 
-    filt, _ = _email_filter(text, review, options)
-    res = _migrated()
+    filt, _ = email_filter(text, review, options)
+    res = context.migrated()
     step_ = actions.Step(step)
     lane = Lane(in_lane)
 
@@ -910,18 +732,18 @@ def reprocess(
         if not dry_run:
             raise BadInput(over)
         click.echo(over)
-    if dry_run or not planned.emails or not (yes or _asked("Reprocess them?")):
+    if dry_run or not planned.emails or not (yes or asked("Reprocess them?")):
         return
     # Asked, the count must still be the one confirmed; told --yes, a script takes what the
     # filters find then, as of its plan all the same.
-    done = _as_confirmed(
+    done = as_confirmed(
         lambda: actions.reprocess(
             res,
             filt,
             step_,
             lane=lane,
             enqueue=sender(res),
-            user=_user(),
+            user=context.user(),
             expect=None if yes else planned.emails,
             as_of=planned.as_of,
             over_max=over_max,
@@ -941,7 +763,7 @@ def reprocess(
 @click.option(
     "--dry-run", is_flag=True, help="List what it would delete (ids, counts); change nothing."
 )
-@_YES
+@YES
 def forget(
     email_ids: tuple[int, ...],
     message_id: str | None,
@@ -966,7 +788,7 @@ def forget(
             filt = selection(message_id, sender)
         except BadSearch as exc:
             raise BadInput(str(exc)) from None
-    res = _migrated()
+    res = context.migrated()
     planned = actions.forget(
         res, email_ids or None, filt, enqueue=jobs_sender(res), user="", dry_run=True
     )
@@ -980,17 +802,17 @@ def forget(
     if planned.completed:
         click.echo(_completed(planned.completed))
     if dry_run:
-        _name_refused(planned.refused, "forgotten")
+        name_refused(planned.refused, "forgotten")
         return
-    if not (yes or _asked(f"Forget these {len(planned.email_ids)} emails for good?")):
+    if not (yes or asked(f"Forget these {len(planned.email_ids)} emails for good?")):
         return
-    done = actions.forget(res, planned.email_ids, enqueue=jobs_sender(res), user=_user())
+    done = actions.forget(res, planned.email_ids, enqueue=jobs_sender(res), user=context.user())
     click.echo(f"forgot {len(done.email_ids)}: {_forget_counts(done)}")
     if done.completed:
         click.echo(
             f"copies completed: {' '.join(map(str, done.completed))}, jobs sent {done.enqueued}"
         )
-    _name_refused({**planned.refused, **done.refused}, "forgotten")
+    name_refused({**planned.refused, **done.refused}, "forgotten")
 
 
 def _completed(email_ids: list[int]) -> str:
