@@ -25,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.types import Message, Scope
 
 from mailpipe.broker.queues import Lane, Stage
+from mailpipe.cli import context
 from mailpipe.cli import main as cli
 from mailpipe.operations import search, status
 from mailpipe.operations.search import EmailFilter, Found
@@ -139,7 +140,7 @@ def faces(monkeypatch: pytest.MonkeyPatch) -> Faces:
         monkeypatch.setattr(module, "find", find)
     monkeypatch.setattr(pages, "error_classes", lambda session: [])
     monkeypatch.setattr(forms, "_act", act)
-    monkeypatch.setattr(cli, "_migrated", lambda: resources)
+    monkeypatch.setattr(context, "migrated", lambda: resources)
     return faces
 
 
