@@ -1,6 +1,7 @@
 """The console's actions, each a form an operator posts: checked (an operator's, with the form's
-CSRF token, fields read), done through `mailpipe.operations.actions` as the CLI does it, logged
-with its user, and answered by a redirect to the page it came from, which shows its counts.
+CSRF token, fields read), done through `mailpipe.operations.actions` as the CLI does it, which
+writes its one audit line with its user (`web:` and the name), and answered by a redirect to
+the page it came from, which shows its counts.
 
 An action is an async endpoint only for reading its form; its work runs on the thread pool, where
 it may block on the database and Redis.
@@ -8,8 +9,7 @@ it may block on the database and Redis.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -27,10 +27,6 @@ from mailpipe.resources import Resources
 from mailpipe.web import params
 from mailpipe.web.auth import ACT, csrf_refusal
 
-log = logging.getLogger("mailpipe.web")
-
-# How many email ids an action's log line names; the count is always there.
-LOGGED_IDS = 200
 # What an action's result says, by the name it comes back under; anything else shows nothing.
 ACTIONS = {
     "retry": "retried",
@@ -64,7 +60,6 @@ async def switch_model_calls(request: Request) -> Response:
         send_sweep=send_sweep,
         user=_who(request),
     )
-    _log_action(request, f"model calls {'on' if on else 'off'}", [])
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
 
@@ -75,10 +70,8 @@ async def pause_or_resume(request: Request) -> Response:
     if params.choice(form, "do", ("pause", "resume")) == "pause":
         reason = str(form.get("reason") or "").strip() or "paused by an operator"
         await run_in_threadpool(actions.pause, res, stage, reason[:200], user=_who(request))
-        _log_action(request, f"pause {stage.value}", [])
     else:
         await run_in_threadpool(actions.resume, res, stage, user=_who(request))
-        _log_action(request, f"resume {stage.value}", [])
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
 
@@ -104,12 +97,6 @@ async def act_on_failed(request: Request) -> Response:
             done = await run_in_threadpool(_act, res, verb, user, None, filt, expect)
         except actions.Changed:
             return _to(confirm, fields, do=verb, changed=expect)
-    _log_action(
-        request,
-        f"{verb} {scope} in the failed list",
-        done.done,
-        [name for name, value in fields.items() if value],
-    )
     return _back(request, "failed", fields, verb, done)
 
 
@@ -134,7 +121,6 @@ async def act_on_review(request: Request) -> Response:
         )
     except actions.Changed:
         return _to(request.app.url_path_for("confirm_review"), {}, do=verb, changed=expect)
-    _log_action(request, f"{verb} {scope} in the review list", done.done)
     return _back(request, "review", {}, verb, done)
 
 
@@ -152,7 +138,6 @@ async def move_to_lane(request: Request) -> Response:
     )
     if not done.done:
         raise HTTPException(404, f"no email with id {email_id}")
-    _log_action(request, f"move to {lane.value}", done.done)
     return RedirectResponse(request.app.url_path_for("email", email_id=email_id), status_code=303)
 
 
@@ -179,7 +164,6 @@ async def act_on_email(request: Request) -> Response:
         done = await run_in_threadpool(actions.clear_review, res, [email_id], user=who)
     else:
         done = await run_in_threadpool(_act, res, verb, request.user.username, [email_id])
-    _log_action(request, f"{verb} on its page", done.done)
     counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
     path = request.app.url_path_for("email", email_id=email_id)
     return RedirectResponse(f"{path}?{params.query({}, action=verb, **counts)}", status_code=303)
@@ -243,7 +227,6 @@ async def reprocess_matching(request: Request) -> Response:
         return _to(plan_page, planned, changed=expect)
     except actions.OverMax:  # the plan page says so, with the box to tick
         return _to(plan_page, planned)
-    _log_action(request, f"reprocess from {step.value}", [], filt.names())
     counts = {"done": done.taken, "enqueued": done.enqueued}
     path = request.app.url_path_for("search")
     return RedirectResponse(f"{path}?{params.query(fields, action='reprocess', **counts)}", 303)
@@ -340,26 +323,4 @@ def _back(
     path = request.app.url_path_for(page)
     return RedirectResponse(
         f"{path}?{params.query(fields, action=verb, **counts)}", status_code=303
-    )
-
-
-def _log_action(
-    request: Request,
-    action: str,
-    email_ids: Sequence[int],
-    filters: Sequence[str] = (),
-) -> None:
-    """One line per action: who, what, the emails' ids, and the names of the filters it was
-    given, never their values, which may be an email's sender or subject."""
-    named = list(email_ids[:LOGGED_IDS])
-    more = f" and {len(email_ids) - LOGGED_IDS} more" if len(email_ids) > LOGGED_IDS else ""
-    log.info(
-        "%s: %s, %d emails %s%s%s",
-        request.user.username,
-        action,
-        len(email_ids),
-        named,
-        more,
-        f" (by {', '.join(filters)})" if filters else "",
-        extra={"user": request.user.username, "action": action, "email_ids": named},
     )
