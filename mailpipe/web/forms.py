@@ -18,14 +18,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from mailpipe.broker.queues import Lane, Stage
+from mailpipe.broker.queues import Stage
 from mailpipe.enqueue import send_sweep, sender
 from mailpipe.operations import actions
-from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed, read_search
+from mailpipe.operations.search import FIELDS, failed_fields
 from mailpipe.operations.status import FailedFilter
 from mailpipe.resources import Resources
-from mailpipe.web import params
-from mailpipe.web.auth import ACT, csrf_refusal
+from mailpipe.web import params, verbs
+from mailpipe.web.auth import ACT, acting, csrf_refusal
+
+# How the actions' audit lines name this face's users.
+FACE = "web"
 
 # What an action's result says, by the name it comes back under; anything else shows nothing.
 ACTIONS = {
@@ -35,6 +38,7 @@ ACTIONS = {
     "undo-dismiss": "back on the failed list",
     "clear": "review mark cleared",
     "clear-review": "review mark cleared",
+    "lane": "moved to the other lane",
     "reprocess": "reprocessed",
     "forget": "forgotten",
 }
@@ -58,7 +62,7 @@ async def switch_model_calls(request: Request) -> Response:
         request.app.state.resources,
         on,
         send_sweep=send_sweep,
-        user=_who(request),
+        user=acting(request, FACE),
     )
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
@@ -69,9 +73,9 @@ async def pause_or_resume(request: Request) -> Response:
     res = request.app.state.resources
     if params.choice(form, "do", ("pause", "resume")) == "pause":
         reason = str(form.get("reason") or "").strip() or "paused by an operator"
-        await run_in_threadpool(actions.pause, res, stage, reason[:200], user=_who(request))
+        await run_in_threadpool(actions.pause, res, stage, reason[:200], user=acting(request, FACE))
     else:
-        await run_in_threadpool(actions.resume, res, stage, user=_who(request))
+        await run_in_threadpool(actions.resume, res, stage, user=acting(request, FACE))
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
 
@@ -80,12 +84,9 @@ async def act_on_failed(request: Request) -> Response:
     only with the count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
     verb, scope = params.choice(form, "do", _VERBS).split("-")
-    try:
-        filt = read_failed(params.filter_fields(form))
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt = params.failed_filter(params.filter_fields(form))
     fields = failed_fields(filt)
-    res, user = request.app.state.resources, request.user.username
+    res, user = request.app.state.resources, acting(request, FACE)
     if scope == "selected":
         done = await run_in_threadpool(_act, res, verb, user, _selected(form))
     else:
@@ -117,71 +118,38 @@ async def act_on_review(request: Request) -> Response:
         email_ids = await run_in_threadpool(actions.marked, res)
     try:
         done = await run_in_threadpool(
-            _act, res, verb, request.user.username, email_ids, None, expect
+            _act, res, verb, acting(request, FACE), email_ids, None, expect
         )
     except actions.Changed:
         return _to(request.app.url_path_for("confirm_review"), {}, do=verb, changed=expect)
     return _back(request, "review", {}, verb, done)
 
 
-async def move_to_lane(request: Request) -> Response:
-    """As `mailpipe lane`: the email's next job goes in the lane chosen."""
-    email_id = params.email_id(request)
-    form = await _action_form(request)
-    lane = Lane(params.choice(form, "lane", tuple(Lane)))
-    done = await run_in_threadpool(
-        actions.move,
-        request.app.state.resources,
-        [email_id],
-        lane,
-        user=f"web:{request.user.username}",
-    )
-    if not done.done:
-        raise HTTPException(404, f"no email with id {email_id}")
-    return RedirectResponse(request.app.url_path_for("email", email_id=email_id), status_code=303)
-
-
-# What an email's page offers, by the form's `do`; each as its list pages and the CLI do it.
-EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "reprocess", "forget")
+# Why a reprocess of one email took none.
+NOT_TAKEN = "its run has not succeeded, or a reprocess under way took it"
 
 
 async def act_on_email(request: Request) -> Response:
-    """One of EMAIL_ACTIONS on the email whose page posted it; back to that page, with what it
-    did."""
+    """One of `verbs.ON_EMAIL` on the email whose page posted it; back to that page, with what
+    it did. A forget only with its box ticked (the CLI asks before it forgets too), and then to
+    the search, since the email's page is gone with it."""
     email_id = params.email_id(request)
     form = await _action_form(request)
-    verb = params.choice(form, "do", EMAIL_ACTIONS)
-    res, who = request.app.state.resources, _who(request)
-    if verb == "forget":
-        return await _forget_one(request, form, email_id)
-    if verb == "reprocess":
-        step = actions.Step(params.choice(form, "from", tuple(actions.Step)))
-        lane = Lane(params.choice(form, "lane", tuple(Lane)))
-        done = await run_in_threadpool(_reprocess_one, res, email_id, step, lane, who)
-    elif verb == "undo-dismiss":
-        done = await run_in_threadpool(actions.undo_dismiss, res, [email_id], user=who)
-    elif verb == "clear-review":
-        done = await run_in_threadpool(actions.clear_review, res, [email_id], user=who)
-    else:
-        done = await run_in_threadpool(_act, res, verb, request.user.username, [email_id])
-    counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
-    path = request.app.url_path_for("email", email_id=email_id)
-    return RedirectResponse(f"{path}?{params.query({}, action=verb, **counts)}", status_code=303)
-
-
-async def _forget_one(request: Request, form: FormData, email_id: int) -> Response:
-    """The email page's forget, only with its box ticked (the CLI asks before it forgets too);
-    to the search, since the email's page is gone with it."""
-    if form.get("confirm") != "yes":
+    verb = params.choice(form, "do", verbs.ON_EMAIL)
+    if verb == "forget" and form.get("confirm") != "yes":
         raise HTTPException(400, "forgetting an email cannot be undone: tick the box to confirm")
-    res = request.app.state.resources
-    done = await run_in_threadpool(
-        lambda: actions.forget(res, [email_id], enqueue=sender(res), user=_who(request))
-    )
-    if not done.email_ids:
-        raise HTTPException(404, f"no email with id {email_id}")
-    path = request.app.url_path_for("search")
-    return RedirectResponse(f"{path}?{params.query({}, action='forget', done=1)}", 303)
+    done = await verbs.act(request, verb, email_id, params.Form(form), FACE)
+    if isinstance(done, actions.Forgotten):
+        if not done.email_ids:
+            raise HTTPException(404, f"no email with id {email_id}")
+        return _to(request.app.url_path_for("search"), {}, action="forget", done=1)
+    if isinstance(done, actions.Reprocessed):  # of its one email
+        done = (
+            actions.Done([email_id], done.enqueued)
+            if done.taken
+            else actions.Done([], refused={email_id: NOT_TAKEN})
+        )
+    return _back(request, "email", {}, verb, done, email_id=email_id)
 
 
 async def reprocess_matching(request: Request) -> Response:
@@ -190,15 +158,11 @@ async def reprocess_matching(request: Request) -> Response:
     and `as_of`, and past MAILPIPE_REPROCESS_MAX only with `over_max` ticked; else back to the
     plan page, as it is now. Then to the search, with what it did."""
     form = await _action_form(request)
+    posted = params.Form(form)
     fields = {name: str(form.get(name) or "") for name in FIELDS}
-    try:
-        filt, _ = read_search(fields)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
-    step = actions.Step(params.choice(form, "from", tuple(actions.Step)))
-    # `lane` is the search's filter; the jobs' lane is `in_lane`.
-    lane = Lane(params.choice(form, "in_lane", tuple(Lane)))
-    expect, as_of = params.count(form, "expect"), params.count(form, "as_of")
+    filt, _ = params.searched(fields)
+    step, lane = verbs.reprocess_from(posted, lane="in_lane")
+    expect, as_of = posted.count("expect"), posted.count("as_of")
     plan_page = request.app.url_path_for("reprocess_plan")
     chosen = {**fields, "from": step.value, "in_lane": lane.value}
     if expect is None:
@@ -209,42 +173,14 @@ async def reprocess_matching(request: Request) -> Response:
     res = request.app.state.resources
     try:
         done = await run_in_threadpool(
-            lambda: actions.reprocess(
-                res,
-                filt,
-                step,
-                lane=lane,
-                enqueue=sender(res),
-                user=_who(request),
-                expect=expect,
-                as_of=as_of,
-                over_max=form.get("over_max") == "yes",
-            )
+            verbs.reprocess, res, filt, step, lane, posted, acting(request, FACE)
         )
-    except actions.NotAFilter as refused:
-        raise HTTPException(400, str(refused)) from None
     except actions.Changed:
         return _to(plan_page, planned, changed=expect)
     except actions.OverMax:  # the plan page says so, with the box to tick
         return _to(plan_page, planned)
     counts = {"done": done.taken, "enqueued": done.enqueued}
-    path = request.app.url_path_for("search")
-    return RedirectResponse(f"{path}?{params.query(fields, action='reprocess', **counts)}", 303)
-
-
-def _reprocess_one(
-    res: Resources, email_id: int, step: actions.Step, lane: Lane, who: str
-) -> actions.Done:
-    from mailpipe.operations.search import EmailFilter
-
-    done = actions.reprocess(
-        res, EmailFilter(email_id=email_id), step, lane=lane, enqueue=sender(res), user=who
-    )
-    if not done.taken:
-        return actions.Done(
-            [], refused={email_id: "its run has not succeeded, or a reprocess under way took it"}
-        )
-    return actions.Done([email_id], done.enqueued)
+    return _to(request.app.url_path_for("search"), fields, action="reprocess", **counts)
 
 
 def notice(query: Mapping[str, str]) -> str | None:
@@ -282,11 +218,6 @@ def _selected(form: FormData) -> list[int]:
     ]
 
 
-def _who(request: Request) -> str:
-    """The user as the actions' audit lines name a console user."""
-    return f"web:{request.user.username}"
-
-
 def _act(
     res: Resources,
     verb: str,
@@ -295,19 +226,18 @@ def _act(
     filt: FailedFilter | None = None,
     expect: int | None = None,
 ) -> actions.Done:
-    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None,
-    `expect` of them when it is confirmed; done by `user` as the operations' log names them."""
+    """A list's action `verb` on `email_ids`, or on the failed runs `filt` matches when they are
+    None, `expect` of them when it is confirmed; done by `user` (`auth.acting`)."""
     if email_ids is not None and not email_ids and expect is None:
         return actions.Done([])  # nothing selected: never "every failed run"
-    who = f"web:{user}"
     if verb == "retry":
-        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who, expect=expect)
+        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=user, expect=expect)
     if verb == "dismiss":
-        return actions.dismiss(res, email_ids, filt, user=who, expect=expect)
+        return actions.dismiss(res, email_ids, filt, user=user, expect=expect)
     assert email_ids is not None
     if verb == "undo":
-        return actions.undo_dismiss(res, email_ids, user=who)
-    return actions.clear_review(res, email_ids, user=who, expect=expect)
+        return actions.undo_dismiss(res, email_ids, user=user)
+    return actions.clear_review(res, email_ids, user=user, expect=expect)
 
 
 def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:
@@ -316,11 +246,13 @@ def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:
 
 
 def _back(
-    request: Request, page: str, fields: Mapping[str, str], verb: str, done: actions.Done
+    request: Request,
+    page: str,
+    fields: Mapping[str, str],
+    verb: str,
+    done: actions.Done,
+    **path_params: Any,
 ) -> Response:
     """To the page named `page`, its filters kept, with the counts its notice shows."""
     counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
-    path = request.app.url_path_for(page)
-    return RedirectResponse(
-        f"{path}?{params.query(fields, action=verb, **counts)}", status_code=303
-    )
+    return _to(request.app.url_path_for(page, **path_params), fields, action=verb, **counts)

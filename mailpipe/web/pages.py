@@ -21,12 +21,10 @@ from mailpipe.broker.queues import Lane, Stage
 from mailpipe.errors import input_rejections
 from mailpipe.operations.actions import (
     Counted,
-    NotAFilter,
     Step,
     count_failed,
     count_of,
     marked,
-    plan_reprocess,
 )
 from mailpipe.operations.activity import fleet_activity
 from mailpipe.operations.search import (
@@ -48,7 +46,7 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.web import charts, forms, params, searching
+from mailpipe.web import charts, forms, params, searching, verbs
 from mailpipe.web.auth import ACT, csrf_token
 
 PER_PAGE = 50
@@ -167,10 +165,7 @@ def confirm_failed(request: Request) -> Response:
     """What "Retry all" or "Dismiss all" of the failed list takes, and the form that does it:
     the count, and for a retry the runs whose input was rejected, which fail again."""
     verb = _verb(request, FAILED_VERBS)
-    try:
-        filt = read_failed(request.query_params)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt = params.failed_filter(request.query_params)
     counted = count_failed(request.app.state.resources, filt)
     fields = failed_fields(filt)
     shown = {name: value for name, value in fields.items() if value and name != "view"}
@@ -208,18 +203,12 @@ def reprocess_plan(request: Request) -> Response:
     """A reprocess's plan, from the search's form: how many emails it takes, the model calls
     that costs, and the form that takes them (with the plan's count and `as_of`)."""
     query = request.query_params
-    try:
-        filt, _ = read_search({name: query.get(name, "") for name in FIELDS})
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt, _ = params.searched({name: query.get(name, "") for name in FIELDS})
     step, lane = query.get("from"), query.get("in_lane")
     if step not in tuple(Step) or lane not in tuple(Lane):
         raise HTTPException(400, "from is a step and in_lane a lane, as the search's form has them")
     res = request.app.state.resources
-    try:
-        plan = plan_reprocess(res, filt, as_of=params.count(query, "as_of"))
-    except NotAFilter as refused:
-        raise HTTPException(400, str(refused)) from None
+    plan = verbs.plan_reprocess(res, filt, params.count(query, "as_of"))
     fields = filt.fields()
     shown = {name: value for name, value in fields.items() if value}
     over = plan.emails > plan.most

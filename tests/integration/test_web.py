@@ -639,6 +639,14 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
     # Its run is open now: reprocessing it again takes nothing.
     again = act(succeeded, do="reprocess", **{"from": "parse", "lane": "bulk"})
     assert again.endswith("done=0&enqueued=0&refused=1")
+    # The lane's button posts the same act, as the API's `lane` does.
+    page = requests.get(f"{web.url}/emails/{succeeded}", auth=OPERATOR, timeout=10).text
+    assert '<input type="hidden" name="do" value="lane">' in page
+    [other] = re.findall(r'<button name="lane" value="(live|bulk)">', page)
+    moved = act(succeeded, do="lane", lane=other)
+    assert moved == f"/emails/{succeeded}?action=lane&done=1&enqueued=0&refused=0"
+    page = requests.get(f"{web.url}{moved}", auth=OPERATOR, timeout=10).text
+    assert f'<dd id="lane">{other}' in page and "1 moved to the other lane" in page
     audit = audit_lines(web.output())
     assert audit[:2] == [
         f"dismiss by web:ops: 1 email(s): {failed}",
@@ -646,7 +654,9 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
     ]
     assert re.fullmatch(r"reprocess_\d+_from_parse by web:ops", audit[2])
     assert re.fullmatch(rf"reprocess_\d+ by web:ops: 1 email\(s\): {succeeded}", audit[3])
-    assert len(audit) == 4  # the second reprocess took nothing
+    assert audit[4:] == [
+        f"move_to_{other} by web:ops: 1 email(s): {succeeded}"
+    ]  # the second reprocess took none
 
     # Forgotten once its box is ticked: to the search, the email's page gone with it.
     unticked = requests.post(
