@@ -63,17 +63,14 @@ CONSOLE = [
     Route("/", pages.overview, name="overview"),
     Route("/model-calls", forms.switch_model_calls, methods=["POST"], name="switch_model_calls"),
     Route("/stages", forms.pause_or_resume, methods=["POST"], name="pause_or_resume"),
-    Route("/failed", pages.failed, name="failed"),
-    Route("/failed", forms.act_on_failed, methods=["POST"], name="act_on_failed"),
+    Route("/failed", pages.Failed, name="failed"),  # the list (GET) and its actions (POST)
     Route("/failed/confirm", pages.confirm_failed, name="confirm_failed"),
-    Route("/review", pages.review, name="review"),
-    Route("/review", forms.act_on_review, methods=["POST"], name="act_on_review"),
+    Route("/review", pages.Review, name="review"),
     Route("/review/confirm", pages.confirm_review, name="confirm_review"),
     Route("/search", pages.search, name="search"),
     Route("/emails/{email_id}", pages.email, name="email"),
     Route("/emails/{email_id}/act", forms.act_on_email, methods=["POST"], name="act_on_email"),
-    Route("/reprocess", pages.reprocess_plan, name="reprocess_plan"),
-    Route("/reprocess", forms.reprocess_matching, methods=["POST"], name="reprocess_matching"),
+    Route("/reprocess", pages.Reprocess, name="reprocess"),  # its plan (GET), taken (POST)
     Mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static"),
 ]
 # Under /api/ (route names "api:job", "api:queues"): sign-in refused in JSON, as its errors.

@@ -153,7 +153,7 @@ async def act_on_email(request: Request) -> Response:
 
 
 async def reprocess_matching(request: Request) -> Response:
-    """The search's reprocess, as its plan page (`pages.reprocess_plan`) confirms it: the
+    """The search's reprocess, as its plan page (`pages.Reprocess`) confirms it: the
     succeeded emails of its filter, from the step chosen, only with the plan's count (`expect`)
     and `as_of`, and past MAILPIPE_REPROCESS_MAX only with `over_max` ticked; else back to the
     plan page, as it is now. Then to the search, with what it did."""
@@ -163,7 +163,7 @@ async def reprocess_matching(request: Request) -> Response:
     filt, _ = params.searched(fields)
     step, lane = verbs.reprocess_from(posted, lane="in_lane")
     expect, as_of = posted.count("expect"), posted.count("as_of")
-    plan_page = request.app.url_path_for("reprocess_plan")
+    plan_page = request.app.url_path_for("reprocess")
     chosen = {**fields, "from": step.value, "in_lane": lane.value}
     if expect is None:
         return _to(plan_page, chosen)
