@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mailpipe.operations.activity import fleet_activity
-from mailpipe.operations.search import BadSearch, read_failed, read_search
 from mailpipe.operations.status import failed_page, fleet_status, job_state, review_page
 from mailpipe.web import params, searching
 
@@ -44,20 +43,14 @@ def activity(request: Request) -> Response:
 def search(request: Request) -> Response:
     """The search page's emails, a page of 50 at a time: `rows`, newest first, and `next_before`,
     the `before` of the next page (null on the last)."""
-    try:
-        filt, before = read_search(request.query_params)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt, before = params.searched(request.query_params)
     return JSONResponse(searching.found(request, filt, before).as_json())
 
 
 def failed(request: Request) -> Response:
     """The failed list, as `mailpipe failed --json`: `?error_class`, `stage`, `since`, `until`,
     `view=dismissed`, `page` (50 a page)."""
-    try:
-        filt = read_failed(request.query_params)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt = params.failed_filter(request.query_params)
     page = params.page_number(request.query_params)
     with request.app.state.resources.db.reading() as session:
         return JSONResponse(failed_page(session, filt, page).as_json())

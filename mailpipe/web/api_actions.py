@@ -14,6 +14,7 @@ it, before it is read whole) and nested at most MAX_DEPTH levels (400).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -21,48 +22,39 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mailpipe.broker.queues import Lane, Stage
+from mailpipe.broker.queues import Stage
 from mailpipe.enqueue import send_sweep, sender
 from mailpipe.operations import actions
 from mailpipe.operations.erasure import selection
-from mailpipe.operations.search import BadSearch, EmailFilter, read_search
-from mailpipe.web import params
-from mailpipe.web.auth import ACT
+from mailpipe.operations.search import BadSearch, EmailFilter
+from mailpipe.web import params, verbs
+from mailpipe.web.auth import ACT, acting
 
-# The actions on one email, by the last part of their path.
-EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "lane", "reprocess", "forget")
 # An action's body is an object of values and of lists of ids, two levels; deeper is none of
 # them, and far deeper (a body of brackets) would exhaust the parser's recursion.
 MAX_DEPTH = 4
 TOO_DEEP = f"the body is nested at most {MAX_DEPTH} levels deep"
+# How the actions' audit lines name this face's users.
+FACE = "api"
 
 
 async def act_on_email(request: Request) -> Response:
-    """POST /api/emails/{email_id}/{action}: one of EMAIL_ACTIONS; `lane` takes {"lane": ...},
-    `reprocess` {"from": ..., "lane": ...} (the bulk lane by default), `forget` answers as POST
-    /api/forget does."""
+    """POST /api/emails/{email_id}/{action}: one of `verbs.ON_EMAIL`; `lane` takes
+    {"lane": ...}, `reprocess` {"from": ..., "lane": ...} (the bulk lane by default) and answers
+    as POST /api/reprocess does, `forget` as POST /api/forget does."""
     email_id = params.email_id(request)
     action = request.path_params["action"]
-    if action not in EMAIL_ACTIONS:
-        raise HTTPException(404, f"no action {action!r}: one of {', '.join(EMAIL_ACTIONS)}")
+    if action not in verbs.ON_EMAIL:
+        raise HTTPException(404, f"no action {action!r}: one of {', '.join(verbs.ON_EMAIL)}")
     body = await _body(request)
-    res, who = request.app.state.resources, _who(request)
-    ids = [email_id]
-    if action == "retry":
-        done = await run_in_threadpool(actions.retry, res, ids, enqueue=sender(res), user=who)
-    elif action == "dismiss":
-        done = await run_in_threadpool(actions.dismiss, res, ids, user=who)
-    elif action == "undo-dismiss":
-        done = await run_in_threadpool(actions.undo_dismiss, res, ids, user=who)
-    elif action == "clear-review":
-        done = await run_in_threadpool(actions.clear_review, res, ids, user=who)
-    elif action == "lane":
-        lane = params.choice(body, "lane", Lane)
-        done = await run_in_threadpool(actions.move, res, ids, Lane(lane), user=who)
-    elif action == "forget":
-        return await _forget(request, body, ids, None)
-    else:
-        return await _reprocess(request, body, EmailFilter(email_id=email_id))
+    try:
+        done = await verbs.act(request, action, email_id, params.Body(body), FACE)
+    except (actions.Changed, actions.OverMax) as refused:
+        return _refused(refused)
+    if isinstance(done, actions.Reprocessed):
+        return JSONResponse(_reprocessed(done))
+    if isinstance(done, actions.Forgotten):
+        return JSONResponse(asdict(done))
     return JSONResponse({"done": done.done, "enqueued": done.enqueued, "refused": done.refused})
 
 
@@ -78,50 +70,19 @@ async def reprocess(request: Request) -> Response:
     `as_of`), or answers 409 with the plan as it is now; past MAILPIPE_REPROCESS_MAX, only with
     {"over_max": true}."""
     body = await _body(request)
-    fields = {k: str(v) for k, v in body.items() if k not in REPROCESS_FIELDS}
-    try:
-        filt, _ = read_search(fields)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
-    return await _reprocess(request, body, filt, planned=True)
-
-
-async def _reprocess(
-    request: Request, body: dict[str, Any], filt: EmailFilter, *, planned: bool = False
-) -> Response:
-    """A reprocess; `planned`: only of the count its plan gave, echoed as `expect` (one email's
-    own needs none)."""
-    step = actions.Step(params.choice(body, "from", actions.Step))
-    lane = Lane(params.choice({"lane": Lane.BULK.value, **body}, "lane", Lane))
-    dry_run, over_max = _flag(body, "dry_run"), _flag(body, "over_max")
-    expect, as_of = _count(body, "expect"), _count(body, "as_of")
+    filt, _ = params.searched({k: str(v) for k, v in body.items() if k not in REPROCESS_FIELDS})
+    posted = params.Body(body)
+    step, lane = verbs.reprocess_from(posted)
     res = request.app.state.resources
+    if posted.count("expect") is None and not posted.flag("dry_run"):
+        plan = await run_in_threadpool(verbs.plan_reprocess, res, filt, posted.count("as_of"))
+        return _with_plan(409, "a reprocess takes its plan's count: give it as expect", plan)
     try:
-        if dry_run:
-            plan = await run_in_threadpool(actions.plan_reprocess, res, filt, as_of=as_of)
-            return JSONResponse(_reprocessed(plan))
-        if planned and expect is None:
-            plan = await run_in_threadpool(actions.plan_reprocess, res, filt, as_of=as_of)
-            return _refused(409, "a reprocess takes its plan's count: give it as expect", plan)
         done = await run_in_threadpool(
-            lambda: actions.reprocess(
-                res,
-                filt,
-                step,
-                lane=lane,
-                enqueue=sender(res),
-                user=_who(request),
-                expect=expect,
-                as_of=as_of,
-                over_max=over_max,
-            )
+            verbs.reprocess, res, filt, step, lane, posted, acting(request, FACE)
         )
-    except actions.NotAFilter as refused:
-        raise HTTPException(400, str(refused)) from None
-    except actions.OverMax as refused:
-        return _refused(400, f"{refused}: over_max takes them", refused.plan)
-    except actions.Changed as refused:
-        return _refused(409, str(refused), refused.plan)
+    except (actions.Changed, actions.OverMax) as refused:
+        return _refused(refused)
     return JSONResponse(_reprocessed(done))
 
 
@@ -137,26 +98,16 @@ def _reprocessed(done: actions.Reprocessed) -> dict[str, Any]:
     }
 
 
-def _refused(status: int, why: str, plan: actions.Reprocessed | actions.Counted) -> Response:
+def _refused(refused: actions.Changed | actions.OverMax) -> Response:
+    if isinstance(refused, actions.OverMax):
+        return _with_plan(400, f"{refused}: over_max takes them", refused.plan)
+    return _with_plan(409, str(refused), refused.plan)
+
+
+def _with_plan(status: int, why: str, plan: actions.Reprocessed | actions.Counted) -> Response:
     """A refusal with the plan as it is now, to look at and confirm instead."""
     assert isinstance(plan, actions.Reprocessed)
     return JSONResponse({"error": why, "plan": _reprocessed(plan)}, status)
-
-
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise HTTPException(400, f"{name} is true or false")
-    return value
-
-
-def _count(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int or not 0 <= value <= params.MAX_ID:
-        raise HTTPException(400, f"{name} is a whole number from 0 to {params.MAX_ID}")
-    return value
 
 
 async def forget(request: Request) -> Response:
@@ -185,26 +136,18 @@ async def forget(request: Request) -> Response:
 async def _forget(
     request: Request, body: dict[str, Any], email_ids: list[int] | None, filt: EmailFilter | None
 ) -> Response:
-    dry_run = _flag(body, "dry_run")
     res = request.app.state.resources
     done = await run_in_threadpool(
         lambda: actions.forget(
-            res, email_ids, filt, enqueue=sender(res), user=_who(request), dry_run=dry_run
+            res,
+            email_ids,
+            filt,
+            enqueue=sender(res),
+            user=acting(request, FACE),
+            dry_run=params.Body(body).flag("dry_run"),
         )
     )
-    return JSONResponse(
-        {
-            "email_ids": done.email_ids,
-            "rows": done.rows,
-            "blobs": done.blobs,
-            "redis": done.redis,
-            "handed_on": done.handed_on,
-            "completed": done.completed,
-            "enqueued": done.enqueued,
-            "refused": done.refused,
-            "dry_run": done.dry_run,
-        }
-    )
+    return JSONResponse(asdict(done))
 
 
 async def pause_or_resume(request: Request) -> Response:
@@ -212,7 +155,7 @@ async def pause_or_resume(request: Request) -> Response:
     stage = Stage(_path_choice(request, "stage", Stage))
     do = _path_choice(request, "do", ("pause", "resume"))
     body = await _body(request)
-    res, who = request.app.state.resources, _who(request)
+    res, who = request.app.state.resources, acting(request, FACE)
     if do == "pause":
         reason = str(body.get("reason") or "paused by an operator")[:200]
         held = await run_in_threadpool(actions.pause, res, stage, reason, user=who)
@@ -232,7 +175,7 @@ async def switch_model_calls(request: Request) -> Response:
         request.app.state.resources,
         on,
         send_sweep=send_sweep,
-        user=_who(request),
+        user=acting(request, FACE),
     )
     return JSONResponse({"model_calls": on})
 
@@ -295,7 +238,3 @@ def _path_choice(request: Request, name: str, allowed: Any) -> str:
     if value not in tuple(allowed):
         raise HTTPException(404, f"{name} is one of {', '.join(allowed)}")
     return str(value)
-
-
-def _who(request: Request) -> str:
-    return f"api:{request.user.username}"

@@ -1,8 +1,9 @@
 """The console's routes and what wraps them (docs/console.md).
 
 Each room is a module: `pages` (HTML), `forms` (the actions the pages' forms post), `api` (JSON),
-`params` (what a request carries, checked), `errors` (how a refusal is answered), `searching`
-(the search's slots and connections). Reads go through `mailpipe.operations.status`, in sessions
+`api_actions` (its actions), `verbs` (the acts on one email, for both faces), `params` (what a
+request carries, checked), `errors` (how a refusal is answered), `searching` (the search's slots
+and connections). Reads go through `mailpipe.operations.status`, in sessions
 given up past the web role's statement timeout (`Resources.for_web`), and actions through
 `mailpipe.operations.actions`, the code the CLI runs. The API and the console are Mounts of their
 own, so that each signs in and answers its errors in its own format. Everything a handler uses
@@ -62,18 +63,14 @@ CONSOLE = [
     Route("/", pages.overview, name="overview"),
     Route("/model-calls", forms.switch_model_calls, methods=["POST"], name="switch_model_calls"),
     Route("/stages", forms.pause_or_resume, methods=["POST"], name="pause_or_resume"),
-    Route("/failed", pages.failed, name="failed"),
-    Route("/failed", forms.act_on_failed, methods=["POST"], name="act_on_failed"),
+    Route("/failed", pages.Failed, name="failed"),  # the list (GET) and its actions (POST)
     Route("/failed/confirm", pages.confirm_failed, name="confirm_failed"),
-    Route("/review", pages.review, name="review"),
-    Route("/review", forms.act_on_review, methods=["POST"], name="act_on_review"),
+    Route("/review", pages.Review, name="review"),
     Route("/review/confirm", pages.confirm_review, name="confirm_review"),
     Route("/search", pages.search, name="search"),
     Route("/emails/{email_id}", pages.email, name="email"),
-    Route("/emails/{email_id}/lane", forms.move_to_lane, methods=["POST"], name="move_to_lane"),
     Route("/emails/{email_id}/act", forms.act_on_email, methods=["POST"], name="act_on_email"),
-    Route("/reprocess", pages.reprocess_plan, name="reprocess_plan"),
-    Route("/reprocess", forms.reprocess_matching, methods=["POST"], name="reprocess_matching"),
+    Route("/reprocess", pages.Reprocess, name="reprocess"),  # its plan (GET), taken (POST)
     Mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static"),
 ]
 # Under /api/ (route names "api:job", "api:queues"): sign-in refused in JSON, as its errors.

@@ -316,6 +316,12 @@ def _csrf(secret: bytes) -> URLSafeTimedSerializer:
     return URLSafeTimedSerializer(secret, salt="mailpipe.web.csrf")
 
 
+def acting(request: HTTPConnection, face: str) -> str:
+    """Who acts, as the actions' audit lines name them: the face (`web`, the console's forms, or
+    `api`) and the user signed in."""
+    return f"{face}:{request.user.username}"
+
+
 def csrf_token(secret: bytes, user: str) -> str:
     """`user`'s token, made now."""
     return _csrf(secret).dumps(user)

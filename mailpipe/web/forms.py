@@ -1,6 +1,7 @@
 """The console's actions, each a form an operator posts: checked (an operator's, with the form's
-CSRF token, fields read), done through `mailpipe.operations.actions` as the CLI does it, logged
-with its user, and answered by a redirect to the page it came from, which shows its counts.
+CSRF token, fields read), done through `mailpipe.operations.actions` as the CLI does it, which
+writes its one audit line with its user (`web:` and the name), and answered by a redirect to
+the page it came from, which shows its counts.
 
 An action is an async endpoint only for reading its form; its work runs on the thread pool, where
 it may block on the database and Redis.
@@ -8,8 +9,7 @@ it may block on the database and Redis.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -18,19 +18,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from mailpipe.broker.queues import Lane, Stage
+from mailpipe.broker.queues import Stage
 from mailpipe.enqueue import send_sweep, sender
 from mailpipe.operations import actions
-from mailpipe.operations.search import FIELDS, BadSearch, failed_fields, read_failed, read_search
+from mailpipe.operations.search import FIELDS, failed_fields
 from mailpipe.operations.status import FailedFilter
 from mailpipe.resources import Resources
-from mailpipe.web import params
-from mailpipe.web.auth import ACT, csrf_refusal
+from mailpipe.web import params, verbs
+from mailpipe.web.auth import ACT, acting, csrf_refusal
 
-log = logging.getLogger("mailpipe.web")
+# How the actions' audit lines name this face's users.
+FACE = "web"
 
-# How many email ids an action's log line names; the count is always there.
-LOGGED_IDS = 200
 # What an action's result says, by the name it comes back under; anything else shows nothing.
 ACTIONS = {
     "retry": "retried",
@@ -39,6 +38,7 @@ ACTIONS = {
     "undo-dismiss": "back on the failed list",
     "clear": "review mark cleared",
     "clear-review": "review mark cleared",
+    "lane": "moved to the other lane",
     "reprocess": "reprocessed",
     "forget": "forgotten",
 }
@@ -62,9 +62,8 @@ async def switch_model_calls(request: Request) -> Response:
         request.app.state.resources,
         on,
         send_sweep=send_sweep,
-        user=_who(request),
+        user=acting(request, FACE),
     )
-    _log_action(request, f"model calls {'on' if on else 'off'}", [])
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
 
@@ -74,11 +73,9 @@ async def pause_or_resume(request: Request) -> Response:
     res = request.app.state.resources
     if params.choice(form, "do", ("pause", "resume")) == "pause":
         reason = str(form.get("reason") or "").strip() or "paused by an operator"
-        await run_in_threadpool(actions.pause, res, stage, reason[:200], user=_who(request))
-        _log_action(request, f"pause {stage.value}", [])
+        await run_in_threadpool(actions.pause, res, stage, reason[:200], user=acting(request, FACE))
     else:
-        await run_in_threadpool(actions.resume, res, stage, user=_who(request))
-        _log_action(request, f"resume {stage.value}", [])
+        await run_in_threadpool(actions.resume, res, stage, user=acting(request, FACE))
     return RedirectResponse(request.app.url_path_for("overview"), status_code=303)
 
 
@@ -87,12 +84,9 @@ async def act_on_failed(request: Request) -> Response:
     only with the count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
     verb, scope = params.choice(form, "do", _VERBS).split("-")
-    try:
-        filt = read_failed(params.filter_fields(form))
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt = params.failed_filter(params.filter_fields(form))
     fields = failed_fields(filt)
-    res, user = request.app.state.resources, request.user.username
+    res, user = request.app.state.resources, acting(request, FACE)
     if scope == "selected":
         done = await run_in_threadpool(_act, res, verb, user, _selected(form))
     else:
@@ -104,12 +98,6 @@ async def act_on_failed(request: Request) -> Response:
             done = await run_in_threadpool(_act, res, verb, user, None, filt, expect)
         except actions.Changed:
             return _to(confirm, fields, do=verb, changed=expect)
-    _log_action(
-        request,
-        f"{verb} {scope} in the failed list",
-        done.done,
-        [name for name, value in fields.items() if value],
-    )
     return _back(request, "failed", fields, verb, done)
 
 
@@ -130,92 +118,52 @@ async def act_on_review(request: Request) -> Response:
         email_ids = await run_in_threadpool(actions.marked, res)
     try:
         done = await run_in_threadpool(
-            _act, res, verb, request.user.username, email_ids, None, expect
+            _act, res, verb, acting(request, FACE), email_ids, None, expect
         )
     except actions.Changed:
         return _to(request.app.url_path_for("confirm_review"), {}, do=verb, changed=expect)
-    _log_action(request, f"{verb} {scope} in the review list", done.done)
     return _back(request, "review", {}, verb, done)
 
 
-async def move_to_lane(request: Request) -> Response:
-    """As `mailpipe lane`: the email's next job goes in the lane chosen."""
-    email_id = params.email_id(request)
-    form = await _action_form(request)
-    lane = Lane(params.choice(form, "lane", tuple(Lane)))
-    done = await run_in_threadpool(
-        actions.move,
-        request.app.state.resources,
-        [email_id],
-        lane,
-        user=f"web:{request.user.username}",
-    )
-    if not done.done:
-        raise HTTPException(404, f"no email with id {email_id}")
-    _log_action(request, f"move to {lane.value}", done.done)
-    return RedirectResponse(request.app.url_path_for("email", email_id=email_id), status_code=303)
-
-
-# What an email's page offers, by the form's `do`; each as its list pages and the CLI do it.
-EMAIL_ACTIONS = ("retry", "dismiss", "undo-dismiss", "clear-review", "reprocess", "forget")
+# Why a reprocess of one email took none.
+NOT_TAKEN = "its run has not succeeded, or a reprocess under way took it"
 
 
 async def act_on_email(request: Request) -> Response:
-    """One of EMAIL_ACTIONS on the email whose page posted it; back to that page, with what it
-    did."""
+    """One of `verbs.ON_EMAIL` on the email whose page posted it; back to that page, with what
+    it did. A forget only with its box ticked (the CLI asks before it forgets too), and then to
+    the search, since the email's page is gone with it."""
     email_id = params.email_id(request)
     form = await _action_form(request)
-    verb = params.choice(form, "do", EMAIL_ACTIONS)
-    res, who = request.app.state.resources, _who(request)
-    if verb == "forget":
-        return await _forget_one(request, form, email_id)
-    if verb == "reprocess":
-        step = actions.Step(params.choice(form, "from", tuple(actions.Step)))
-        lane = Lane(params.choice(form, "lane", tuple(Lane)))
-        done = await run_in_threadpool(_reprocess_one, res, email_id, step, lane, who)
-    elif verb == "undo-dismiss":
-        done = await run_in_threadpool(actions.undo_dismiss, res, [email_id], user=who)
-    elif verb == "clear-review":
-        done = await run_in_threadpool(actions.clear_review, res, [email_id], user=who)
-    else:
-        done = await run_in_threadpool(_act, res, verb, request.user.username, [email_id])
-    _log_action(request, f"{verb} on its page", done.done)
-    counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
-    path = request.app.url_path_for("email", email_id=email_id)
-    return RedirectResponse(f"{path}?{params.query({}, action=verb, **counts)}", status_code=303)
-
-
-async def _forget_one(request: Request, form: FormData, email_id: int) -> Response:
-    """The email page's forget, only with its box ticked (the CLI asks before it forgets too);
-    to the search, since the email's page is gone with it."""
-    if form.get("confirm") != "yes":
+    verb = params.choice(form, "do", verbs.ON_EMAIL)
+    if verb == "forget" and form.get("confirm") != "yes":
         raise HTTPException(400, "forgetting an email cannot be undone: tick the box to confirm")
-    res = request.app.state.resources
-    done = await run_in_threadpool(
-        lambda: actions.forget(res, [email_id], enqueue=sender(res), user=_who(request))
-    )
-    if not done.email_ids:
-        raise HTTPException(404, f"no email with id {email_id}")
-    path = request.app.url_path_for("search")
-    return RedirectResponse(f"{path}?{params.query({}, action='forget', done=1)}", 303)
+    done = await verbs.act(request, verb, email_id, params.Form(form), FACE)
+    if isinstance(done, actions.Forgotten):
+        if not done.email_ids:
+            raise HTTPException(404, f"no email with id {email_id}")
+        return _to(request.app.url_path_for("search"), {}, action="forget", done=1)
+    if isinstance(done, actions.Reprocessed):  # of its one email
+        done = (
+            actions.Done([email_id], done.enqueued)
+            if done.taken
+            else actions.Done([], refused={email_id: NOT_TAKEN})
+        )
+    return _back(request, "email", {}, verb, done, email_id=email_id)
 
 
 async def reprocess_matching(request: Request) -> Response:
-    """The search's reprocess, as its plan page (`pages.reprocess_plan`) confirms it: the
+    """The search's reprocess, as its plan page (`pages.Reprocess`) confirms it: the
     succeeded emails of its filter, from the step chosen, only with the plan's count (`expect`)
     and `as_of`, and past MAILPIPE_REPROCESS_MAX only with `over_max` ticked; else back to the
     plan page, as it is now. Then to the search, with what it did."""
     form = await _action_form(request)
+    posted = params.Form(form)
     fields = {name: str(form.get(name) or "") for name in FIELDS}
-    try:
-        filt, _ = read_search(fields)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
-    step = actions.Step(params.choice(form, "from", tuple(actions.Step)))
-    # `lane` is the search's filter; the jobs' lane is `in_lane`.
-    lane = Lane(params.choice(form, "in_lane", tuple(Lane)))
-    expect, as_of = params.count(form, "expect"), params.count(form, "as_of")
-    plan_page = request.app.url_path_for("reprocess_plan")
+    filt, _ = params.searched(fields)
+    step, lane = verbs.reprocess_from(posted, lane="in_lane")
+    expect, as_of = posted.count("expect"), posted.count("as_of")
+    plan_page = request.app.url_path_for("reprocess")
     chosen = {**fields, "from": step.value, "in_lane": lane.value}
     if expect is None:
         return _to(plan_page, chosen)
@@ -225,43 +173,14 @@ async def reprocess_matching(request: Request) -> Response:
     res = request.app.state.resources
     try:
         done = await run_in_threadpool(
-            lambda: actions.reprocess(
-                res,
-                filt,
-                step,
-                lane=lane,
-                enqueue=sender(res),
-                user=_who(request),
-                expect=expect,
-                as_of=as_of,
-                over_max=form.get("over_max") == "yes",
-            )
+            verbs.reprocess, res, filt, step, lane, posted, acting(request, FACE)
         )
-    except actions.NotAFilter as refused:
-        raise HTTPException(400, str(refused)) from None
     except actions.Changed:
         return _to(plan_page, planned, changed=expect)
     except actions.OverMax:  # the plan page says so, with the box to tick
         return _to(plan_page, planned)
-    _log_action(request, f"reprocess from {step.value}", [], filt.names())
     counts = {"done": done.taken, "enqueued": done.enqueued}
-    path = request.app.url_path_for("search")
-    return RedirectResponse(f"{path}?{params.query(fields, action='reprocess', **counts)}", 303)
-
-
-def _reprocess_one(
-    res: Resources, email_id: int, step: actions.Step, lane: Lane, who: str
-) -> actions.Done:
-    from mailpipe.operations.search import EmailFilter
-
-    done = actions.reprocess(
-        res, EmailFilter(email_id=email_id), step, lane=lane, enqueue=sender(res), user=who
-    )
-    if not done.taken:
-        return actions.Done(
-            [], refused={email_id: "its run has not succeeded, or a reprocess under way took it"}
-        )
-    return actions.Done([email_id], done.enqueued)
+    return _to(request.app.url_path_for("search"), fields, action="reprocess", **counts)
 
 
 def notice(query: Mapping[str, str]) -> str | None:
@@ -299,11 +218,6 @@ def _selected(form: FormData) -> list[int]:
     ]
 
 
-def _who(request: Request) -> str:
-    """The user as the actions' audit lines name a console user."""
-    return f"web:{request.user.username}"
-
-
 def _act(
     res: Resources,
     verb: str,
@@ -312,19 +226,18 @@ def _act(
     filt: FailedFilter | None = None,
     expect: int | None = None,
 ) -> actions.Done:
-    """The action `verb` on `email_ids`, or on the failed runs `filt` matches when they are None,
-    `expect` of them when it is confirmed; done by `user` as the operations' log names them."""
+    """A list's action `verb` on `email_ids`, or on the failed runs `filt` matches when they are
+    None, `expect` of them when it is confirmed; done by `user` (`auth.acting`)."""
     if email_ids is not None and not email_ids and expect is None:
         return actions.Done([])  # nothing selected: never "every failed run"
-    who = f"web:{user}"
     if verb == "retry":
-        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=who, expect=expect)
+        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=user, expect=expect)
     if verb == "dismiss":
-        return actions.dismiss(res, email_ids, filt, user=who, expect=expect)
+        return actions.dismiss(res, email_ids, filt, user=user, expect=expect)
     assert email_ids is not None
     if verb == "undo":
-        return actions.undo_dismiss(res, email_ids, user=who)
-    return actions.clear_review(res, email_ids, user=who, expect=expect)
+        return actions.undo_dismiss(res, email_ids, user=user)
+    return actions.clear_review(res, email_ids, user=user, expect=expect)
 
 
 def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:
@@ -333,33 +246,13 @@ def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:
 
 
 def _back(
-    request: Request, page: str, fields: Mapping[str, str], verb: str, done: actions.Done
+    request: Request,
+    page: str,
+    fields: Mapping[str, str],
+    verb: str,
+    done: actions.Done,
+    **path_params: Any,
 ) -> Response:
     """To the page named `page`, its filters kept, with the counts its notice shows."""
     counts = {"done": len(done.done), "enqueued": done.enqueued, "refused": len(done.refused)}
-    path = request.app.url_path_for(page)
-    return RedirectResponse(
-        f"{path}?{params.query(fields, action=verb, **counts)}", status_code=303
-    )
-
-
-def _log_action(
-    request: Request,
-    action: str,
-    email_ids: Sequence[int],
-    filters: Sequence[str] = (),
-) -> None:
-    """One line per action: who, what, the emails' ids, and the names of the filters it was
-    given, never their values, which may be an email's sender or subject."""
-    named = list(email_ids[:LOGGED_IDS])
-    more = f" and {len(email_ids) - LOGGED_IDS} more" if len(email_ids) > LOGGED_IDS else ""
-    log.info(
-        "%s: %s, %d emails %s%s%s",
-        request.user.username,
-        action,
-        len(email_ids),
-        named,
-        more,
-        f" (by {', '.join(filters)})" if filters else "",
-        extra={"user": request.user.username, "action": action, "email_ids": named},
-    )
+    return _to(request.app.url_path_for(page, **path_params), fields, action=verb, **counts)

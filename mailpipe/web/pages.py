@@ -2,7 +2,8 @@
 user's CSRF token for the forms on it (`mailpipe.web.forms`).
 
 Pages are sync endpoints: Starlette runs them on its thread pool, where they may block on the
-database and Redis.
+database and Redis. A page whose form posts back to its own path is one `HTTPEndpoint`: its
+`get` here, its `post` the form's action in `forms`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import jinja2
 from starlette.datastructures import URLPath
+from starlette.endpoints import HTTPEndpoint
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -21,12 +23,10 @@ from mailpipe.broker.queues import Lane, Stage
 from mailpipe.errors import input_rejections
 from mailpipe.operations.actions import (
     Counted,
-    NotAFilter,
     Step,
     count_failed,
     count_of,
     marked,
-    plan_reprocess,
 )
 from mailpipe.operations.activity import fleet_activity
 from mailpipe.operations.search import (
@@ -48,7 +48,7 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.web import charts, forms, params, searching
+from mailpipe.web import charts, forms, params, searching, verbs
 from mailpipe.web.auth import ACT, csrf_token
 
 PER_PAGE = 50
@@ -87,36 +87,50 @@ def overview(request: Request) -> Response:
     )
 
 
-def failed(request: Request) -> Response:
-    page = params.page_number(request.query_params)
-    filt: FailedFilter | None = None
-    try:
-        filt = read_failed(request.query_params)
-        fields, problems = failed_fields(filt), []
-    except BadSearch as exc:
-        # The form as it was sent, with what to correct, and nothing listed: what the filters
-        # match is what "all matching" acts on.
-        fields, problems = params.filter_fields(request.query_params), [str(exc)]
-    with request.app.state.resources.db.reading() as session:
-        listed = NOTHING if filt is None else failed_page(session, filt, page, PER_PAGE)
-        classes = error_classes(session)
-    return _render(
-        request,
-        "failed.html",
-        status_code=400 if problems else 200,
-        listed=listed,
-        classes=classes,
-        filters=fields,
-        problems=problems,
-        query=lambda **changes: params.query(fields, **changes),
-    )
+class Failed(HTTPEndpoint):
+    """The failed list, and the actions its form posts (`forms.act_on_failed`)."""
+
+    def get(self, request: Request) -> Response:
+        page = params.page_number(request.query_params)
+        filt: FailedFilter | None = None
+        try:
+            filt = read_failed(request.query_params)
+            fields, problems = failed_fields(filt), []
+        except BadSearch as exc:
+            # The form as it was sent, with what to correct, and nothing listed: what the filters
+            # match is what "all matching" acts on.
+            fields, problems = params.filter_fields(request.query_params), [str(exc)]
+        with request.app.state.resources.db.reading() as session:
+            listed = NOTHING if filt is None else failed_page(session, filt, page, PER_PAGE)
+            classes = error_classes(session)
+        return _render(
+            request,
+            "failed.html",
+            status_code=400 if problems else 200,
+            listed=listed,
+            classes=classes,
+            filters=fields,
+            problems=problems,
+            query=lambda **changes: params.query(fields, **changes),
+        )
+
+    async def post(self, request: Request) -> Response:
+        return await forms.act_on_failed(request)
 
 
-def review(request: Request) -> Response:
-    page = params.page_number(request.query_params)
-    with request.app.state.resources.db.reading() as session:
-        listed = review_page(session, page, PER_PAGE)
-    return _render(request, "review.html", listed=listed, query=lambda **c: params.query({}, **c))
+class Review(HTTPEndpoint):
+    """The review list, and the actions its form posts (`forms.act_on_review`)."""
+
+    def get(self, request: Request) -> Response:
+        page = params.page_number(request.query_params)
+        with request.app.state.resources.db.reading() as session:
+            listed = review_page(session, page, PER_PAGE)
+        return _render(
+            request, "review.html", listed=listed, query=lambda **c: params.query({}, **c)
+        )
+
+    async def post(self, request: Request) -> Response:
+        return await forms.act_on_review(request)
 
 
 def search(request: Request) -> Response:
@@ -167,10 +181,7 @@ def confirm_failed(request: Request) -> Response:
     """What "Retry all" or "Dismiss all" of the failed list takes, and the form that does it:
     the count, and for a retry the runs whose input was rejected, which fail again."""
     verb = _verb(request, FAILED_VERBS)
-    try:
-        filt = read_failed(request.query_params)
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
+    filt = params.failed_filter(request.query_params)
     counted = count_failed(request.app.state.resources, filt)
     fields = failed_fields(filt)
     shown = {name: value for name, value in fields.items() if value and name != "view"}
@@ -180,7 +191,7 @@ def confirm_failed(request: Request) -> Response:
         figures=[("failed runs", str(counted.runs)), *_filters_shown(shown)],
         counted=counted,
         rejections=verb == "retry",
-        action=request.app.url_path_for("act_on_failed"),
+        action=request.app.url_path_for("failed"),
         fields={**fields, "do": f"{verb}-matching", "expect": str(counted.runs)},
         button=f"{FAILED_VERBS[verb]} {counted.runs} runs",
         back=f"{request.app.url_path_for('failed')}?{params.query(fields)}",
@@ -197,61 +208,63 @@ def confirm_review(request: Request) -> Response:
         figures=[("emails marked", str(counted.runs))],
         counted=counted,
         rejections=verb == "retry",
-        action=request.app.url_path_for("act_on_review"),
+        action=request.app.url_path_for("review"),
         fields={"do": f"{verb}-matching", "expect": str(counted.runs)},
         button=f"{REVIEW_VERBS[verb]} {counted.runs} emails",
         back=request.app.url_path_for("review"),
     )
 
 
-def reprocess_plan(request: Request) -> Response:
-    """A reprocess's plan, from the search's form: how many emails it takes, the model calls
-    that costs, and the form that takes them (with the plan's count and `as_of`)."""
-    query = request.query_params
-    try:
-        filt, _ = read_search({name: query.get(name, "") for name in FIELDS})
-    except BadSearch as exc:
-        raise HTTPException(400, str(exc)) from None
-    step, lane = query.get("from"), query.get("in_lane")
-    if step not in tuple(Step) or lane not in tuple(Lane):
-        raise HTTPException(400, "from is a step and in_lane a lane, as the search's form has them")
-    res = request.app.state.resources
-    try:
-        plan = plan_reprocess(res, filt, as_of=params.count(query, "as_of"))
-    except NotAFilter as refused:
-        raise HTTPException(400, str(refused)) from None
-    fields = filt.fields()
-    shown = {name: value for name, value in fields.items() if value}
-    over = plan.emails > plan.most
-    return _confirm(
-        request,
-        title=f"Reprocess {plan.emails} succeeded emails from {step}?",
-        figures=[
-            ("emails", str(plan.emails)),
-            ("model calls", f"{plan.model_calls} ({res.settings.model_backend})"),
-            ("from", str(step)),
-            ("in the lane", str(lane)),
-            *_filters_shown(shown),
-        ],
-        counted=Counted(plan.emails),
-        problems=[
-            f"That is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once: narrow "
-            "the search, or tick the box to take them all the same."
-        ]
-        if over
-        else [],
-        over_max=over,
-        action=request.app.url_path_for("reprocess_matching"),
-        fields={
-            **fields,
-            "from": str(step),
-            "in_lane": str(lane),
-            "expect": str(plan.emails),
-            "as_of": str(plan.as_of),
-        },
-        button=f"Reprocess {plan.emails} emails",
-        back=f"{request.app.url_path_for('search')}?{params.query(fields)}",
-    )
+class Reprocess(HTTPEndpoint):
+    """A reprocess: its plan, and the form that takes it (`forms.reprocess_matching`)."""
+
+    def get(self, request: Request) -> Response:
+        """A reprocess's plan, from the search's form: how many emails it takes, the model calls
+        that costs, and the form that takes them (with the plan's count and `as_of`)."""
+        query = request.query_params
+        filt, _ = params.searched({name: query.get(name, "") for name in FIELDS})
+        step, lane = query.get("from"), query.get("in_lane")
+        if step not in tuple(Step) or lane not in tuple(Lane):
+            raise HTTPException(
+                400, "from is a step and in_lane a lane, as the search's form has them"
+            )
+        res = request.app.state.resources
+        plan = verbs.plan_reprocess(res, filt, params.count(query, "as_of"))
+        fields = filt.fields()
+        shown = {name: value for name, value in fields.items() if value}
+        over = plan.emails > plan.most
+        return _confirm(
+            request,
+            title=f"Reprocess {plan.emails} succeeded emails from {step}?",
+            figures=[
+                ("emails", str(plan.emails)),
+                ("model calls", f"{plan.model_calls} ({res.settings.model_backend})"),
+                ("from", str(step)),
+                ("in the lane", str(lane)),
+                *_filters_shown(shown),
+            ],
+            counted=Counted(plan.emails),
+            problems=[
+                f"That is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once: narrow "
+                "the search, or tick the box to take them all the same."
+            ]
+            if over
+            else [],
+            over_max=over,
+            action=request.app.url_path_for("reprocess"),
+            fields={
+                **fields,
+                "from": str(step),
+                "in_lane": str(lane),
+                "expect": str(plan.emails),
+                "as_of": str(plan.as_of),
+            },
+            button=f"Reprocess {plan.emails} emails",
+            back=f"{request.app.url_path_for('search')}?{params.query(fields)}",
+        )
+
+    async def post(self, request: Request) -> Response:
+        return await forms.reprocess_matching(request)
 
 
 def _verb(request: Request, verbs: dict[str, str]) -> str:

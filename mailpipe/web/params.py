@@ -3,7 +3,9 @@ Shared by the pages, their forms and the API."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -11,7 +13,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from mailpipe.operations.activity import WINDOWS, Window
-from mailpipe.operations.search import FAILED_FIELDS
+from mailpipe.operations.search import (
+    FAILED_FIELDS,
+    BadSearch,
+    EmailFilter,
+    read_failed,
+    read_search,
+)
+from mailpipe.operations.status import FailedFilter
 
 # Ids are PostgreSQL bigints: a number past them is refused here, not by the database (a 500).
 MAX_ID = 2**63 - 1
@@ -82,3 +91,67 @@ def choice(values: Mapping[str, Any], name: str, allowed: Any) -> str:
     if value not in tuple(allowed):
         raise HTTPException(400, f"{name} is one of {', '.join(allowed)}")
     return str(value)
+
+
+def searched(values: Mapping[str, Any]) -> tuple[EmailFilter, int | None]:
+    """The search's filter and its page's `before` (`search.read_search`), or a 400 with what
+    is wrong."""
+    try:
+        return read_search(values)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+def failed_filter(values: Mapping[str, Any]) -> FailedFilter:
+    """The failed list's filter (`search.read_failed`), or a 400 with what is wrong."""
+    try:
+        return read_failed(values)
+    except BadSearch as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Posted(ABC):
+    """What an action was given, a form's fields or a JSON body's, read by name: a choice the
+    same in both, a flag and a count as each writes them (`Form`, `Body`)."""
+
+    values: Mapping[str, Any]
+
+    def choice(self, name: str, allowed: Iterable[str], default: str | None = None) -> str:
+        """The value of `name`, one of `allowed`; `default` when it is not there."""
+        given = self.values if default is None else {name: default, **self.values}
+        return choice(given, name, tuple(allowed))
+
+    @abstractmethod
+    def flag(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def count(self, name: str) -> int | None: ...
+
+
+class Form(Posted):
+    """A form's fields: text; a box ticked is "yes"."""
+
+    def flag(self, name: str) -> bool:
+        return self.values.get(name) == "yes"
+
+    def count(self, name: str) -> int | None:
+        return count(self.values, name)
+
+
+class Body(Posted):
+    """A JSON body's values: a flag is true or false, a count a number."""
+
+    def flag(self, name: str) -> bool:
+        value = self.values.get(name, False)
+        if not isinstance(value, bool):
+            raise HTTPException(400, f"{name} is true or false")
+        return value
+
+    def count(self, name: str) -> int | None:
+        value = self.values.get(name)
+        if value is None:
+            return None
+        if type(value) is not int or not 0 <= value <= MAX_ID:
+            raise HTTPException(400, f"{name} is a whole number from 0 to {MAX_ID}")
+        return value

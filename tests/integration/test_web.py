@@ -210,11 +210,18 @@ def test_actions_need_an_operator_and_the_form_s_token(res, console) -> None:  #
     assert switched.status_code == 200
     with res.db.session() as session:
         assert flags.model_calls_enabled(session) is not before
-    log = web.output()
-    assert f"ops: retry selected in the failed list, 1 emails [{email_id}]" in log
-    assert "ops: pause model" in log and "ops: resume model" in log
-    assert f"ops: model calls {state}" in log
-    assert "viewer:" not in log  # refused actions did nothing
+    # One audit line per act, the operation's, with its user; refused ones did nothing.
+    assert audit_lines(web.output()) == [
+        f"retry by web:ops: 1 email(s): {email_id}",
+        "pause_model by web:ops",
+        "resume_model by web:ops",
+        f"model_calls_{state} by web:ops",
+    ]
+
+
+def audit_lines(log: str) -> list[str]:
+    """The console's audit lines, written by the operations it calls (`actions`), as read."""
+    return re.findall(r"/mailpipe\.operations\.actions\] (.*)", log)
 
 
 def expired_token(env: dict[str, str], user: str) -> str:
@@ -635,9 +642,24 @@ def test_an_email_s_page_offers_what_applies_to_it_and_acts_there(res, console) 
     # Its run is open now: reprocessing it again takes nothing.
     again = act(succeeded, do="reprocess", **{"from": "parse", "lane": "bulk"})
     assert again.endswith("done=0&enqueued=0&refused=1")
-    log = web.output()
-    assert f"reprocess on its page, 1 emails [{succeeded}]" in log
-    assert "dismiss by web:" in log and "undo_dismiss by web:" in log
+    # The lane's button posts the same act, as the API's `lane` does.
+    page = requests.get(f"{web.url}/emails/{succeeded}", auth=OPERATOR, timeout=10).text
+    assert '<input type="hidden" name="do" value="lane">' in page
+    [other] = re.findall(r'<button name="lane" value="(live|bulk)">', page)
+    moved = act(succeeded, do="lane", lane=other)
+    assert moved == f"/emails/{succeeded}?action=lane&done=1&enqueued=0&refused=0"
+    page = requests.get(f"{web.url}{moved}", auth=OPERATOR, timeout=10).text
+    assert f'<dd id="lane">{other}' in page and "1 moved to the other lane" in page
+    audit = audit_lines(web.output())
+    assert audit[:2] == [
+        f"dismiss by web:ops: 1 email(s): {failed}",
+        f"undo_dismiss by web:ops: 1 email(s): {failed}",
+    ]
+    assert re.fullmatch(r"reprocess_\d+_from_parse by web:ops", audit[2])
+    assert re.fullmatch(rf"reprocess_\d+ by web:ops: 1 email\(s\): {succeeded}", audit[3])
+    assert audit[4:] == [
+        f"move_to_{other} by web:ops: 1 email(s): {succeeded}"
+    ]  # the second reprocess took none
 
     # Forgotten once its box is ticked: to the search, the email's page gone with it.
     unticked = requests.post(

@@ -108,7 +108,7 @@ def test_an_operator_forgets_from_the_email_page_once_confirmed(console) -> None
     assert status == 303
     assert headers["location"] == "/search?action=forget&done=1"
     assert [{k: v for k, v in a.items() if k != "enqueue"} for a in asked] == [
-        {"email_ids": [5], "filt": None, "user": "web:ops"}
+        {"email_ids": [5], "filt": None, "user": "web:ops", "dry_run": False}
     ]
     assert callable(asked[0]["enqueue"])  # a copy that becomes the origin has its job sent
 
