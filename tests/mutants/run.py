@@ -444,7 +444,7 @@ MUTANTS = [
     ),
     Mutant(
         "metrics-one-lane",
-        "mailpipe/operations/metrics.py",
+        "mailpipe/operations/sinks.py",
         '    lane = [*queue, {"Name": "Lane", "Value": metrics.lane.value}]',
         '    lane = [*queue, {"Name": "Lane", "Value": Lane.LIVE.value}]',
         "the bulk lane's figures are sent as the live lane's, and scaling reads the wrong backlog",
