@@ -10,7 +10,8 @@ what its file grants (`operation_names`), and nothing else; moto does not check 
 batch delete against the policy, so the single deletes below are what shows each role's reach. The worker's jobs and its blob check then run with the worker's keys, and the
 web role's forget with the web's, on the test's PostgreSQL and Redis. A policy that grants too
 little fails a code path; one that grants too much fails the refusals asserted beside them.
-Beat, model and release call no S3 at all, and their policies grant no S3 action.
+Beat, model and release call no S3 at all, and their policies grant no S3 action; beat's
+metrics report is sent with beat's keys (moto's name for CloudWatch's action: `operation_names`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from sqlalchemy import select
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import sender
 from mailpipe.errors import BlobAccessDenied, BlobMissing, Dependency
-from mailpipe.operations import actions
+from mailpipe.operations import actions, sinks
+from mailpipe.operations.metrics import BacklogMetrics
 from mailpipe.pipeline import health, job
 from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
@@ -49,6 +51,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 BLOB_URL = "s3://mailpipe-blobs-123456789012/mail"
 BUCKET, PREFIX = BLOB_URL.removeprefix("s3://").split("/", 1)
 ROLES = ("worker", "web")
+# Beat calls no S3: its user is there for its CloudWatch report.
+USERS = (*ROLES, "beat")
 ADMIN_POLICY = {
     "Version": "2012-10-17",
     "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
@@ -71,6 +75,13 @@ def operation_names(document: dict[str, Any]) -> dict[str, Any]:
             statements.append(
                 {"Effect": "Allow", "Action": "s3:ListObjectsV2", "Resource": resources}
             )
+        if "cloudwatch:PutMetricData" in granted:
+            # moto names the action by CloudWatch's endpoint prefix, and hands a policy no
+            # `cloudwatch:namespace` value: the same grant under moto's name, without the
+            # namespace condition (which the template test holds), stands in for it.
+            statements.append(
+                {"Effect": "Allow", "Action": "monitoring:PutMetricData", "Resource": resources}
+            )
         if "s3:DeleteObject" in granted:
             buckets = sorted({r.split("/", 1)[0] for r in resources})
             statements.append(
@@ -82,7 +93,7 @@ def operation_names(document: dict[str, Any]) -> dict[str, Any]:
 def setup_requests() -> int:
     """The unsigned set-up: the bucket; a user, its policy and its key for the admin and for
     each role, and each role's operation names when it has any."""
-    return 1 + 3 + sum(3 + bool(operation_names(policy(r))["Statement"]) for r in ROLES)
+    return 1 + 3 + sum(3 + bool(operation_names(policy(r))["Statement"]) for r in USERS)
 
 
 def s3_actions(document: dict[str, Any]) -> set[str]:
@@ -116,7 +127,7 @@ def keys(
         region_name="us-east-1",
     )
     found: dict[str, dict[str, str]] = {}
-    for user, document in [("admin", ADMIN_POLICY), *((r, policy(r)) for r in ROLES)]:
+    for user, document in [("admin", ADMIN_POLICY), *((r, policy(r)) for r in USERS)]:
         iam.create_user(UserName=user)
         iam.put_user_policy(UserName=user, PolicyName=user, PolicyDocument=json.dumps(document))
         if user != "admin" and operation_names(document)["Statement"]:
@@ -274,3 +285,21 @@ def test_the_template_grants_each_role_what_its_policy_file_grants(role: str) ->
         }
 
     assert normal(statements) == normal(resolved(policy(role)["Statement"], {}))
+
+
+def test_beat_sends_the_metrics_report_under_its_own_policy(keys, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The report's PutMetricData with beat's keys, into the namespace its policy names; the
+    worker's keys, whose policy grants no CloudWatch action, are refused."""
+    url, found = keys
+    reading = BacklogMetrics(queue="mailpipe", queue_depth=4, oldest_job_age_s=2.0, running_tasks=2)
+
+    def sent(user: str) -> bool:
+        for name, value in found[user].items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        caplog.clear()
+        sinks.CloudWatchSink("Mailpipe", url).send([reading])  # its client made with these keys
+        return "PutMetricData failed" not in caplog.text
+
+    assert sent("beat")
+    assert not sent("worker")
