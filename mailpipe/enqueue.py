@@ -14,15 +14,18 @@ loads no task module, no document converter and no signal handler: the job is se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
 from kombu import Producer
 
+from mailpipe.broker import layout
 from mailpipe.broker.layout import job_headers
+from mailpipe.broker.mailboxes import assign, candidates, shown, stored
 from mailpipe.broker.queues import Lane, TaskName, queue_of
+from mailpipe.broker.sending import Enqueue, Route
 from mailpipe.celery import app
 from mailpipe.coordination import markers
 from mailpipe.resources import Resources, get_resources
@@ -35,9 +38,12 @@ class EnqueueResult:
     already_queued: list[int]
 
 
-def enqueue_email(email_id: int) -> bool:
-    """Enqueue one email's job after the commit that stored it; False if it is already queued."""
-    return bool(enqueue_emails([email_id]).sent)
+def enqueue_email(email_id: int, mailbox: str | None = None) -> bool:
+    """Enqueue one email's job after the commit that stored it; False if it is already queued.
+    `mailbox`: the row's, if the caller has it at hand (None: the job reads it from the row,
+    which costs it a hop through its lane's own queue)."""
+    given = None if mailbox is None else {email_id: stored(mailbox)}
+    return bool(enqueue_emails([email_id], mailboxes=given).sent)
 
 
 def enqueue_emails(
@@ -45,10 +51,14 @@ def enqueue_emails(
     res: Resources | None = None,
     task: TaskName = TaskName.PROCESS_EMAIL,
     lane: Lane = Lane.LIVE,
+    mailboxes: Mapping[int, str | None] | None = None,
 ) -> EnqueueResult:
-    """Enqueue many emails in two round trips to Redis: one for the markers, one for the jobs.
+    """Enqueue many emails in three round trips to Redis: the markers, the lengths of the shard
+    queues their mailboxes may take, the jobs.
     `task`: the stage to send; the sweeper sends the model stage of runs past their CPU stage.
-    `lane`: the lane every job of this call goes in (the emails' own: callers group by it)."""
+    `lane`: the lane every job of this call goes in (the emails' own: callers group by it).
+    `mailboxes`: each email's mailbox as its row holds it (None: the default one); without it the
+    jobs go to the lane's own queue, and each job reads its mailbox from the row."""
     res = res or get_resources()
     ids = list(dict.fromkeys(email_ids))
     if not ids:
@@ -57,11 +67,13 @@ def enqueue_emails(
     sent = [email_id for email_id, ok in zip(ids, claimed, strict=True) if ok]
     skipped = [email_id for email_id, ok in zip(ids, claimed, strict=True) if not ok]
     try:
+        routes = route(res, sent, task, lane, mailboxes)
         with app.producer_or_acquire() as producer:
-            declare_queue(app, producer, queue_of(task, res.settings, lane))
+            for queue in {each.queue for each in routes.values()}:
+                declare_queue(app, producer, queue)
             with producer.batch():
                 for email_id in sent:
-                    send_job(email_id, task, lane, producer=producer)
+                    send_job(email_id, task, lane, routes[email_id], producer=producer)
     except BaseException:
         # Nothing may stay marked as queued that was not sent.
         markers.release(res.redis, sent)
@@ -69,10 +81,30 @@ def enqueue_emails(
     return EnqueueResult(sent, skipped)
 
 
-def sender(res: Resources) -> Callable[[Sequence[int], TaskName, Lane], list[int]]:
+def route(
+    res: Resources,
+    email_ids: Sequence[int],
+    task: TaskName,
+    lane: Lane,
+    mailboxes: Mapping[int, str | None] | None,
+) -> dict[int, Route]:
+    """Where each email's job of `task` goes in `lane`: the shorter of its mailbox's two shard
+    queues (one round trip for their lengths), or the lane's own queue when `mailboxes` is not
+    given, where the job finds its mailbox on the row (mailpipe.broker.mailboxes)."""
+    queue = queue_of(task, res.settings, lane)
+    if mailboxes is None:
+        return {email_id: Route(queue, None) for email_id in email_ids}
+    count = res.settings.mailbox_queues
+    wanted = [(email_id, mailboxes[email_id]) for email_id in email_ids]
+    held = layout.lengths(res.redis, candidates((box for _, box in wanted), queue, count))
+    placed = assign(wanted, queue, count, held)
+    return {email_id: Route(placed[email_id], shown(box)) for email_id, box in wanted}
+
+
+def sender(res: Resources) -> Enqueue:
     """`enqueue_emails` as the sweeper and the operator's actions are handed it: they never
     import Celery. Returns the ids it sent."""
-    return lambda email_ids, task, lane: enqueue_emails(email_ids, res, task, lane).sent
+    return lambda ids, task, lane, boxes: enqueue_emails(ids, res, task, lane, boxes).sent
 
 
 def send_sweep() -> None:
@@ -88,6 +120,7 @@ def send_job(
     email_id: int,
     task: TaskName = TaskName.PROCESS_EMAIL,
     lane: Lane = Lane.LIVE,
+    route: Route | None = None,
     *,
     kwargs: dict[str, Any] | None = None,
     **options: Any,
@@ -97,13 +130,18 @@ def send_job(
     the job's own follow-ups (a deferral, a delivery cut off by the hard time limit, the hand-off
     to the model stage), which hold their email's marker already. The lane goes in the message's
     keyword arguments too, so that every follow-up stays in it without reading the email's row.
+    `route`: its queue and mailbox (`route`; by default the lane's own queue, the mailbox not
+    named). The mailbox goes in the keyword arguments too, named as shown (`mailbox`), so that
+    every follow-up stays in it.
     `kwargs`: the task's other keyword arguments; `options`: Celery's `send_task` options
     (countdown, producer)."""
+    route = route or Route(queue_of(task, get_settings(), lane), None)
+    named = {} if route.mailbox is None else {"mailbox": route.mailbox}
     app.send_task(
         task.value,
         (email_id,),
-        {**(kwargs or {}), "lane": lane.value},
-        queue=queue_of(task, get_settings(), lane),
+        {**(kwargs or {}), "lane": lane.value, **named},
+        queue=route.queue,
         headers=job_headers(email_id),
         **options,
     )

@@ -165,6 +165,9 @@ class Settings(BaseSettings):
     # The share of a worker's jobs the bulk lane gets while the live lane has work waiting, and of
     # the fleet's model calls while live ones wait (docs/lanes.md).
     bulk_share: float = Field(0.1, ge=0.0, le=1.0)
+    # The shard queues of each lane of each stage that mailboxes share (mailpipe.broker.mailboxes);
+    # 0 sends every job to the lane's own queue, as one stream. The same in every process.
+    mailbox_queues: int = Field(16, ge=0, le=64)
     # Measured (docs/benchmarks.md): a child grows under 1 MB per 1,000 jobs, and a fresh child's
     # first job costs ~0.2 s; the memory cap is the guard against one pathological document.
     worker_max_tasks_per_child: int = Field(10_000, ge=1)

@@ -13,9 +13,9 @@ from urllib.parse import urlsplit as _urlsplit
 from kombu import Queue as _Queue
 
 from mailpipe.broker.queues import TaskName as _TaskName
+from mailpipe.broker.queues import consumed_queues as _consumed_queues
 from mailpipe.broker.queues import control_queue as _control_queue
 from mailpipe.broker.queues import email_queue as _email_queue
-from mailpipe.broker.queues import job_queues as _job_queues
 from mailpipe.broker.queues import model_queue as _model_queue
 from mailpipe.settings import get_settings as _get_settings
 
@@ -106,9 +106,11 @@ task_default_queue = _email_queue(_settings)
 # takes the email queues of both lanes and the control queue, and the model role the model
 # queues of both lanes (Procfile, deploy/ecs). Housekeeping never waits behind the email backlog,
 # and the CPU stage never waits on the model. A job's lane picks its queue when it is sent
-# (mailpipe.enqueue.send_job); the routes below name the live one.
+# (mailpipe.enqueue.send_job); the routes below name the live one. Each lane queue comes with its
+# mailboxes' shard queues, which a worker consumes with every lane queue it is given
+# (mailpipe.app.signals).
 task_queues = (
-    *(_Queue(name) for name in _job_queues(_settings)),
+    *(_Queue(name) for name in _consumed_queues(_settings)),
     _Queue(_control_queue(_settings)),
 )
 task_routes = {

@@ -25,7 +25,7 @@ from typing import Any
 from celery import bootsteps
 from redis import Redis, RedisError
 
-from mailpipe.broker.queues import Lane, Stage, stage_queue
+from mailpipe.broker.queues import Lane, Stage, family, family_of, stage_queue
 from mailpipe.coordination import pauses
 from mailpipe.pipeline import stage_pauses
 from mailpipe.resources import Resources
@@ -55,12 +55,13 @@ class PauseStep(bootsteps.StartStopStep):
             settings.broker_url, socket_timeout=5, socket_connect_timeout=5
         )
         consumed = {queue.name for queue in c.task_consumer.queues} | self._cancelled
-        # Both lanes' queues of a stage stop and start together.
+        # Both lanes' queues of a stage, with their shards, stop and start together.
         self._queues = [
-            (stage, stage_queue(stage, settings, lane))
+            (stage, queue)
             for stage in Stage
             for lane in Lane
-            if stage_queue(stage, settings, lane) in consumed
+            for queue in family(stage_queue(stage, settings, lane), settings)
+            if queue in consumed
         ]
         self._check(c)
         self._timer_entry = c.timer.call_repeatedly(CHECK_EVERY_S, self._check, (c,), priority=10)
@@ -82,17 +83,25 @@ class PauseStep(bootsteps.StartStopStep):
             # nothing until a check reads them.
             self._restore_kept()
             return
+        stopped: dict[Stage, list[str]] = {}
+        started: dict[Stage, list[str]] = {}
         for stage, queue in self._queues:
             pause = paused.get(stage)
             if pause is not None and queue not in self._cancelled:
-                log.warning("%s stage paused (%s): stop consuming %s", stage, pause.by, queue)
                 c.cancel_task_queue(queue)
                 self._cancelled.add(queue)
+                stopped.setdefault(stage, []).append(queue)
             elif pause is None and queue in self._cancelled:
-                log.warning("%s stage no longer paused: consuming %s again", stage, queue)
                 c.add_task_queue(queue)
                 self._cancelled.discard(queue)
-            if pause is not None and pause.by == pauses.AUTO:
+                started.setdefault(stage, []).append(queue)
+        for stage, queues in stopped.items():
+            by = paused[stage].by
+            log.warning("%s stage paused (%s): stop consuming %s", stage, by, _named(queues))
+        for stage, queues in started.items():
+            log.warning("%s stage no longer paused: consuming %s again", stage, _named(queues))
+        for stage, pause in paused.items():
+            if pause.by == pauses.AUTO and any(each is stage for each, _ in self._queues):
                 self._maybe_probe(stage, settings.pause_probe_interval)
 
     def _restore_kept(self) -> None:
@@ -122,6 +131,13 @@ class PauseStep(bootsteps.StartStopStep):
             daemon=True,
         )
         self._probing.start()
+
+
+def _named(queues: list[str]) -> str:
+    """The lane queues of `queues`, for a log line: their shards go with them unnamed."""
+    lane_queues = [queue for queue in queues if family_of(queue) == queue]
+    shards = len(queues) - len(lane_queues)
+    return ", ".join(lane_queues) + (f" (and {shards} shard queues)" if shards else "")
 
 
 def _probe(res: Resources, stage: Stage) -> None:

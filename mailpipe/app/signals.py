@@ -19,6 +19,7 @@ from celery.apps import worker
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    celeryd_after_setup,
     task_received,
     worker_init,
     worker_process_init,
@@ -33,6 +34,7 @@ from mailpipe import __version__, resources
 from mailpipe.app import logs
 from mailpipe.app.pausing import PauseStep
 from mailpipe.app.tasks import sweep
+from mailpipe.broker.queues import family, job_queues
 from mailpipe.celery import app
 from mailpipe.coordination import heartbeat, redis_keys
 from mailpipe.settings import Settings, get_settings
@@ -60,6 +62,20 @@ def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
 def _task_log_format(logger: logging.Logger | None = None, **_: Any) -> None:
     """The same for Celery's task logger, which has handlers of its own."""
     logs.set_up(logger, get_settings().log_format)
+
+
+@celeryd_after_setup.connect
+def _consume_the_mailboxes_shards(instance: Any = None, **_: Any) -> None:
+    """A worker given a lane queue (`-Q`, or every queue) consumes its mailboxes' shard queues
+    with it, so that the Procfile, the task definitions and an operator name lane queues only
+    (mailpipe.broker.mailboxes). Celery's documented way to add queues after -Q is applied."""
+    settings = get_settings()
+    queues = instance.app.amqp.queues
+    consumed = set(queues.consume_from)
+    for queue in job_queues(settings):
+        if queue in consumed:
+            for shard in family(queue, settings)[1:]:
+                queues.select_add(shard)
 
 
 @worker_init.connect

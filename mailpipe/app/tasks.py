@@ -14,21 +14,24 @@ from celery import Task
 from celery.exceptions import TaskPredicate
 from celery.worker.request import Request
 
+from mailpipe.broker import mailboxes
 from mailpipe.broker.layout import job_headers
-from mailpipe.broker.queues import Lane, TaskName, queue_of
+from mailpipe.broker.queues import Lane, TaskName
+from mailpipe.broker.sending import Route
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
-from mailpipe.enqueue import send_job, sender
+from mailpipe.enqueue import route, send_job, sender
 from mailpipe.errors import MailpipeError, RunFailed, TransientError, Unexpected, describe
 from mailpipe.operations import sweeper
-from mailpipe.pipeline import job
+from mailpipe.pipeline import emails, job
 from mailpipe.pipeline.policy import Kind, Verdict
 from mailpipe.resources import Resources, get_resources
-from mailpipe.settings import get_settings
 
 log = logging.getLogger(__name__)
 
 PAUSED_RESEND_S = 1.0
+# The result of a delivery that only moved its job to its mailbox's shard queue.
+ROUTED = "routed"
 
 
 class EmailRequest(Request):
@@ -56,12 +59,11 @@ class EmailRequest(Request):
         if not soft:
             email_id = self.args[0]
             try:
-                send_job(
-                    email_id,
-                    TaskName(self.task.name),
-                    _lane(self.kwargs),
-                    kwargs={"cut_off": timeout},
-                )
+                task = TaskName(self.task.name)
+                lane = _lane(self.kwargs)
+                mailbox = (self.kwargs or {}).get("mailbox")
+                again = _route(get_resources(), email_id, task, lane, mailbox)
+                send_job(email_id, task, lane, again, kwargs={"cut_off": timeout})
             except Exception:
                 log.exception("could not send email %s again after its hard time limit", email_id)
         super().on_timeout(soft, timeout)
@@ -70,6 +72,20 @@ class EmailRequest(Request):
 def _lane(kwargs: dict[str, Any] | None) -> Lane:
     """The lane a job message carries; a message sent before lanes existed is live."""
     return Lane((kwargs or {}).get("lane", Lane.LIVE.value))
+
+
+def _named(sent: Route) -> dict[str, str]:
+    return {} if sent.mailbox is None else {"mailbox": sent.mailbox}
+
+
+def _route(res: Resources, email_id: int, task: TaskName, lane: Lane, mailbox: str | None) -> Route:
+    """Where a delivery's follow-up goes: the shorter of its mailbox's shard queues, or its
+    lane's own queue when the message named no mailbox (or a name this release refuses)."""
+    try:
+        given = None if mailbox is None else {email_id: mailboxes.stored(mailbox)}
+    except ValueError:
+        given = None
+    return route(res, [email_id], task, lane, given)[email_id]
 
 
 class MailpipeTask(Task):
@@ -106,13 +122,34 @@ class EmailJobTask(MailpipeTask):
     reject_on_worker_lost = True
     Request = EmailRequest
 
-    def follow(self, email_id: int, verdict: Verdict, lane: Lane) -> str:
-        """Map the verdict to Celery; every follow-up goes in the delivery's `lane`."""
+    def to_its_mailbox(
+        self, res: Resources, email_id: int, lane: Lane, carried: dict[str, Any]
+    ) -> bool:
+        """Send a job whose message names no mailbox (upstream's `enqueue_email`, the previous
+        release) to its mailbox's shard queue, keeping the message's other arguments
+        (`carried`); True when it was sent. Its marker stays: the job is still queued. A job of
+        an email with no row goes on to fail as any other."""
+        if not res.settings.mailbox_queues:
+            return False
+        found = emails.mailbox_of(res, email_id)
+        if found is None:
+            return False
+        task = TaskName(self.name)
+        there = route(res, [email_id], task, lane, {email_id: found.mailbox})[email_id]
+        send_job(email_id, task, lane, there, kwargs=carried)
+        return True
+
+    def follow(self, email_id: int, verdict: Verdict, lane: Lane, mailbox: str | None) -> str:
+        """Map the verdict to Celery; every follow-up goes in the delivery's `lane` and
+        `mailbox` (as the message names it; None: not named)."""
+        res = get_resources()
+        task = TaskName(self.name)
         if verdict.kind is Kind.RETRY:
+            again = _route(res, email_id, task, lane, mailbox)
             raise self.retry(
                 args=(email_id,),
-                kwargs={"lane": lane.value},
-                queue=queue_of(TaskName(self.name), get_settings(), lane),
+                kwargs={"lane": lane.value, **_named(again)},
+                queue=again.queue,
                 countdown=verdict.delay,
                 exc=TransientError(verdict.error or "retry"),
                 max_retries=None,
@@ -121,8 +158,9 @@ class EmailJobTask(MailpipeTask):
         if verdict.kind is Kind.DEFER:
             send_job(
                 email_id,
-                TaskName(self.name),
+                task,
                 lane,
+                _route(res, email_id, task, lane, mailbox),
                 kwargs={"deferred_since": verdict.deferred_since},
                 countdown=verdict.delay,
             )
@@ -133,13 +171,15 @@ class EmailJobTask(MailpipeTask):
             # It keeps when it first waited, so that its wait counts from the outage's start.
             send_job(
                 email_id,
-                TaskName(self.name),
+                task,
                 lane,
+                _route(res, email_id, task, lane, mailbox),
                 kwargs={"deferred_since": verdict.deferred_since},
                 countdown=PAUSED_RESEND_S,
             )
         elif verdict.kind is Kind.HANDED_OFF:
-            send_job(email_id, TaskName.CLASSIFY_EMAIL, lane)
+            model = TaskName.CLASSIFY_EMAIL
+            send_job(email_id, model, lane, _route(res, email_id, model, lane, mailbox))
         elif verdict.kind is Kind.FAILED:
             raise RunFailed(f"email {email_id}: {verdict.error}")
         return verdict.kind.value
@@ -159,6 +199,7 @@ def process_email(
     deferred_since: float | None = None,
     cut_off: float | None = None,
     lane: str = Lane.LIVE.value,
+    mailbox: str | None = None,
     **unknown: Any,
 ) -> str:
     """Process one stored email (docs/architecture.md, "The life of one email").
@@ -171,10 +212,14 @@ def process_email(
     attempt.
     """
     ignore_unknown(self, unknown)
+    res = get_resources()
+    carried = {"cut_off": cut_off, "deferred_since": deferred_since}
+    if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
+        return ROUTED
     verdict = job.process_email(
-        get_resources(), email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
+        res, email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
     )
-    return self.follow(email_id, verdict, Lane(lane))
+    return self.follow(email_id, verdict, Lane(lane), mailbox)
 
 
 @app.task(
@@ -189,6 +234,7 @@ def classify_email(
     email_id: int,
     deferred_since: float | None = None,
     lane: str = Lane.LIVE.value,
+    mailbox: str | None = None,
     **unknown: Any,
 ) -> str:
     """The model stage of an email's job: the model call, the stored answer and the labels; sent
@@ -200,10 +246,12 @@ def classify_email(
     thread, then the job is deferred (not an attempt).
     """
     ignore_unknown(self, unknown)
-    verdict = job.classify_email(
-        get_resources(), email_id, lane=Lane(lane), deferred_since=deferred_since
-    )
-    return self.follow(email_id, verdict, Lane(lane))
+    res = get_resources()
+    carried = {"deferred_since": deferred_since}
+    if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
+        return ROUTED
+    verdict = job.classify_email(res, email_id, lane=Lane(lane), deferred_since=deferred_since)
+    return self.follow(email_id, verdict, Lane(lane), mailbox)
 
 
 @app.task(

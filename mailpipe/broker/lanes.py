@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fractions import Fraction
 
-from mailpipe.broker.queues import Lane, control_queue, lane_of
+from mailpipe.broker.queues import Lane, control_queue, family_of, lane_of
 from mailpipe.settings import get_settings
 
 
@@ -45,22 +45,35 @@ class LiveFirst:
         # Starting with one job's share gives bulk its first turn at the 1/share-th job.
         self.credit = self.share
         self.queues: list[str] = []
+        # The shard queues in the order of their next turns; the last one used is at the end.
+        self.turns: dict[str, None] = {}
 
     def update(self, queues: Iterable[str]) -> None:
         self.queues = list(queues)
+        shards = [queue for queue in self.queues if family_of(queue) != queue]
+        self.turns = {**{q: None for q in self.turns if q in shards}, **dict.fromkeys(shards)}
 
     def consume(self, n: int) -> list[str]:
         """The first `n` queues, in the order to BRPOP them."""
         queues = self.queues[:n]
         control = [queue for queue in queues if queue == self.control]
-        live = [q for q in queues if lane_of(q) is Lane.LIVE and q != self.control]
-        bulk = [queue for queue in queues if lane_of(queue) is Lane.BULK]
+        live = self._in_turn([q for q in queues if lane_of(q) is Lane.LIVE and q != self.control])
+        bulk = self._in_turn([queue for queue in queues if lane_of(queue) is Lane.BULK])
         return control + (bulk + live if self.credit >= 1 else live + bulk)
+
+    def _in_turn(self, queues: list[str]) -> list[str]:
+        """A lane's queues: its own queues first, then its shards by their turns."""
+        given = set(queues)
+        own = [queue for queue in queues if family_of(queue) == queue]
+        return own + [queue for queue in self.turns if queue in given]
 
     def rotate(self, last_used: str) -> str:
         """A job came from `last_used`; a sweep counts toward neither lane."""
         if last_used == self.control:
             return last_used
+        if last_used in self.turns:
+            del self.turns[last_used]
+            self.turns[last_used] = None
         if lane_of(last_used) is Lane.BULK:
             self.credit = max(self.credit + self.share - 1, Fraction(0))
         elif self.credit < 1:

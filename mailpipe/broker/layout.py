@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 from redis import Redis
 
+from mailpipe.broker.queues import family
 from mailpipe.settings import get_settings
 
 # Set on every published job by the before_task_publish handler (mailpipe.app.signals): when it was
@@ -83,9 +84,15 @@ class QueueStats:
     oldest_age_s: float | None
 
 
+def family_lists(queue: str) -> list[str]:
+    """Every list the jobs of a lane queue can wait in: its own and its shards', each priority's."""
+    return [name for member in family(queue, get_settings()) for name in priority_lists(member)]
+
+
 def queue_stats(redis: Redis, queue: str) -> QueueStats:
-    """Jobs waiting in `queue` (every priority list) and how long the oldest has waited."""
-    names = priority_lists(queue)
+    """Jobs waiting in the lane queue `queue` (its shards and every priority list) and how long
+    the oldest has waited."""
+    names = family_lists(queue)
     pipe = redis.pipeline(transaction=False)
     for name in names:
         pipe.llen(name)
@@ -99,8 +106,9 @@ def queue_stats(redis: Redis, queue: str) -> QueueStats:
 
 
 def emails_in_broker(redis: Redis, queues: Iterable[str]) -> set[int]:
-    """The ids of every email with a job in the broker: waiting in one of `queues`, delivered to
-    a worker and not acknowledged, or held for its countdown.
+    """The ids of every email with a job in the broker: waiting in one of the lane queues
+    `queues` or their shards, delivered to a worker and not acknowledged, or held for its
+    countdown.
 
     The lists and the hash are read in chunks while workers go on, so the read is ordered to miss
     nothing that stays in the broker throughout: the hash, then each list from its newest end
@@ -113,7 +121,7 @@ def emails_in_broker(redis: Redis, queues: Iterable[str]) -> set[int]:
     found: set[int] = set()
     found.update(_ids_in_hash(redis, unacked_key()))
     for queue in queues:
-        for name in priority_lists(queue):
+        for name in family_lists(queue):
             found.update(_ids_in_list(redis, name))
     found.update(_ids_in_hash(redis, unacked_key()))
     return found
@@ -168,3 +176,14 @@ def _enqueued_at(raw: bytes | None) -> float | None:
         return float(value) if value is not None else None
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def lengths(redis: Redis, queues: Iterable[str]) -> dict[str, int]:
+    """How many jobs wait in each of `queues` (the list kombu publishes to), in one round trip."""
+    names = list(queues)
+    if not names:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.llen(queue_list(name))
+    return dict(zip(names, pipe.execute(), strict=True))

@@ -45,9 +45,34 @@ def model_queue(settings: Settings) -> str:
 
 
 def job_queues(settings: Settings) -> list[str]:
-    """The queues that carry email jobs, of either stage and lane: what the sweeper reads to
-    tell a waiting job from a lost one."""
+    """The lane queues of email jobs, of either stage and lane, each the name of its family (its
+    own queue and its shards, `family`): what the sweeper reads to tell a waiting job from a lost
+    one."""
     return [stage_queue(stage, settings, lane) for stage in Stage for lane in Lane]
+
+
+# A shard queue is its lane queue's name, this separator and its number (mailpipe.broker.mailboxes).
+SHARD_SEP = ":"
+
+
+def shard_queue(queue: str, index: int) -> str:
+    return f"{queue}{SHARD_SEP}{index:02d}"
+
+
+def family(queue: str, settings: Settings) -> list[str]:
+    """A lane queue and its shard queues: every queue a job of that stage and lane can wait in."""
+    return [queue, *(shard_queue(queue, i) for i in range(settings.mailbox_queues))]
+
+
+def family_of(queue: str) -> str:
+    """The lane queue a queue belongs to: itself, or the lane queue of a shard."""
+    head, sep, tail = queue.rpartition(SHARD_SEP)
+    return head if sep and tail.isdigit() else queue
+
+
+def consumed_queues(settings: Settings) -> list[str]:
+    """Every queue of email jobs, shards included, as Celery declares them."""
+    return [name for queue in job_queues(settings) for name in family(queue, settings)]
 
 
 def queue_of(task: TaskName, settings: Settings, lane: Lane = Lane.LIVE) -> str:
@@ -61,10 +86,12 @@ def stage_queue(stage: Stage, settings: Settings, lane: Lane = Lane.LIVE) -> str
 
 
 def stage_of(queue: str) -> Stage:
-    """The stage whose jobs `queue` (a lane of a stage's queue, `stage_queue`) carries."""
-    return Stage.MODEL if queue.removesuffix(f".{Lane.BULK}").endswith(".model") else Stage.CPU
+    """The stage whose jobs `queue` (a lane of a stage's queue, `stage_queue`, or one of its
+    shards) carries."""
+    lane_queue = family_of(queue).removesuffix(f".{Lane.BULK}")
+    return Stage.MODEL if lane_queue.endswith(".model") else Stage.CPU
 
 
 def lane_of(queue: str) -> Lane:
     """The lane whose jobs `queue` carries: the control queue is live (never behind bulk)."""
-    return Lane.BULK if queue.endswith(f".{Lane.BULK}") else Lane.LIVE
+    return Lane.BULK if family_of(queue).endswith(f".{Lane.BULK}") else Lane.LIVE

@@ -5,22 +5,42 @@ each email's job in its lane. Nothing here imports Celery."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from mailpipe.broker.queues import Lane, TaskName
 
-# Sends the jobs of the emails given, of the stage given, in the lane given (deduplicated);
-# returns the ids it sent.
-Enqueue = Callable[[Sequence[int], TaskName, Lane], Sequence[int]]
+
+@dataclass(frozen=True)
+class Route:
+    """Where one job is sent: its queue, and its mailbox as the message names it
+    (mailpipe.broker.mailboxes.shown), None when the sender does not know it."""
+
+    queue: str
+    mailbox: str | None
+
+
+class Place(NamedTuple):
+    """Where an email's jobs go, as its row says: its lane and its mailbox (None: the default)."""
+
+    lane: str
+    mailbox: str | None
+
+
+# Sends the jobs of the emails given, of the stage given, in the lane given, each to its mailbox's
+# queues when the mailboxes are given (email id -> the row's mailbox), deduplicated; returns the
+# ids it sent.
+Enqueue = Callable[[Sequence[int], TaskName, Lane, Mapping[int, str | None] | None], Sequence[int]]
 
 
 def in_lanes(
-    enqueue: Enqueue, email_ids: Sequence[int], lanes: Mapping[int, str], task: TaskName
+    enqueue: Enqueue, email_ids: Sequence[int], places: Mapping[int, Place], task: TaskName
 ) -> list[int]:
-    """Send the jobs of `email_ids`, each in its email's lane (`lanes`), one call per lane;
-    returns the ids sent."""
+    """Send the jobs of `email_ids`, each in its email's lane and mailbox (`places`), one call
+    per lane; returns the ids sent."""
     sent: list[int] = []
     for lane in Lane:
-        ids = [i for i in email_ids if lanes[i] == lane]
+        ids = [i for i in email_ids if places[i].lane == lane]
         if ids:
-            sent.extend(enqueue(ids, task, lane))
+            sent.extend(enqueue(ids, task, lane, {i: places[i].mailbox for i in ids}))
     return sent

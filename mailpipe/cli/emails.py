@@ -44,21 +44,45 @@ _LANES = click.Choice(["live", "bulk"])
     show_default=True,
     help="The emails' lane: bulk (a backfill) never holds up live mail.",
 )
+@click.option(
+    "--mailbox",
+    metavar="NAME",
+    help="The mailbox the emails were delivered to (the default mailbox if not given).",
+)
+@click.option(
+    "--mailbox-per-folder",
+    is_flag=True,
+    help="Each PATH is a folder of mailboxes: each folder in it is one, named as the folder.",
+)
 def ingest(
     paths: tuple[Path, ...],
     no_enqueue: bool,
     follow_symlinks: bool,
     allow_rejects: bool,
     lane: str,
+    mailbox: str | None,
+    mailbox_per_folder: bool,
 ) -> None:
     """Store .eml files, folders, mbox files and Maildir folders, then enqueue one job each.
 
     Whatever is rejected (not an email, over a limit, unreadable, a symlink out of a folder) is
     listed after the summary; then the exit code is 2 (bad input) unless --allow-rejects.
     """
+    from mailpipe.broker import mailboxes
     from mailpipe.broker.queues import Lane
+    from mailpipe.cli.ingest import IngestReport, Rejected, by_mailbox
     from mailpipe.cli.ingest import ingest as run_ingest
 
+    if mailbox is not None and mailbox_per_folder:
+        raise BadInput("--mailbox and --mailbox-per-folder: give one of them")
+    loose: list[Rejected] = []
+    try:
+        if mailbox_per_folder:
+            sources, loose = by_mailbox(paths)
+        else:
+            sources = {mailboxes.stored(mailbox): list(paths)}
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
     res = context.migrated()
     with Progress(
         TextColumn("ingest"),
@@ -69,14 +93,19 @@ def ingest(
         disable=not sys.stderr.isatty(),
     ) as progress:
         task = progress.add_task("ingest", total=None)
-        report = run_ingest(
-            res,
-            paths,
-            enqueue=not no_enqueue,
-            on_progress=lambda n: progress.advance(task, n),
-            follow_symlinks=follow_symlinks,
-            lane=Lane(lane),
+        report = IngestReport.combined(
+            run_ingest(
+                res,
+                group,
+                enqueue=not no_enqueue,
+                on_progress=lambda n: progress.advance(task, n),
+                follow_symlinks=follow_symlinks,
+                lane=Lane(lane),
+                mailbox=name,
+            )
+            for name, group in sources.items()
         )
+    report.rejected[:0] = loose
     # Plain lines, never wrapped: scripts read this summary.
     click.echo(
         f"stored {report.stored}, enqueued {report.enqueued}, already queued "

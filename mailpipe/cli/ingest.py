@@ -36,6 +36,7 @@ from typing import BinaryIO
 
 from sqlalchemy import insert
 
+from mailpipe.broker import mailboxes
 from mailpipe.broker.queues import Lane
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.errors import InputRejected
@@ -78,6 +79,35 @@ class IngestReport:
     rejected: list[Rejected] = field(default_factory=list)
     email_ids: list[int] = field(default_factory=list)
 
+    @classmethod
+    def combined(cls, reports: Iterable[IngestReport]) -> IngestReport:
+        total = cls()
+        for report in reports:
+            total.stored += report.stored
+            total.enqueued += report.enqueued
+            total.already_queued += report.already_queued
+            total.rejected.extend(report.rejected)
+            total.email_ids.extend(report.email_ids)
+        return total
+
+
+def by_mailbox(folders: Iterable[Path]) -> tuple[dict[str | None, list[Path]], list[Rejected]]:
+    """The mailboxes in `folders` of mailboxes (`--mailbox-per-folder`): each folder directly in
+    one is a mailbox, named as that folder, holding what the folder holds; and the files beside
+    them, rejected. ValueError for a path that is not a folder, or a folder's name that cannot
+    be a mailbox's."""
+    found: dict[str | None, list[Path]] = {}
+    loose: list[Rejected] = []
+    for folder in folders:
+        if not folder.is_dir():
+            raise ValueError(f"{folder}: not a folder of mailboxes")
+        for path in sorted(folder.iterdir()):
+            if path.is_dir():
+                found.setdefault(mailboxes.stored(path.name), []).append(path)
+            else:
+                loose.append(Rejected(str(path), "not in a mailbox's folder"))
+    return found, loose
+
 
 def read_sources(
     paths: Iterable[Path], *, max_bytes: int, follow_symlinks: bool = False
@@ -95,9 +125,10 @@ def ingest(
     on_progress: Callable[[int], None] | None = None,
     follow_symlinks: bool = False,
     lane: Lane = Lane.LIVE,
+    mailbox: str | None = None,
 ) -> IngestReport:
-    """Store every email in `paths`, each in `lane`, and enqueue its job in it (unless not
-    `enqueue`)."""
+    """Store every email in `paths`, each in `lane` and `mailbox` (None: the default one), and
+    enqueue its job in them (unless not `enqueue`)."""
     settings = res.settings
     report = IngestReport()
     batch: list[RawEmail] = []
@@ -111,20 +142,22 @@ def ingest(
             report.rejected.append(Rejected(item.source, reason))
         else:
             if batch and (len(batch) >= BATCH_SIZE or batch_bytes + len(item.data) > BATCH_BYTES):
-                _store_batch(res, batch, report, enqueue, lane)
+                _store_batch(res, batch, report, enqueue, lane, mailbox)
                 batch, batch_bytes = [], 0
             batch.append(item)
             batch_bytes += len(item.data)
         if on_progress is not None:
             on_progress(1)
     if batch:
-        _store_batch(res, batch, report, enqueue, lane)
+        _store_batch(res, batch, report, enqueue, lane, mailbox)
     return report
 
 
-def store_emails(res: Resources, raws: list[bytes], lane: Lane = Lane.LIVE) -> list[int]:
-    """Store raw emails and insert their rows, in `lane`, in one transaction; returns their ids
-    in order.
+def store_emails(
+    res: Resources, raws: list[bytes], lane: Lane = Lane.LIVE, mailbox: str | None = None
+) -> list[int]:
+    """Store raw emails and insert their rows, in `lane` and `mailbox`, in one transaction;
+    returns their ids in order.
 
     What upstream storage does before it calls `enqueue_email`; also used by tests and the demo.
     """
@@ -138,6 +171,7 @@ def store_emails(res: Resources, raws: list[bytes], lane: Lane = Lane.LIVE) -> l
                 "sha256": digest,
                 "received_at": utcnow(),
                 "lane": lane.value,
+                "mailbox": mailbox,
             }
         )
     # Blob writes are round trips to S3 in production: overlap them (boto3 clients are
@@ -152,13 +186,18 @@ def store_emails(res: Resources, raws: list[bytes], lane: Lane = Lane.LIVE) -> l
 
 
 def _store_batch(
-    res: Resources, batch: list[RawEmail], report: IngestReport, enqueue: bool, lane: Lane
+    res: Resources,
+    batch: list[RawEmail],
+    report: IngestReport,
+    enqueue: bool,
+    lane: Lane,
+    mailbox: str | None,
 ) -> None:
-    ids = store_emails(res, [item.data for item in batch], lane)
+    ids = store_emails(res, [item.data for item in batch], lane, mailbox)
     report.stored += len(ids)
     report.email_ids.extend(ids)
     if enqueue:
-        result = enqueue_emails(ids, res, lane=lane)
+        result = enqueue_emails(ids, res, lane=lane, mailboxes=dict.fromkeys(ids, mailbox))
         report.enqueued += len(result.sent)
         report.already_queued += len(result.already_queued)
 

@@ -23,7 +23,7 @@ from sqlalchemy import Select, and_, false, func, not_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from mailpipe.broker.queues import Lane, Stage, TaskName
-from mailpipe.broker.sending import Enqueue, in_lanes
+from mailpipe.broker.sending import Enqueue, Place, in_lanes
 from mailpipe.coordination import pauses
 from mailpipe.errors import input_rejections
 from mailpipe.operations import erasure, search
@@ -66,18 +66,18 @@ def retry(
     done: list[int] = []
     refused: dict[int, str] = {}
     enqueued = 0
-    lanes: dict[int, str] = {}
+    places: dict[int, Place] = {}
 
     def reopen(session: Session, ids: list[int]) -> list[int]:
         reopened = interventions.reopen_failed(session, ids)[0]
-        lanes.update(emails.lanes(session, reopened))
+        places.update(emails.places(session, reopened))
         return reopened
 
     for reopened, not_reopened in _in_batches(res, email_ids, filt, batch, reopen, most=most):
         _logged("retry", user, reopened)
         done.extend(reopened)
         refused.update(not_reopened)
-        enqueued += len(in_lanes(enqueue, reopened, lanes, TaskName.PROCESS_EMAIL))
+        enqueued += len(in_lanes(enqueue, reopened, places, TaskName.PROCESS_EMAIL))
     return Done(done, enqueued, refused)
 
 
@@ -393,15 +393,15 @@ def reprocess(
     is not `expect`, the one the operator confirmed (`Changed`), or past MAILPIPE_REPROCESS_MAX
     without `over_max` (`OverMax`)."""
     plan, leaving = _planned(res, filt, as_of)
-    emails = plan.emails
-    if expect is not None and expect != emails:
-        raise Changed(f"the plan confirmed took {expect} emails; it takes {emails} now", plan)
-    if emails > plan.most and not over_max:
+    planned = plan.emails
+    if expect is not None and expect != planned:
+        raise Changed(f"the plan confirmed took {expect} emails; it takes {planned} now", plan)
+    if planned > plan.most and not over_max:
         raise OverMax(
-            f"{emails} emails is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once",
+            f"{planned} emails is more than MAILPIPE_REPROCESS_MAX ({plan.most}) takes at once",
             plan,
         )
-    if not emails:
+    if not planned:
         return plan
     res.redis.ping()  # reopened runs wait for a job: with Redis down, change nothing
     with res.db.transaction() as session:
@@ -411,7 +411,7 @@ def reprocess(
             lane=lane.value,
             search={},
             filters=filt.names(),
-            emails=emails,
+            emails=planned,
             taken=0,
         )
         session.add(record)
@@ -420,7 +420,7 @@ def reprocess(
     _audited(f"reprocess_{reprocess_id}_from_{step.value}", user)
     enqueued, taken, after = 0, 0, 0
     # No more than the plan counted: an email that succeeded since is the next plan's.
-    while (room := min(batch, emails - taken)) > 0:
+    while (room := min(batch, planned - taken)) > 0:
         with res.db.transaction() as session:
             chunk = list(
                 session.scalars(
@@ -444,11 +444,12 @@ def reprocess(
                 .where(Reprocess.id == reprocess_id)
                 .values(taken=Reprocess.taken + len(cpu) + len(model))
             )
+            boxes = {i: place.mailbox for i, place in emails.places(session, cpu + model).items()}
         after = chunk[-1]
         taken += len(cpu) + len(model)
         _logged(f"reprocess_{reprocess_id}", user, cpu + model)
-        enqueued += len(enqueue(cpu, TaskName.PROCESS_EMAIL, lane)) if cpu else 0
-        enqueued += len(enqueue(model, TaskName.CLASSIFY_EMAIL, lane)) if model else 0
+        enqueued += len(enqueue(cpu, TaskName.PROCESS_EMAIL, lane, boxes)) if cpu else 0
+        enqueued += len(enqueue(model, TaskName.CLASSIFY_EMAIL, lane, boxes)) if model else 0
     return replace(plan, reprocess_id=reprocess_id, enqueued=enqueued, taken=taken)
 
 
@@ -536,7 +537,7 @@ def forget(
         erased = erasure.erase(res, chosen[start : start + batch], set(chosen))
         completed = erased.tally.completed
         _logged("forget_completes_copy", user, completed)
-        enqueued += len(in_lanes(enqueue, completed, erased.lanes, TaskName.PROCESS_EMAIL))
+        enqueued += len(in_lanes(enqueue, completed, erased.places, TaskName.PROCESS_EMAIL))
         for email_id in erased.email_ids:
             _audited(
                 "forget",

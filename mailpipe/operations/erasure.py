@@ -35,6 +35,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, Delete, delete, func, select, update
 from sqlalchemy.orm import Session
 
+from mailpipe.broker.sending import Place
 from mailpipe.coordination import forgotten
 from mailpipe.errors import MailpipeError
 from mailpipe.mail.headers import normalise_message_id
@@ -180,7 +181,7 @@ class Erased:
     # The SHA-256 of each one's Message-ID (normalised, as origins keep it), None for an email
     # without one: what the audit line keeps of it.
     message_ids: dict[int, str | None]
-    lanes: dict[int, str] = field(default_factory=dict)  # of each copy in `tally.completed`
+    places: dict[int, Place] = field(default_factory=dict)  # of each copy in `tally.completed`
 
 
 def erase(res: Resources, email_ids: list[int], chosen_ids: set[int] | None = None) -> Erased:
@@ -221,9 +222,9 @@ def erase(res: Resources, email_ids: list[int], chosen_ids: set[int] | None = No
         tally.rows, tally.handed_on, tally.completed = _delete_rows(
             session, found, (chosen_ids or set()) | set(found)
         )
-        lanes = emails.lanes(session, tally.completed)
+        places = emails.places(session, tally.completed)
     tally.redis = forgotten.clear(res.redis, found)
-    return Erased(found, tally, message_ids, lanes)
+    return Erased(found, tally, message_ids, places)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 
 from mailpipe.broker import layout
 from mailpipe.broker.queues import TaskName, job_queues
-from mailpipe.broker.sending import Enqueue, in_lanes
+from mailpipe.broker.sending import Enqueue, Place, in_lanes
 from mailpipe.coordination import markers, redis_keys
 from mailpipe.operations.metrics import read_backlog
 from mailpipe.pipeline import interventions, runs
@@ -179,9 +179,9 @@ def _sweep(res: Resources, enqueue: Enqueue, lock: Lock, view: BrokerView) -> Sw
 
 def emails_without_run(after_id: int, limit: int) -> Select:
     """A keyset batch of emails that have no run, from the partial index over them, with their
-    lane."""
+    lane and mailbox."""
     return (
-        select(EmailMessage.id, EmailMessage.lane)
+        select(EmailMessage.id, EmailMessage.lane, EmailMessage.mailbox)
         .where(not_(EmailMessage.has_run), EmailMessage.id > after_id)
         .order_by(EmailMessage.id)
         .limit(limit)
@@ -206,6 +206,7 @@ def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: dateti
             PipelineRun.converted_at.is_not(None).label("converted"),
             PipelineRun.waiting_since.is_not(None).label("waiting"),
             EmailMessage.lane,
+            EmailMessage.mailbox,
         )
         .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
         .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > after_id, stalled))
@@ -238,15 +239,14 @@ def _sweep_emails_without_run(
 ) -> None:
     batch_size = res.settings.sweep_batch_size
 
-    def read(session: Session, after_id: int) -> list[tuple[int, str]]:
-        return [
-            (int(i), lane) for i, lane in session.execute(emails_without_run(after_id, batch_size))
-        ]
+    def read(session: Session, after_id: int) -> list[tuple[int, Place]]:
+        found = session.execute(emails_without_run(after_id, batch_size))
+        return [(int(row.id), Place(row.lane, row.mailbox)) for row in found]
 
     for rows in _batches(res, view, lock, read):
-        lanes = dict(rows)
-        lost = view.lost(list(lanes), result)
-        sent = in_lanes(enqueue, lost, lanes, TaskName.PROCESS_EMAIL)
+        places = dict(rows)
+        lost = view.lost(list(places), result)
+        sent = in_lanes(enqueue, lost, places, TaskName.PROCESS_EMAIL)
         if sent:
             with res.db.transaction() as session:
                 runs.ensure_runs(session, sent)
@@ -272,11 +272,11 @@ def _sweep_open_runs(
 
     for rows in _batches(res, view, lock, read):
         read_at = utcnow()
-        lanes = {row.email_id: row.lane for row in rows}
-        absent = view.lost(list(lanes), result)
+        places = {row.email_id: Place(row.lane, row.mailbox) for row in rows}
+        absent = view.lost(list(places), result)
         # A run that waits for model calls has no job of its own: its stage starts now.
         waiting = [row.email_id for row in rows if row.waiting and row.email_id in absent]
-        started = in_lanes(enqueue, waiting, lanes, TaskName.CLASSIFY_EMAIL)
+        started = in_lanes(enqueue, waiting, places, TaskName.CLASSIFY_EMAIL)
         if started:
             with res.db.transaction() as session:
                 interventions.start_waiting(session, started, read_at)
@@ -299,10 +299,10 @@ def _sweep_open_runs(
         # A run past its CPU stage needs only its model stage: no parse, no conversion again.
         sent = [
             *in_lanes(
-                enqueue, [i for i in retry if i not in converted], lanes, TaskName.PROCESS_EMAIL
+                enqueue, [i for i in retry if i not in converted], places, TaskName.PROCESS_EMAIL
             ),
             *in_lanes(
-                enqueue, [i for i in retry if i in converted], lanes, TaskName.CLASSIFY_EMAIL
+                enqueue, [i for i in retry if i in converted], places, TaskName.CLASSIFY_EMAIL
             ),
         ]
         if sent:
@@ -321,3 +321,4 @@ class Candidate(NamedTuple):
     converted: bool
     waiting: bool
     lane: str
+    mailbox: str | None

@@ -8,11 +8,29 @@ part.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from mailpipe.broker.queues import Lane
+from mailpipe.broker.sending import Place
+from mailpipe.resources import Resources
 from mailpipe.storage.models import EmailMessage, ForgottenEmail, clip_error
+
+
+@dataclass(frozen=True)
+class Mailbox:
+    mailbox: str | None  # as the row holds it: None is the default mailbox
+
+
+def mailbox_of(res: Resources, email_id: int) -> Mailbox | None:
+    """The email's mailbox, in one statement of its own; None when the email has no row."""
+    with res.db.transaction() as session:
+        found = session.execute(
+            select(EmailMessage.mailbox).where(EmailMessage.id == email_id)
+        ).first()
+    return None if found is None else Mailbox(found.mailbox)
 
 
 def mark_for_review(session: Session, email_ids: list[int], reason: str) -> None:
@@ -50,13 +68,14 @@ def move(session: Session, email_ids: list[int], lane: Lane) -> list[int]:
     )
 
 
-def lanes(session: Session, email_ids: list[int]) -> dict[int, str]:
-    """The lane of each email among `email_ids`."""
-    return dict(
-        session.execute(
-            select(EmailMessage.id, EmailMessage.lane).where(EmailMessage.id.in_(email_ids))
-        ).all()
+def places(session: Session, email_ids: list[int]) -> dict[int, Place]:
+    """The lane and mailbox of each email among `email_ids`."""
+    found = session.execute(
+        select(EmailMessage.id, EmailMessage.lane, EmailMessage.mailbox).where(
+            EmailMessage.id.in_(email_ids)
+        )
     )
+    return {row.id: Place(row.lane, row.mailbox) for row in found}
 
 
 def being_forgotten(session: Session, email_id: int) -> bool:

@@ -148,6 +148,9 @@ class EmailMessage(Base):
     has_run: Mapped[bool] = mapped_column(default=False, server_default=text("false"))
     # The lane its jobs go in (mailpipe.broker.queues.Lane): "live" or "bulk".
     lane: Mapped[str] = mapped_column(String(8), default="live", server_default=text("'live'"))
+    # The mailbox it was delivered to (a customer, a user, a shared inbox); None is the default
+    # mailbox. Each mailbox with waiting work gets its share of each stage (docs/mailboxes.md).
+    mailbox: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         Index("ix_email_message_duplicate_of", "duplicate_of"),
@@ -181,6 +184,13 @@ class EmailMessage(Base):
             "id",
             postgresql_where=text("lane = 'bulk'"),
             sqlite_where=text("lane = 'bulk'"),
+        ),
+        Index(
+            "ix_email_message_mailbox",
+            "mailbox",
+            "id",
+            postgresql_where=text("mailbox IS NOT NULL"),
+            sqlite_where=text("mailbox IS NOT NULL"),
         ),
         Index(
             "ix_email_message_subject_words",

@@ -382,7 +382,7 @@ class Chaos:
         self.answer_fault_ids = [self.ids[p] for p in answer_fault_positions(raws, self.rng)]
         for email_id in self.answer_fault_ids:
             set_answer_fault(res.redis, email_id)
-        lists = layout.priority_lists(res.settings.queue)
+        lists = layout.family_lists(res.settings.queue)
 
         def depth() -> int:
             pipe = res.redis.pipeline(transaction=False)
@@ -535,7 +535,7 @@ class Chaos:
         from mailpipe.storage.models import utcnow
 
         res = get_resources()
-        lists = layout.priority_lists(res.settings.queue)
+        lists = layout.family_lists(res.settings.queue)
         self.flushed_at, self.flushed_at_utc = time.monotonic(), utcnow()
         depth, unacked, kept, leases = res.redis.eval(
             FLUSH_KEEPING_TEST_KEYS,

@@ -16,6 +16,7 @@ from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.storage import flags
 from mailpipe.storage.models import Classification, EmailMessage, PipelineRun
 from tests.support.emails import raw_email
+from tests.support.fleet import waiting_in
 from tests.support.waits import wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -90,7 +91,7 @@ def test_flush_while_200_emails_wait_then_each_is_processed_once(res, tmp_path: 
         check=True,
     )
     assert "stored 200, enqueued 200" in ingest.stdout
-    assert res.redis.llen(prefix + "mailpipe") == 200
+    assert waiting_in(res.redis, prefix, "mailpipe", res.settings) == 200
 
     for key in res.redis.scan_iter(match=prefix + "*"):  # Redis restarted without persistence
         res.redis.delete(key)

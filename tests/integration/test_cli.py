@@ -130,7 +130,7 @@ def queued_headers(res: Resources) -> list[dict[str, Any]]:
     """The headers of every job waiting in the email queue, one entry a job."""
     return [
         json.loads(raw)["headers"]
-        for name in layout.priority_lists(res.settings.queue)
+        for name in layout.family_lists(res.settings.queue)
         for raw in res.redis.lrange(name, 0, -1)
     ]
 
@@ -285,10 +285,10 @@ def lose_the_job_until_marked_for_review(res: Resources) -> int:
     for _ in range(res.settings.max_sweeps + 1):
         sweeper.sweep(
             res,
-            enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent,
+            enqueue=lambda ids, task, lane, boxes: enqueue_emails(ids, res, task, lane, boxes).sent,
             in_flight_grace=0.0,  # the job just sent is lost already: the purge below
         )
-        for name in layout.priority_lists(res.settings.queue):
+        for name in layout.family_lists(res.settings.queue):
             res.redis.delete(name)
     return stuck
 

@@ -16,7 +16,7 @@ from mailpipe.cli.ingest import store_emails
 from mailpipe.storage.models import PipelineRun, RunAttempt
 from tests.support.bedrock_server import BedrockServer
 from tests.support.emails import raw_email
-from tests.support.fleet import Fleet
+from tests.support.fleet import Fleet, waiting_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]  # Redis, PostgreSQL and the S3 server
@@ -208,7 +208,8 @@ def test_a_job_cut_off_more_often_than_the_bound_fails_saying_why(res, fleet) ->
 def _unacked_and_queued(f: Fleet) -> tuple[int, int]:
     """Messages the broker holds for the fleet: delivered but unacked, and waiting in the queue."""
     redis = f.res.redis
-    return redis.hlen(f"{f.prefix}unacked"), redis.llen(f"{f.prefix}{f.res.settings.queue}")
+    queued = waiting_in(redis, f.prefix, f.res.settings.queue, f.res.settings)
+    return redis.hlen(f"{f.prefix}unacked"), queued
 
 
 def test_every_job_is_acked_as_it_ends(res, fleet) -> None:  # type: ignore[no-untyped-def]

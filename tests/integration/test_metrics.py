@@ -38,7 +38,7 @@ from mailpipe.storage import flags
 from mailpipe.storage.models import ErrorClass, PipelineRun, RunAttempt, RunStatus
 from tests.support.emails import raw_email
 from tests.support.failed_runs import add_attempts, attempt
-from tests.support.fleet import enqueue_in
+from tests.support.fleet import enqueue_in, waiting_in
 from tests.support.waits import run_statuses, wait_for, wait_until_closed
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -215,7 +215,11 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     worker.start()
     try:
         worker.wait_ready()
-        wait_for(lambda: res.redis.llen(prefix + "mailpipe") == 6, 30, "the start-up sweep's jobs")
+        wait_for(
+            lambda: waiting_in(res.redis, prefix, "mailpipe", res.settings) == 6,
+            30,
+            "the start-up sweep's jobs",
+        )
         # A window's bounds are whole seconds: a second early, not to miss the report.
         waiting_from = time.time() - 1
         report(env)
@@ -568,7 +572,9 @@ def test_the_sweeper_reads_the_backlog_and_sends_nothing(res) -> None:  # type: 
     try:
         result = sweeper.sweep(
             reporting,
-            enqueue=lambda ids, task, lane: enqueue_emails(ids, reporting, task, lane).sent,
+            enqueue=lambda ids, task, lane, boxes: (
+                enqueue_emails(ids, reporting, task, lane, boxes).sent
+            ),
         )
     finally:
         reporting.close()

@@ -107,7 +107,9 @@ def test_an_id_forgotten_on_sqlite_is_never_given_again(res, tmp_path: Path) -> 
         with local.db.transaction() as session:
             runs.ensure_runs(session, [kept, last])  # rows that refer to the emails
         upgrade(database)
-        done = actions.forget(local, [last], enqueue=lambda ids, task, lane: list(ids), user="t")
+        done = actions.forget(
+            local, [last], enqueue=lambda ids, task, lane, boxes: list(ids), user="t"
+        )
         assert done.email_ids == [last]
         [stored] = store_emails(local, [invoice(3, False)])
         assert stored > last

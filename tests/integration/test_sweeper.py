@@ -45,7 +45,7 @@ def emails(n: int, tag: str = "") -> list[bytes]:
 def run_sweep(res: Resources, grace: float = 0.0) -> sweeper.SweepResult:
     return sweeper.sweep(
         res,
-        enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent,
+        enqueue=lambda ids, task, lane, boxes: enqueue_emails(ids, res, task, lane, boxes).sent,
         in_flight_grace=grace,
     )
 
@@ -57,7 +57,7 @@ def depth(res: Resources) -> int:
 def purge(res: Resources) -> None:
     """What `celery purge` or a message dropped by hand does: the messages go, the markers stay."""
     for queue in queues.job_queues(res.settings):
-        for name in layout.priority_lists(queue):
+        for name in layout.family_lists(queue):
             res.redis.delete(name)
 
 
@@ -156,13 +156,14 @@ def test_a_run_past_its_cpu_stage_gets_only_its_model_stage_back(res) -> None:  
     set_model_calls(res, True)
     result = run_sweep(res)
     assert sorted(result.readded_ids) == sorted([waiting, fresh])
-    model_queue = layout.priority_lists(queues.model_queue(res.settings))[0]
+    lists = [
+        *layout.family_lists(queues.model_queue(res.settings)),
+        *layout.family_lists(res.settings.queue),
+    ]
     sent = {
         json.loads(raw)["headers"]["task"]: json.loads(raw)["headers"][layout.EMAIL_ID_HEADER]
-        for raw in [
-            *res.redis.lrange(model_queue, 0, -1),
-            *res.redis.lrange(layout.priority_lists(res.settings.queue)[0], 0, -1),
-        ]
+        for name in lists
+        for raw in res.redis.lrange(name, 0, -1)
     }
     assert sent == {"mailpipe.classify_email": waiting, "mailpipe.process_email": fresh}
     # Both are in the broker now: the next sweep finds them there, in either queue.

@@ -419,8 +419,8 @@ MUTANTS = [
     Mutant(
         "retry-in-the-live-lane",
         "mailpipe/operations/actions.py",
-        "        lanes.update(emails.lanes(session, reopened))",
-        "        lanes.update(dict.fromkeys(reopened, Lane.LIVE.value))",
+        "        places.update(emails.places(session, reopened))",
+        "        places.update(dict.fromkeys(reopened, Place(Lane.LIVE.value, None)))",
         "an operator's retry of a bulk email jumps the live queue",
         (
             f"{LANES}::test_each_email_s_jobs_stay_in_its_lane_through_recovery_retry_move_and_hand_off",

@@ -15,13 +15,31 @@ import uuid
 from pathlib import Path
 
 from kombu.transport.redis import PRIORITY_STEPS, Channel
+from redis import Redis
 
+from mailpipe.broker import queues
 from mailpipe.broker.layout import EMAIL_ID_HEADER
 from mailpipe.broker.queues import job_queues
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.settings import Settings
 from mailpipe.storage import flags
 from tests.support.faults import countdowns_key, release, runs_key, set_fault, starts_key
+
+
+def lists_of(prefix: str, queue: str, settings: Settings) -> list[str]:
+    """The Redis lists kombu keeps a lane queue in under `prefix`: its own and its shards', one
+    per priority step each."""
+    return [
+        name if step == 0 else f"{name}{Channel.sep}{step}"
+        for member in queues.family(queue, settings)
+        for name in [prefix + member]
+        for step in PRIORITY_STEPS
+    ]
+
+
+def waiting_in(redis: Redis, prefix: str, queue: str, settings: Settings) -> int:
+    """How many jobs wait in a lane queue and its shards under `prefix`."""
+    return sum(redis.llen(name) for name in lists_of(prefix, queue, settings))
 
 
 class Fleet:
@@ -122,7 +140,7 @@ class Fleet:
             "import json; from mailpipe.enqueue import enqueue_emails; "
             "from mailpipe.operations import sweeper; from mailpipe.resources import get_resources; "
             "res = get_resources(); result = sweeper.sweep(res, in_flight_grace=0, "
-            "enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent); "
+            "enqueue=lambda ids, task, lane, boxes: enqueue_emails(ids, res, task, lane, boxes).sent); "
             "print(json.dumps({**result.summary(), 'readded_ids': result.readded_ids}))"
         )
         done = subprocess.run(
@@ -137,9 +155,7 @@ class Fleet:
         )
 
     def _lists(self, queue: str) -> list[str]:
-        """The Redis lists kombu keeps the fleet's `queue` in, one per priority step."""
-        base = self.prefix + queue
-        return [base if step == 0 else f"{base}{Channel.sep}{step}" for step in PRIORITY_STEPS]
+        return lists_of(self.prefix, queue, self._settings)
 
     def set_fault(self, email_id: int, mode: str, times: int | None = None) -> None:
         set_fault(self.res.redis, email_id, mode, times, prefix=self.prefix)

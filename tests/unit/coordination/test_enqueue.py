@@ -60,7 +60,7 @@ def test_a_lane_s_jobs_go_to_its_queue_and_carry_the_lane(res) -> None:  # type:
 def lanes_in(res, queue: str) -> dict[int, str]:  # type: ignore[no-untyped-def]
     """The lane keyword of each job waiting in `queue`, by email."""
     found = {}
-    for name in layout.priority_lists(queue):
+    for name in layout.family_lists(queue):
         for raw in res.redis.lrange(name, 0, -1):
             message = json.loads(raw)
             _, kwargs, _ = json.loads(base64.b64decode(message["body"]))

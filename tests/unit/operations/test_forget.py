@@ -367,7 +367,7 @@ def test_a_copy_whose_origin_is_forgotten_is_completed(res, model_calls: bool) -
 
     sent: list[tuple[list[int], TaskName, Lane]] = []
 
-    def enqueue(ids, task, lane):  # type: ignore[no-untyped-def]
+    def enqueue(ids, task, lane, boxes):  # type: ignore[no-untyped-def]
         sent.append((list(ids), task, lane))
         return list(ids)
 

@@ -142,7 +142,7 @@ def test_a_run_left_waiting_keeps_its_sweeps_for_the_next_stage(res) -> None:  #
     [email_id] = store_emails(res, [INVOICE])
     result = sweeper.sweep(
         res,
-        enqueue=lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent,
+        enqueue=lambda ids, task, lane, boxes: enqueue_emails(ids, res, task, lane, boxes).sent,
         in_flight_grace=0.0,
     )
     assert result.readded_ids == [email_id]
