@@ -136,7 +136,11 @@ class EmailJobTask(MailpipeTask):
             return False
         task = TaskName(self.name)
         there = route(res, [email_id], task, lane, {email_id: found.mailbox})[email_id]
-        send_job(email_id, task, lane, there, kwargs=carried)
+        # Limits the message carried of its own go with it.
+        hard, soft = self.request.timelimit or (None, None)
+        limits = {"time_limit": hard, "soft_time_limit": soft}
+        own = {name: value for name, value in limits.items() if value is not None}
+        send_job(email_id, task, lane, there, kwargs=carried, **own)
         return True
 
     def follow(self, email_id: int, verdict: Verdict, lane: Lane, mailbox: str | None) -> str:

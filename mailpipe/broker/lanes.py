@@ -71,6 +71,10 @@ class LiveFirst:
         """A job came from `last_used`; a sweep counts toward neither lane."""
         if last_used == self.control:
             return last_used
+        if self.turns and family_of(last_used) == last_used:
+            # A lane's own queue beside shards: a job that only moves to its mailbox's shard,
+            # whose run there counts toward its lane.
+            return last_used
         if last_used in self.turns:
             del self.turns[last_used]
             self.turns[last_used] = None

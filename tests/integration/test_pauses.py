@@ -23,6 +23,7 @@ import psutil
 import pytest
 from sqlalchemy import select
 
+from mailpipe.broker.queues import family
 from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
 from mailpipe.storage.models import PipelineRun
@@ -250,7 +251,11 @@ def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet
     f = fleet()
     worker = f.worker("cpu")
     queue = res.settings.queue
-    others = {f"{queue}.control", f"{queue}.model", f"{queue}.model.bulk"}
+
+    def with_shards(*lane_queues: str) -> set[str]:
+        return {name for each in lane_queues for name in family(each, res.settings)}
+
+    others = {f"{queue}.control", *with_shards(f"{queue}.model", f"{queue}.model.bulk")}
     mailpipe(f.env, "pause", "cpu")
     wait_for(lambda: f.consumed_queues(worker.nodename) == others, 30, "the pause applied")
 
@@ -267,7 +272,7 @@ def test_a_paused_worker_stays_paused_across_a_lost_broker_connection(res, fleet
     assert lose_broker_connection(res, worker) > 0
     statuses = wait_until_closed(res, ids, timeout=120)
     assert set(statuses.values()) == {"succeeded"}
-    assert f.consumed_queues(worker.nodename) == {queue, f"{queue}.bulk", *others}
+    assert f.consumed_queues(worker.nodename) == {*with_shards(queue, f"{queue}.bulk"), *others}
 
 
 def test_a_pause_past_its_alarm_bound_fails_nothing_and_alarms(res, fleet) -> None:  # type: ignore[no-untyped-def]

@@ -79,3 +79,88 @@ def test_share_zero_is_strict_live_first_and_one_is_bulk_first(monkeypatch) -> N
     waiting = {"mailpipe": 5, "mailpipe.control": 1, "mailpipe.bulk": 5}
     assert "".join(taken(cycle_with(0, monkeypatch), dict(waiting))) == "C" + "L" * 5 + "B" * 5
     assert "".join(taken(cycle_with(1, monkeypatch), dict(waiting))) == "C" + "B" * 5 + "L" * 5
+
+
+SHARDED = [
+    "mailpipe.control",
+    "mailpipe",
+    *(f"mailpipe:{i:02d}" for i in range(4)),
+    "mailpipe.bulk",
+    *(f"mailpipe.bulk:{i:02d}" for i in range(4)),
+]
+
+
+def sharded_cycle(share: float, monkeypatch: pytest.MonkeyPatch) -> LiveFirst:
+    settings = get_settings().model_copy(update={"bulk_share": share})
+    monkeypatch.setattr(lanes, "get_settings", lambda: settings)
+    cycle = LiveFirst()
+    cycle.update(SHARDED)
+    return cycle
+
+
+def served(cycle: LiveFirst, waiting: dict[str, int], jobs: int) -> list[str]:
+    """The queue of each of the next `jobs` jobs, taken as a BRPOP over `consume`'s order."""
+    order = []
+    for _ in range(jobs):
+        queue = next(q for q in cycle.consume(len(SHARDED)) if waiting.get(q))
+        waiting[queue] -= 1
+        cycle.rotate(queue)
+        order.append(queue)
+    return order
+
+
+def test_a_lane_s_shards_take_turns_so_a_quiet_shard_waits_behind_one_job_of_each_other(
+    monkeypatch,
+) -> None:
+    cycle = sharded_cycle(0, monkeypatch)
+    # A flood in two shards; then one job in a third.
+    waiting = {"mailpipe:01": 500, "mailpipe:02": 500}
+    served(cycle, waiting, 7)
+    waiting["mailpipe:03"] = 1
+    assert "mailpipe:03" in served(cycle, waiting, 3)
+    # The flood alone then takes every job: nothing is held back for shards without work.
+    assert len(served(cycle, waiting, 100)) == 100
+
+
+def test_a_lane_s_own_queue_goes_before_its_shards_and_live_before_bulk(monkeypatch) -> None:
+    cycle = sharded_cycle(0, monkeypatch)
+    order = cycle.consume(len(SHARDED))
+    assert order[:2] == ["mailpipe.control", "mailpipe"]
+    assert order.index("mailpipe.bulk") > max(order.index(f"mailpipe:{i:02d}") for i in range(4))
+    waiting = {"mailpipe": 3, "mailpipe:00": 3, "mailpipe.bulk:00": 3}
+    assert (
+        served(cycle, waiting, 9)
+        == ["mailpipe"] * 3 + ["mailpipe:00"] * 3 + ["mailpipe.bulk:00"] * 3
+    )
+
+
+def test_bulk_keeps_its_share_across_shards(monkeypatch) -> None:
+    cycle = sharded_cycle(0.25, monkeypatch)
+    waiting = {f"mailpipe:{i:02d}": 300 for i in range(4)} | {
+        f"mailpipe.bulk:{i:02d}": 300 for i in range(4)
+    }
+    order = served(cycle, waiting, 400)
+    assert sum(q.startswith("mailpipe.bulk") for q in order) == 100
+    # Each lane's shards get even turns.
+    live = [q for q in order if not q.startswith("mailpipe.bulk")]
+    assert {live.count(f"mailpipe:{i:02d}") for i in range(4)} == {75}
+
+
+def test_a_queue_added_or_cancelled_keeps_the_others_turns(monkeypatch) -> None:
+    cycle = sharded_cycle(0, monkeypatch)
+    cycle.rotate("mailpipe:00")
+    cycle.update([q for q in SHARDED if q != "mailpipe:02"])
+    live = [q for q in cycle.consume(len(SHARDED)) if q.startswith("mailpipe:")]
+    assert live == ["mailpipe:01", "mailpipe:03", "mailpipe:00"]
+
+
+def test_a_job_moving_to_its_shard_spends_none_of_bulk_s_share(monkeypatch) -> None:
+    """Jobs sent without their mailbox wait in the lane's own queue and move to their shards:
+    bulk's turns go to bulk's work, not to those moves, and the moves go first."""
+    cycle = sharded_cycle(0.25, monkeypatch)
+    waiting = {"mailpipe": 40, "mailpipe.bulk": 20}
+    moved = served(cycle, waiting, 60)
+    assert moved == ["mailpipe"] * 40 + ["mailpipe.bulk"] * 20
+    waiting = {"mailpipe:00": 40, "mailpipe.bulk:00": 40}
+    order = served(cycle, waiting, 40)
+    assert sum(q.startswith("mailpipe.bulk") for q in order) == 10
