@@ -45,6 +45,7 @@ from mailpipe.resources import Resources
 from mailpipe.storage.db import insert_ignore, upsert
 from mailpipe.storage.keys import document_texts
 from mailpipe.storage.models import (
+    ORIGIN_SOURCE,
     Base,
     Classification,
     Document,
@@ -372,8 +373,13 @@ def _delete_rows(
 
 
 def _take_labels(session: Session, forgotten_id: int, copy_id: int) -> None:
-    """The labels the email forgotten showed, given to its copy: the same email's, until the
-    copy's own answer replaces the model's (`labels.sync_model_labels`)."""
+    """The labels the email forgotten showed, given to its copy: the same email's, in place of
+    those the copy showed as its copy (`ORIGIN_SOURCE`, the same labels of the model's),
+    until the copy's own answer replaces the model's (`labels.sync_model_labels`). The other
+    copies, now the copy's, go on showing them: they are its model's labels now."""
+    session.execute(
+        delete(EmailLabel).where(EmailLabel.email_id == copy_id, EmailLabel.source == ORIGIN_SOURCE)
+    )
     shown = session.execute(
         select(EmailLabel.label, EmailLabel.source, EmailLabel.confidence).where(
             EmailLabel.email_id == forgotten_id

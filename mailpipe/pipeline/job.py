@@ -69,7 +69,7 @@ from mailpipe.pipeline.documents import (
     store_documents,
     texts_for_classifier,
 )
-from mailpipe.pipeline.labels import sync_model_labels
+from mailpipe.pipeline.labels import copy_labels, sync_model_labels
 from mailpipe.pipeline.origin import OriginResult, find_origin, link_to_origin
 from mailpipe.pipeline.policy import Fault, Kind, Verdict
 from mailpipe.resources import Resources
@@ -348,7 +348,9 @@ def _run_steps(res: Resources, email_id: int, claim: runs.Claim) -> Verdict:
                 parse_defects=defects,
             )
             store_classification(session, claim.run_id, email_id, result)
-            sync_model_labels(session, email_id, result.labels)
+            # An origin recorded in this transaction has no copy yet to sync.
+            recorded = to_link is not None and to_link.recorded
+            sync_model_labels(session, email_id, result.labels, copies=not recorded)
         else:
             runs.mark_converted(session, claim, defects, model_calls=model_calls)
             # What the model will read is kept, so that its stage never parses the email again.
@@ -422,13 +424,15 @@ def _origin_unless_copy(
     defects: dict[str, object] | None,
 ) -> OriginResult | None:
     """The email's origin, found or recorded (which locks neither the run nor the email row),
-    to link once the run is locked. None for a copy: its run is closed `duplicate` here and it
-    is linked to the first email."""
+    to link once the run is locked. None for a copy: its run is closed `duplicate` here, it is
+    linked to the first email and given the first email's labels as they are now (the first
+    email's classification syncs them from then on)."""
     origin = find_origin(session, claim.email_id, parsed)
     if origin.duplicate_of is None:
         return origin
     runs.close(session, claim, RunStatus.DUPLICATE, parse_defects=defects)
     link_to_origin(session, claim.email_id, parsed, origin)
+    copy_labels(session, claim.email_id, origin.duplicate_of)
     return None
 
 

@@ -45,14 +45,16 @@ def fingerprint(parsed: ParsedEmail) -> str:
 class OriginResult:
     origin_id: int
     duplicate_of: int | None  # the first email with this origin, when this one is a copy
+    recorded: bool = False  # recorded in this transaction: no copy can be linked to it yet
 
 
 def find_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginResult:
     """Idempotent: the first email to record a fingerprint owns it, whoever runs it again.
 
     One statement for a new origin (the insert returns its id), two for a copy (the insert yields
-    nothing, the existing origin is read). It locks neither the run nor the email row, so a
-    transaction may run it before it locks the run."""
+    nothing, the existing origin is read, and locked: its first email's label sync and a copy's
+    labels wait for each other, `labels.copy_labels`). It locks neither the run nor the email
+    row, so a transaction may run it before it locks the run."""
     key = fingerprint(parsed)
     inserted = insert_ignore(
         session,
@@ -62,9 +64,11 @@ def find_origin(session: Session, email_id: int, parsed: ParsedEmail) -> OriginR
         EmailOrigin.id,
     )
     if inserted:
-        return OriginResult(inserted[0], None)
+        return OriginResult(inserted[0], None, recorded=True)
     origin_id, first_email_id = session.execute(
-        select(EmailOrigin.id, EmailOrigin.first_email_id).where(EmailOrigin.fingerprint == key)
+        select(EmailOrigin.id, EmailOrigin.first_email_id)
+        .where(EmailOrigin.fingerprint == key)
+        .with_for_update(key_share=True)
     ).one()
     return OriginResult(origin_id, None if first_email_id == email_id else first_email_id)
 

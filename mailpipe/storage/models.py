@@ -400,13 +400,20 @@ class Document(Base):
     __table_args__ = (UniqueConstraint("email_id", "part_index"),)
 
 
+# An email's label from its own classification, synced with each answer; a copy's label from
+# its origin's classification, synced with the origin's (mailpipe.pipeline.labels). Labels of
+# any other source (people, upstream rules) are kept as they are.
+MODEL_SOURCE = "model"
+ORIGIN_SOURCE = "origin"
+
+
 class EmailLabel(Base):
     __tablename__ = "email_label"
 
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"))
     label: Mapped[str] = mapped_column(String(64))
-    source: Mapped[str] = mapped_column(String(32))  # "model" labels are synced; others are kept
+    source: Mapped[str] = mapped_column(String(32))  # MODEL_SOURCE, ORIGIN_SOURCE or another
     confidence: Mapped[float | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -355,12 +355,14 @@ def status_of(res: Resources, email_id: int) -> str:
 @pytest.mark.parametrize("model_calls", [True, False])
 def test_a_copy_whose_origin_is_forgotten_is_completed(res, model_calls: bool) -> None:  # type: ignore[no-untyped-def]
     """The copy the origin passes to was never classified and has no documents of its own: it
-    keeps the labels it showed through the email forgotten, and runs the steps a copy skips,
-    its job sent; with model calls off it waits for them with those labels."""
+    takes the labels of the email forgotten in place of those it showed as a copy of it, and
+    runs the steps a copy skips, its job sent; with model calls off it waits for them with
+    those labels."""
     raw = with_document()
     first, copy = processed(res, [raw, raw])
     shown = labels_of(res, first)
-    assert shown and status_of(res, copy) == "duplicate" and labels_of(res, copy) == []
+    assert shown and status_of(res, copy) == "duplicate"
+    assert labels_of(res, copy) == [(label, "origin") for label, _ in shown]
 
     planned = actions.forget(res, [first], enqueue=sender(res), user=USER, dry_run=True)
     assert planned.completed == [copy] and status_of(res, copy) == "duplicate"

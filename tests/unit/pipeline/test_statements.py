@@ -258,3 +258,31 @@ def test_the_model_stage_asks_the_state_store_once_a_transaction(res, monkeypatc
         ["mark_classified"],
         ["close"],
     ]
+
+
+def test_an_origin_s_copies_take_its_labels_in_the_same_statements_however_many(res) -> None:  # type: ignore[no-untyped-def]
+    """The model stage's last transaction syncs the copies' labels with the origin's: the origin
+    locked, then one statement for the stale and one for the rest, for 2 copies as for 40."""
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    worker = remote_model(cached(res))
+    counts = []
+    for n, copies in ((1, 2), (2, 40)):
+        [first] = store_emails(res, [email(PLAIN, n)])
+        assert job.process_email(worker, first).kind is Kind.HANDED_OFF
+        ids = store_emails(res, [b"Received: %d\r\n" % i + email(PLAIN, n) for i in range(copies)])
+        assert {job.process_email(worker, i).kind for i in ids} == {Kind.DUPLICATE}
+        with statements_in_order(worker) as seen:
+            assert job.classify_email(worker, first).kind is Kind.SUCCEEDED
+        counts.append(seen)
+    assert counts[0] == counts[1]
+    close = counts[0][len(counts[0]) - counts[0][::-1].index("transactions") :]
+    assert close == [
+        "INSERT INTO run_attempt",
+        "UPDATE pipeline_run",  # the close, fenced
+        "SELECT email_origin",  # the origin locked
+        "SELECT email_label",
+        "INSERT INTO email_label",  # the origin's labels
+        "DELETE FROM email_label",  # the copies' stale ones
+        "INSERT INTO email_label",  # the copies' missing ones, and those changed
+    ]
