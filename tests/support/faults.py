@@ -281,12 +281,14 @@ else:
 _real_follow = EmailJobTask.follow
 
 
-def _follow_recorded(self, email_id: int, outcome: job.Verdict, lane: Lane) -> str:  # type: ignore[no-untyped-def]
+def _follow_recorded(
+    self, email_id: int, outcome: job.Verdict, lane: Lane, mailbox: str | None
+) -> str:  # type: ignore[no-untyped-def]
     if outcome.kind is job.Kind.RETRY:
         from mailpipe.resources import get_resources
 
         get_resources().redis.rpush(countdowns_key(email_id), repr(outcome.delay))
-    return _real_follow(self, email_id, outcome, lane)
+    return _real_follow(self, email_id, outcome, lane, mailbox)
 
 
 EmailJobTask.follow = _follow_recorded  # type: ignore[method-assign]
