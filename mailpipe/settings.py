@@ -93,7 +93,8 @@ class Settings(BaseSettings):
     # named, a JSON object of shown name (the default mailbox is "default") to calls/s, 0 lifting
     # the ceiling for that one (docs/mailboxes.md, "A mailbox's ceiling on model calls").
     mailbox_model_rate: float = Field(0.0, ge=0)
-    mailbox_model_rates: dict[str, float] = Field(default_factory=dict)
+    # Read as a JSON object, kept as its (name, rate) pairs: the settings are hashed.
+    mailbox_model_rates: tuple[tuple[str, float], ...] = ()
     # How long a model-stage job waits in its thread for a model-call slot before it is deferred.
     model_slot_wait: Seconds = Field(30.0, ge=0)
     # How long a job process trusts the model-calls flag it read (seconds): `mailpipe model-calls
@@ -281,7 +282,9 @@ class Settings(BaseSettings):
     @classmethod
     def _check_mailbox_model_rates(cls, value: object) -> object:
         # Checked here, entry by entry, so that no error names a mailbox (pydantic's own would
-        # put the name in the error's location).
+        # put the name in the error's location). Pairs are the checked settings, copied.
+        if isinstance(value, tuple):
+            return value
         if not isinstance(value, dict):
             raise ValueError(
                 'must be a JSON object of mailbox names to calls per second: {"name": 2.5}'
@@ -295,12 +298,12 @@ class Settings(BaseSettings):
                 or not 0 <= rate < float("inf")
             ):
                 raise ValueError(f"entry {number}'s rate is not a number of calls per second >= 0")
-        return value
+        return tuple(value.items())
 
     def mailbox_model_rate_of(self, mailbox: str) -> float:
         """The ceiling on model calls per second of the mailbox `mailbox` (its shown name); 0
         when it has none."""
-        return self.mailbox_model_rates.get(mailbox, self.mailbox_model_rate)
+        return dict(self.mailbox_model_rates).get(mailbox, self.mailbox_model_rate)
 
     @model_validator(mode="after")
     def _check_web_users(self) -> Settings:

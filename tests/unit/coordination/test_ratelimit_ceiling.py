@@ -9,6 +9,7 @@ any window of t seconds, tau being the ceiling's tolerance (1 s).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,10 +54,9 @@ def test_a_burst_of_refusals_is_spread_over_distinct_future_slots_and_takes_no_f
             pass
     refusals = [refused(limits, ceiling) for _ in range(7)]
 
-    assert all(r.by_ceiling for r in refusals)
-    slots = [r.mailbox_slot for r in refusals]
-    assert None not in slots
-    gaps = [b - a for a, b in zip(slots, slots[1:], strict=False)]  # type: ignore[operator]
+    assert all(r.by_ceiling and r.mailbox_slot is not None for r in refusals)
+    slots = [r.mailbox_slot or 0.0 for r in refusals]
+    gaps = [b - a for a, b in itertools.pairwise(slots)]
     # Each refusal has a slot of its own, one interval (1/r_m) after the one before.
     assert all(abs(gap - 1 / rate) < 2e-6 for gap in gaps), gaps
     # Told to come back at its own slot: the last one 3.5 s after the first.
@@ -68,15 +68,14 @@ def test_a_burst_of_refusals_is_spread_over_distinct_future_slots_and_takes_no_f
 
     # A call back before its slot is refused with the slot it holds, and takes no other.
     first = slots[0]
-    assert first is not None
     early = refused(limits, Ceiling("flood", rate, first))
     assert (early.by_ceiling, early.mailbox_slot) == (True, first)
-    assert refused(limits, ceiling).mailbox_slot == pytest.approx(slots[-1] + 1 / rate, abs=2e-6)  # type: ignore[operator]
+    assert refused(limits, ceiling).mailbox_slot == pytest.approx(slots[-1] + 1 / rate, abs=2e-6)
     # At its slot it passes, without taking another: the next slot handed out is the one after.
     time.sleep(max(0.0, early.retry_after) + 0.01)
     with limits.slot(ceiling=Ceiling("flood", rate, first)):
         pass
-    assert refused(limits, ceiling).mailbox_slot == pytest.approx(slots[-1] + 2 / rate, abs=2e-6)  # type: ignore[operator]
+    assert refused(limits, ceiling).mailbox_slot == pytest.approx(slots[-1] + 2 / rate, abs=2e-6)
 
 
 @dataclass
