@@ -58,8 +58,13 @@ def is_loopback(host: str) -> bool:
 
 
 class Settings(BaseSettings):
+    # Errors never quote what was given: a value may be a password, a token or a mailbox's name.
     model_config = SettingsConfigDict(
-        env_prefix="MAILPIPE_", frozen=True, extra="ignore", allow_inf_nan=False
+        env_prefix="MAILPIPE_",
+        frozen=True,
+        extra="ignore",
+        allow_inf_nan=False,
+        hide_input_in_errors=True,
     )
 
     # Where things live.
@@ -83,6 +88,13 @@ class Settings(BaseSettings):
     model_rate_per_s: float = Field(5.0, gt=0)  # fleet-wide model calls per second
     model_burst: int = Field(5, ge=1)
     model_max_in_flight: int = Field(16, ge=1)  # fleet-wide model calls at once
+    # A mailbox's ceiling on model calls per second, fleet-wide, under the fleet's own limit:
+    # `mailbox_model_rate` for every mailbox (0: none), `mailbox_model_rates` for the mailboxes
+    # named, a JSON object of shown name (the default mailbox is "default") to calls/s, 0 lifting
+    # the ceiling for that one (docs/mailboxes.md, "A mailbox's ceiling on model calls").
+    mailbox_model_rate: float = Field(0.0, ge=0)
+    # Read as a JSON object, kept as its (name, rate) pairs: the settings are hashed.
+    mailbox_model_rates: tuple[tuple[str, float], ...] = ()
     # How long a model-stage job waits in its thread for a model-call slot before it is deferred.
     model_slot_wait: Seconds = Field(30.0, ge=0)
     # How long a job process trusts the model-calls flag it read (seconds): `mailpipe model-calls
@@ -265,6 +277,33 @@ class Settings(BaseSettings):
         if repeated:
             raise ValueError(f"MAILPIPE_LABELS names {', '.join(repeated)} more than once")
         return self
+
+    @field_validator("mailbox_model_rates", mode="before")
+    @classmethod
+    def _check_mailbox_model_rates(cls, value: object) -> object:
+        # Checked here, entry by entry, so that no error names a mailbox (pydantic's own would
+        # put the name in the error's location). Pairs are the checked settings, copied.
+        if isinstance(value, tuple):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                'must be a JSON object of mailbox names to calls per second: {"name": 2.5}'
+            )
+        for number, (name, rate) in enumerate(value.items(), start=1):
+            if not isinstance(name, str) or not name.strip() or not name.isprintable():
+                raise ValueError(f"entry {number}'s mailbox name is empty or not printable")
+            if (
+                isinstance(rate, bool)
+                or not isinstance(rate, int | float)
+                or not 0 <= rate < float("inf")
+            ):
+                raise ValueError(f"entry {number}'s rate is not a number of calls per second >= 0")
+        return tuple(value.items())
+
+    def mailbox_model_rate_of(self, mailbox: str) -> float:
+        """The ceiling on model calls per second of the mailbox `mailbox` (its shown name); 0
+        when it has none."""
+        return dict(self.mailbox_model_rates).get(mailbox, self.mailbox_model_rate)
 
     @model_validator(mode="after")
     def _check_web_users(self) -> Settings:

@@ -78,6 +78,12 @@ def _named(sent: Route) -> dict[str, str]:
     return {} if sent.mailbox is None else {"mailbox": sent.mailbox}
 
 
+def _slot(verdict: Verdict) -> dict[str, float]:
+    """The mailbox slot a follow-up carries (`mailbox_slot`), when the job holds one: a keyword
+    the previous release ignores."""
+    return {} if verdict.mailbox_slot is None else {"mailbox_slot": verdict.mailbox_slot}
+
+
 def _route(res: Resources, email_id: int, task: TaskName, lane: Lane, mailbox: str | None) -> Route:
     """Where a delivery's follow-up goes: the shorter of its mailbox's shard queues, or its
     lane's own queue when the message named no mailbox (or a name this release refuses)."""
@@ -165,7 +171,7 @@ class EmailJobTask(MailpipeTask):
                 task,
                 lane,
                 _route(res, email_id, task, lane, mailbox),
-                kwargs={"deferred_since": verdict.deferred_since},
+                kwargs={"deferred_since": verdict.deferred_since, **_slot(verdict)},
                 countdown=verdict.delay,
             )
         elif verdict.kind is Kind.PAUSED:
@@ -178,7 +184,7 @@ class EmailJobTask(MailpipeTask):
                 task,
                 lane,
                 _route(res, email_id, task, lane, mailbox),
-                kwargs={"deferred_since": verdict.deferred_since},
+                kwargs={"deferred_since": verdict.deferred_since, **_slot(verdict)},
                 countdown=PAUSED_RESEND_S,
             )
         elif verdict.kind is Kind.HANDED_OFF:
@@ -239,6 +245,7 @@ def classify_email(
     deferred_since: float | None = None,
     lane: str = Lane.LIVE.value,
     mailbox: str | None = None,
+    mailbox_slot: float | None = None,
     **unknown: Any,
 ) -> str:
     """The model stage of an email's job: the model call, the stored answer and the labels; sent
@@ -247,14 +254,23 @@ def classify_email(
 
     Idempotent: it never calls the model again once the answer is stored, and every write is
     fenced by the claim. Retries as `process_email`; a model-call slot is waited for in the
-    thread, then the job is deferred (not an attempt).
+    thread, then the job is deferred (not an attempt); a call its mailbox's ceiling refuses is
+    deferred at once until the slot it was handed (`mailbox_slot`, which its next delivery
+    carries).
     """
     ignore_unknown(self, unknown)
     res = get_resources()
-    carried = {"deferred_since": deferred_since}
+    carried = {"deferred_since": deferred_since, "mailbox_slot": mailbox_slot}
     if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
         return ROUTED
-    verdict = job.classify_email(res, email_id, lane=Lane(lane), deferred_since=deferred_since)
+    verdict = job.classify_email(
+        res,
+        email_id,
+        lane=Lane(lane),
+        deferred_since=deferred_since,
+        mailbox=mailbox,
+        mailbox_slot=mailbox_slot,
+    )
     return self.follow(email_id, verdict, Lane(lane), mailbox)
 
 

@@ -24,6 +24,18 @@ share (a bulk call with credit still races the live calls for the next token). W
 waiting, bulk takes tokens freely. The lane decides who gets a token, never how many there are:
 the bounds above hold over both lanes together.
 
+A mailbox's ceiling (docs/mailboxes.md, "A mailbox's ceiling on model calls"): a call may name
+its mailbox's ceiling, r_m calls per second, and is then checked against it first, in the same
+script, so that it takes a fleet token only when its mailbox allows it. The ceiling is a generic
+cell rate algorithm with two clocks in one hash per mailbox: `tat`, the next slot it hands out,
+and `granted`, the earliest the next grant may be, each advanced by 1/r_m and allowed to run
+`_CEILING_TOLERANCE_S` (tau) ahead of now. A call refused by its mailbox takes nothing of the
+fleet's: it is handed its own slot (`tat` - tau, and `tat` moves on), and comes back at or after
+it holding the slot, when it passes without taking another. The grants, whether held slots or
+not, keep to `granted`, so that in any window of t seconds a mailbox has at most
+1 + r_m*(tau + t) grants however late its slots are used; a call that comes back before its slot,
+or finds the grants ahead of now by more than tau, is refused with what it holds.
+
 Waiting is polling, not a queue: a waiter sleeps until a token is due (or briefly, when only a
 slot is missing) and tries again. That is not fair among waiters, which is acceptable for jobs
 that retry anyway; it costs one Redis round trip per try.
@@ -48,11 +60,14 @@ from mailpipe.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# KEYS: bucket hash, in-flight sorted set, live waiters sorted set.
+# KEYS: bucket hash, in-flight sorted set, live waiters sorted set, and with a ceiling the
+# mailbox's hash.
 # ARGV: rate (tokens/s), burst, max in flight, slot id, slot TTL (µs), lane, bulk share,
-# waiter margin (µs).
-# Returns {granted 0|1, Redis time (µs), µs until a token is due, 1 if all slots are taken,
-# 1 if a bulk call gave way to live ones}.
+# waiter margin (µs), the mailbox's ceiling (calls/s, 0: none), its tolerance (µs), the slot the
+# call holds (µs, 0: none).
+# Returns {granted 0|1, Redis time (µs), µs until a token is due (or the mailbox's slot), 1 if all
+# slots are taken, 1 if a bulk call gave way to live ones, 1 if the mailbox's ceiling refused the
+# call, the mailbox slot the call holds (µs, 0: none)}.
 # Times are integer microseconds: exact in Lua's doubles (2**53 µs is 285 years), and Redis turns
 # returned Lua numbers into integers, which would cut fractional seconds.
 _ACQUIRE = """
@@ -63,8 +78,35 @@ local ttl_us = tonumber(ARGV[5])
 local live = ARGV[6] == 'live'
 local bulk_share = tonumber(ARGV[7])
 local margin_us = tonumber(ARGV[8])
+local m_rate = tonumber(ARGV[9])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+
+-- The mailbox's ceiling first: a call it refuses takes nothing of the fleet's, and registers as
+-- no live waiter (it defers until its slot).
+local m_tat, m_granted, m_interval, m_tau
+local m_held = tonumber(ARGV[11])
+if m_rate > 0 then
+  m_interval = 1000000 / m_rate
+  m_tau = tonumber(ARGV[10])
+  local m_state = redis.call('HMGET', KEYS[4], 'tat', 'granted')
+  m_tat = math.max(tonumber(m_state[1]) or now, now)
+  m_granted = math.max(tonumber(m_state[2]) or now, now)
+  local grant_due = m_granted - m_tau
+  local slot = m_held
+  if m_held == 0 then
+    slot = math.max(now, m_tat - m_tau)
+  end
+  if slot > now or grant_due > now then
+    if m_held == 0 then
+      -- Refused without a slot: this one is the call's own, and the next call's comes after it.
+      m_tat = m_tat + m_interval
+      redis.call('HSET', KEYS[4], 'tat', m_tat, 'granted', m_granted)
+      redis.call('PEXPIRE', KEYS[4], math.ceil((m_tat - now + m_tau) / 1000) + 1000)
+    end
+    return {0, now, math.max(slot, grant_due) - now, 0, 0, 1, slot}
+  end
+end
 
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local slots_full = redis.call('ZCARD', KEYS[2]) >= max_in_flight
@@ -100,7 +142,7 @@ if token_wait > 0 or slots_full or held_for_live then
     -- Credit comes with grants: try again when the next token is due.
     token_wait = math.max(token_wait, math.ceil(1000000 / rate))
   end
-  return {0, now, token_wait, slots_full and 1 or 0, held_for_live and 1 or 0}
+  return {0, now, token_wait, slots_full and 1 or 0, held_for_live and 1 or 0, 0, m_held}
 end
 
 credit = math.min(1, credit + bulk_share)
@@ -116,7 +158,17 @@ redis.call('PEXPIRE', KEYS[2], math.ceil(ttl_us / 1000) + 1000)
 if live then
   redis.call('ZREM', KEYS[3], ARGV[4])
 end
-return {1, now, 0, 0, 0}
+if m_rate > 0 then
+  -- A call that held its slot took it when it was refused; one without takes the next now.
+  if m_held == 0 then
+    m_tat = m_tat + m_interval
+  end
+  m_granted = m_granted + m_interval
+  redis.call('HSET', KEYS[4], 'tat', m_tat, 'granted', m_granted)
+  local m_ahead = math.max(m_tat, m_granted) - now + m_tau
+  redis.call('PEXPIRE', KEYS[4], math.ceil(m_ahead / 1000) + 1000)
+end
+return {1, now, 0, 0, 0, 0, m_held}
 """
 
 # When only a slot is missing, the limiter cannot know when a running call ends: poll briefly
@@ -128,15 +180,43 @@ _SLOT_RETRY_AFTER_S = 1.0
 # busy host's scheduling, with room to spare. A live caller that stops asking (its job deferred,
 # its process dead) holds bulk back this long at most after its last try.
 _WAITER_MARGIN_S = 0.5
+# How far a mailbox's grants and slots may run ahead of now (tau): the lateness of a deferred
+# job's return that costs its mailbox nothing, and what lets 1 + r_m * tau of a quiet mailbox's
+# calls start at once. A second covers a busy worker's timers; more would loosen the ceiling's
+# bound for every mailbox.
+_CEILING_TOLERANCE_S = 1.0
 
 
 class RateLimited(Throttled):
-    """No model call could start in time; `retry_after` says when one is likely to."""
+    """No model call could start in time; `retry_after` says when one is likely to.
+    `mailbox_slot`: the slot of its mailbox's ceiling the call holds (Redis time), to be handed
+    back when it asks again; `by_ceiling`: its mailbox's ceiling refused it, and it waits for
+    that slot."""
 
     retry_after: float
 
-    def __init__(self, message: str, *, retry_after: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float,
+        mailbox_slot: float | None = None,
+        by_ceiling: bool = False,
+    ) -> None:
         super().__init__(message, retry_after=retry_after)
+        self.mailbox_slot = mailbox_slot
+        self.by_ceiling = by_ceiling
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """A call's mailbox's ceiling: `rate_per_s` calls per second of the mailbox `mailbox` (its
+    shown name, which only its key's hash is made of), and the slot the call holds (Redis time,
+    from an earlier refusal), if any."""
+
+    mailbox: str
+    rate_per_s: float
+    slot: float | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +226,8 @@ class _Attempt:
     token_wait: float  # seconds until the bucket has a token; 0 if it has one
     slots_full: bool
     held_for_live: bool  # a bulk call without credit while live calls wait
+    by_ceiling: bool  # the mailbox's ceiling refused the call
+    mailbox_slot: float | None  # the mailbox slot the call holds, Redis time
 
 
 class FleetRateLimiter:
@@ -180,6 +262,7 @@ class FleetRateLimiter:
         self._bucket_key = redis_keys.key(f"ratelimit:{{{name}}}:bucket")
         self._inflight_key = redis_keys.key(f"ratelimit:{{{name}}}:inflight")
         self._live_key = redis_keys.key(f"ratelimit:{{{name}}}:live")
+        self._name = name
         self._acquire = redis.register_script(_ACQUIRE)
 
     @classmethod
@@ -194,19 +277,31 @@ class FleetRateLimiter:
         )
 
     @contextmanager
-    def slot(self, wait: float = 0.0, lane: Lane = Lane.LIVE) -> Iterator[float]:
+    def slot(
+        self, wait: float = 0.0, lane: Lane = Lane.LIVE, ceiling: Ceiling | None = None
+    ) -> Iterator[float]:
         """Take a token and an in-flight slot, waiting up to `wait` seconds; release on exit.
-        A bulk call gives way to live ones (the module's docstring).
+        A bulk call gives way to live ones; with a `ceiling`, its mailbox's ceiling allows the
+        call first (the module's docstring).
 
-        Raises `RateLimited` (with `retry_after`) if neither came in time. Yields the Redis time
-        at which the call was admitted, the time the rate bound is stated in.
+        Raises `RateLimited` (with `retry_after`) if neither came in time, and at once, with the
+        mailbox's slot the call is to come back with, when the mailbox's ceiling refuses it: a
+        capped mailbox's calls wait as deferred jobs, not in threads. Yields the Redis time at
+        which the call was admitted, the time the rate bound is stated in.
         """
         slot_id = uuid.uuid4().hex
         deadline = time.monotonic() + wait
         while True:
-            attempt = self._try(slot_id, lane)
+            attempt = self._try(slot_id, lane, ceiling)
             if attempt.granted:
                 break
+            if attempt.by_ceiling:
+                raise RateLimited(
+                    "model calls of this mailbox are at its ceiling (MAILPIPE_MAILBOX_MODEL_RATE)",
+                    retry_after=attempt.token_wait,
+                    mailbox_slot=attempt.mailbox_slot,
+                    by_ceiling=True,
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RateLimited(
@@ -216,6 +311,7 @@ class FleetRateLimiter:
                     retry_after=max(
                         attempt.token_wait, _SLOT_RETRY_AFTER_S if attempt.slots_full else 0.0
                     ),
+                    mailbox_slot=attempt.mailbox_slot,
                 )
             pause = max(attempt.token_wait, _SLOT_POLL_S if attempt.slots_full else 0.0)
             # Up to 20 % jitter so that waiters told the same time do not all retry at once.
@@ -225,9 +321,13 @@ class FleetRateLimiter:
         finally:
             self._release(slot_id)
 
-    def _try(self, slot_id: str, lane: Lane) -> _Attempt:
-        granted, now_us, token_wait_us, slots_full, held_for_live = self._acquire(
-            keys=[self._bucket_key, self._inflight_key, self._live_key],
+    def _try(self, slot_id: str, lane: Lane, ceiling: Ceiling | None) -> _Attempt:
+        keys = [self._bucket_key, self._inflight_key, self._live_key]
+        rate, held = (0.0, None) if ceiling is None else (ceiling.rate_per_s, ceiling.slot)
+        if ceiling is not None and rate > 0:
+            keys.append(redis_keys.mailbox_ceiling(self._name, ceiling.mailbox))
+        reply = self._acquire(
+            keys=keys,
             args=[
                 self._rate,
                 self._burst,
@@ -237,14 +337,20 @@ class FleetRateLimiter:
                 lane.value,
                 self._bulk_share,
                 round(_WAITER_MARGIN_S * 1_000_000),
+                rate,
+                round(_CEILING_TOLERANCE_S * 1_000_000),
+                0 if held is None else round(held * 1_000_000),
             ],
         )
+        granted, now_us, token_wait_us, slots_full, held_for_live, by_ceiling, slot_us = reply
         return _Attempt(
             granted=bool(granted),
             at=now_us / 1_000_000,
             token_wait=token_wait_us / 1_000_000,
             slots_full=bool(slots_full),
             held_for_live=bool(held_for_live),
+            by_ceiling=bool(by_ceiling),
+            mailbox_slot=slot_us / 1_000_000 if slot_us else None,
         )
 
     def _release(self, slot_id: str) -> None:

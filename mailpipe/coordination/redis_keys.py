@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from mailpipe.broker.queues import job_queues
 from mailpipe.settings import get_settings
 
@@ -31,6 +33,16 @@ def deferred(queue: str) -> str:
 def deferred_sets() -> list[str]:
     """The deferred set of every queue that carries email jobs."""
     return [deferred(queue) for queue in job_queues(get_settings())]
+
+
+def mailbox_ceiling(limiter: str, mailbox: str) -> str:
+    """Hash: the model-call ceiling of the mailbox `mailbox` (its shown name) in the limiter
+    `limiter` (mailpipe.coordination.ratelimit). Keyed by a hash of the name, never the name,
+    and tagged with the limiter's name, so that it lives on the limiter's Redis Cluster shard."""
+    digest = hashlib.blake2b(
+        mailbox.encode(), digest_size=16, person=b"mailpipe-ceiling"
+    ).hexdigest()
+    return key(f"ratelimit:{{{limiter}}}:mailbox:{digest}")
 
 
 def health_checks_counter(dependency: str) -> str:

@@ -18,7 +18,7 @@ from mailpipe.classifiers import (
     LabelScore,
 )
 from mailpipe.classifiers.prompt import MAX_RECIPIENTS
-from mailpipe.coordination.ratelimit import FleetRateLimiter
+from mailpipe.coordination.ratelimit import Ceiling, FleetRateLimiter
 from mailpipe.mail.parse import ParsedEmail
 from mailpipe.pipeline import emails
 from mailpipe.storage.db import upsert
@@ -51,12 +51,14 @@ def classify_remote(
     limiter: FleetRateLimiter,
     wait: float,
     lane: Lane = Lane.LIVE,
+    ceiling: Ceiling | None = None,
 ) -> ClassificationResult:
-    """Call a remote classifier inside a fleet-wide rate-limit slot, taken in the call's `lane`.
+    """Call a remote classifier inside a fleet-wide rate-limit slot, taken in the call's `lane`
+    and, with a `ceiling`, as its mailbox's ceiling allows.
 
-    Raises `RateLimited` when no slot comes free within `wait` seconds.
+    Raises `RateLimited` when no slot comes free within `wait` seconds, or the ceiling refuses.
     """
-    with limiter.slot(wait=wait, lane=lane):
+    with limiter.slot(wait=wait, lane=lane, ceiling=ceiling):
         return classifier.classify(email)
 
 

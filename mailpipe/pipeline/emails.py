@@ -33,6 +33,11 @@ def mailbox_of(res: Resources, email_id: int) -> Mailbox | None:
     return None if found is None else Mailbox(found.mailbox)
 
 
+def mailbox_in(session: Session, email_id: int) -> str | None:
+    """The email's mailbox as its row holds it (None: the default one, or no row)."""
+    return session.scalar(select(EmailMessage.mailbox).where(EmailMessage.id == email_id))
+
+
 def mark_for_review(session: Session, email_ids: list[int], reason: str) -> None:
     """Put the emails on the review list with `reason`."""
     session.execute(

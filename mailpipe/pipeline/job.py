@@ -35,17 +35,19 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from redis import RedisError
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
+from mailpipe.broker.mailboxes import shown
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
 from mailpipe.coordination import deferrals, forgotten, leases, pauses, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
-from mailpipe.coordination.ratelimit import FleetRateLimiter
+from mailpipe.coordination.ratelimit import Ceiling, FleetRateLimiter, RateLimited
 from mailpipe.errors import (
     Dependency,
     Throttled,
@@ -81,6 +83,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class ModelCall:
+    """What a model-stage message says of its call's mailbox: its name as shown (None: not
+    named) and the slot of its mailbox's ceiling the job holds (Redis time), if any."""
+
+    mailbox: str | None = None
+    mailbox_slot: float | None = None
+
+
 def process_email(
     res: Resources,
     email_id: int,
@@ -104,10 +115,19 @@ def classify_email(
     *,
     lane: Lane = Lane.LIVE,
     deferred_since: float | None = None,
+    mailbox: str | None = None,
+    mailbox_slot: float | None = None,
 ) -> Verdict:
     """Run one delivery of the email's model stage; `lane`: also the model call's lane at the
-    fleet's rate limit."""
-    return _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since)
+    fleet's rate limit.
+    `mailbox`: the email's mailbox as the message names it (shown; None: not named, read from
+    the row when a mailbox's ceiling is set); `mailbox_slot`: the slot of its mailbox's ceiling
+    an earlier delivery was handed, which every follow-up keeps until it is given a new one."""
+    call = ModelCall(mailbox, mailbox_slot)
+    verdict = _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since, call)
+    if verdict.follows_up and verdict.mailbox_slot is None and mailbox_slot is not None:
+        return replace(verdict, mailbox_slot=mailbox_slot)
+    return verdict
 
 
 def _deliver(
@@ -117,7 +137,9 @@ def _deliver(
     lane: Lane,
     cut_off: float | None,
     deferred_since: float | None,
+    call: ModelCall | None = None,
 ) -> Verdict:
+    """`call`: the model stage's, what its message says of the call's mailbox."""
     settings = res.settings
     pause = _pause_in_force(res, stage)
     if pause is not None:
@@ -129,7 +151,7 @@ def _deliver(
         )
     try:
         with leases.hold(res.redis, email_id, settings.lease_ttl, settings.dedup_ttl) as lease:
-            verdict = run_claimed(res, email_id, cut_off, stage, lane, deferred_since)
+            verdict = run_claimed(res, email_id, cut_off, stage, lane, deferred_since, call)
             lease.keep_marker = verdict.follows_up
     except LeaseHeld as held:
         verdict = Verdict(Kind.DEFER, held.wait, str(held))
@@ -194,6 +216,7 @@ def run_claimed(
     stage: Stage = Stage.CPU,
     lane: Lane = Lane.LIVE,
     deferred_since: float | None = None,
+    call: ModelCall | None = None,
 ) -> Verdict:
     """A stage once its lease is held: claim an attempt, run the steps. Every write is fenced by
     the claim, so two of these at once for one email (what a lapsed lease allows) leave the
@@ -228,7 +251,7 @@ def run_claimed(
     try:
         if stage is Stage.CPU:
             return _run_steps(res, email_id, claim)
-        return _classify_steps(res, email_id, claim, lane)
+        return _classify_steps(res, email_id, claim, lane, call or ModelCall())
     except runs.Superseded as exc:
         log.warning("%s; this delivery stops without writing", exc)
         return Verdict(Kind.CLOSED, error=str(exc))
@@ -447,9 +470,12 @@ def _defects(parsed: ParsedEmail) -> dict[str, object] | None:
     }
 
 
-def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane) -> Verdict:
+def _classify_steps(
+    res: Resources, email_id: int, claim: runs.Claim, lane: Lane, call: ModelCall
+) -> Verdict:
     """The model stage after the claim: the model's answer, kept at once, then the labels."""
     settings = res.settings
+    mailbox = call.mailbox
     with res.db.transaction() as session:
         if not res.model_calls(session):
             runs.give_back(session, claim, waiting=True)
@@ -461,12 +487,26 @@ def _classify_steps(res: Resources, email_id: int, claim: runs.Claim, lane: Lane
             return Verdict(Kind.SUCCEEDED)
         runs.lock_current(session, claim)  # a delivery fenced off calls no model
         email_text = input_from_json(session.get_one(ModelInput, email_id).input)
+        capped = settings.mailbox_model_rate > 0 or bool(settings.mailbox_model_rates)
+        if mailbox is None and capped and res.classifier.remote:
+            # A message sent without its mailbox (upstream's, with no shard queues): its row's.
+            mailbox = shown(emails.mailbox_in(session, email_id))
 
     if res.classifier.remote:
         limiter = FleetRateLimiter.for_model_calls(res.redis, settings)
-        # A thread waits its turn here, cheaply; past the wait the job is deferred.
+        ceiling = None
+        if mailbox is not None:
+            rate = settings.mailbox_model_rate_of(mailbox)
+            ceiling = Ceiling(mailbox, rate, call.mailbox_slot) if rate > 0 else None
+        # A thread waits its turn here, cheaply; past the wait the job is deferred. A call its
+        # mailbox's ceiling refuses is deferred at once, until the slot it was handed.
         result = classify_remote(
-            res.classifier, email_text, limiter, wait=settings.model_slot_wait, lane=lane
+            res.classifier,
+            email_text,
+            limiter,
+            wait=settings.model_slot_wait,
+            lane=lane,
+            ceiling=ceiling,
         )
     else:
         result = res.classifier.classify(email_text)
@@ -521,7 +561,14 @@ def _after_error(
             _mark_cut_off(res, email_id)
         if outage is not None:
             return _after_outage(res, email_id, stage, exc, outage, deferred_since)
-        return Verdict(Kind.DEFER, getattr(exc, "retry_after", None) or 1.0, str(exc))
+        limited = exc if isinstance(exc, RateLimited) else None
+        return Verdict(
+            Kind.DEFER,
+            getattr(exc, "retry_after", None) or 1.0,
+            str(exc),
+            mailbox_slot=None if limited is None else limited.mailbox_slot,
+            for_slot=limited is not None and limited.by_ceiling,
+        )
     if fault is Fault.ATTEMPT:
         return _after_failed_attempt(res, email_id, claim, exc)
     # Rejected input: trying again cannot help.
@@ -661,9 +708,7 @@ def _deferral(
     job has waited past MAILPIPE_MAX_DEFERRAL in all."""
     now = time.time()
     verdict = policy.deferred(
-        policy.Limits.of(res.settings),
-        Verdict(Kind.DEFER, wanted.delay, wanted.error, deferred_since, wanted.outage),
-        now,
+        policy.Limits.of(res.settings), replace(wanted, deferred_since=deferred_since), now
     )
     if verdict.kind is Kind.FAILED:
         assert verdict.error is not None and verdict.error_class is not None

@@ -57,6 +57,11 @@ class Verdict:
     deferred_since: float | None = None
     outage: Dependency | None = None  # DEFER: the dependency whose outage it waits out
     error_class: str | None = None  # FAILED, RETRY: the class of `error`, as the run keeps it
+    # DEFER, PAUSED: the slot of its mailbox's ceiling on model calls the job holds (Redis time),
+    # carried by its next delivery so that it passes the ceiling without taking another.
+    mailbox_slot: float | None = None
+    # DEFER: the job waits for that slot, the time its mailbox's ceiling handed it.
+    for_slot: bool = False
 
     @property
     def follows_up(self) -> bool:
@@ -186,16 +191,35 @@ def deferred(limits: Limits, wanted: Verdict, now: float) -> Verdict:
     """A deferral (`wanted`, of kind DEFER) as it goes out at `now`: its delay held within half
     a second and MAILPIPE_RETRY_BACKOFF_MAX (so never past the visibility timeout), its first
     deferral's time kept; or FAILED once the job would have waited past MAILPIPE_MAX_DEFERRAL in
-    all, unless it waits out an outage, which has no bound."""
-    since = wanted.deferred_since or now
+    all, unless it waits out an outage, which has no bound. A wait for the slot its mailbox's
+    ceiling handed it (`for_slot`) has no bound either, and starts no clock: the slot is a known
+    time, which a backlog of the mailbox's own sets, and a slot further off than the longest
+    deferral is waited for in several."""
     delay = min(max(wanted.delay, 0.5), limits.retry_backoff_max)
+    if wanted.for_slot:
+        return Verdict(
+            Kind.DEFER,
+            delay,
+            wanted.error,
+            wanted.deferred_since,
+            mailbox_slot=wanted.mailbox_slot,
+            for_slot=True,
+        )
+    since = wanted.deferred_since or now
     if wanted.outage is None and now + delay - since > limits.max_deferral:
         error = (
             f"deferred for {now - since:.0f} s in all, past MAILPIPE_MAX_DEFERRAL "
             f"({limits.max_deferral} s): {wanted.error}"
         )
         return Verdict(Kind.FAILED, error=error, error_class=ErrorClass.DEFERRED_TOO_LONG)
-    return Verdict(Kind.DEFER, delay, wanted.error, since, outage=wanted.outage)
+    return Verdict(
+        Kind.DEFER,
+        delay,
+        wanted.error,
+        since,
+        outage=wanted.outage,
+        mailbox_slot=wanted.mailbox_slot,
+    )
 
 
 def unfinished(

@@ -17,9 +17,13 @@ inside the slot its caller holds.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -111,12 +115,13 @@ def model_fleet(
         delay: float,
         rate_per_s: float = RATE_PER_S,
         max_in_flight: int = MAX_IN_FLIGHT,
+        settings: dict[str, str] | None = None,
     ) -> TimedBedrockServer:
         """One worker of the CPU stage, and `workers` of the model role with `concurrency`
-        threads each, as the Procfile starts them."""
+        threads each, as the Procfile starts them; `settings`: more of the environment."""
         server = TimedBedrockServer(delay=delay).start()
         servers.append(server)
-        env = model_env(server, tmp_path, rate_per_s, BURST, max_in_flight)
+        env = {**model_env(server, tmp_path, rate_per_s, BURST, max_in_flight), **(settings or {})}
         # The model role reserves one message per thread (Procfile).
         model_role_env = {**env, "MAILPIPE_WORKER_PREFETCH_MULTIPLIER": "1"}
         queue = res.settings.queue
@@ -232,6 +237,59 @@ def test_fleet_limit_holds_at_the_provider_and_throttled_jobs_keep_their_attempt
     # The limits held the fleet back, and each job waited its turn in its model-stage thread:
     # none was deferred, so none went through the broker again.
     assert deferrals(tmp_path) == 0
+
+
+def test_a_capped_mailbox_keeps_to_its_ceiling_while_another_mailboxs_emails_finish(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """24 emails of a mailbox capped at 2 calls/s and 16 of an uncapped one, on 8 threads and a
+    fleet limit of 20/s: the capped one's calls keep to 1 + r_m * (tau + t) at the provider
+    (tau = 1 s, the ceiling's tolerance), its refused jobs wait as deferrals, each about once,
+    and the other mailbox's emails are done long before the capped one's."""
+    ceiling, flood, quiet = 2.0, 24, 16
+    server = model_fleet(
+        workers=1,
+        concurrency=8,
+        delay=0.05,
+        rate_per_s=20.0,
+        max_in_flight=16,
+        settings={"MAILPIPE_MAILBOX_MODEL_RATES": json.dumps({"flood": ceiling})},
+    )
+    flood_ids = store_emails(res, invoices(flood, subject="Flooded invoice"), mailbox="flood")
+    quiet_ids = store_emails(res, invoices(quiet), mailbox="quiet")
+    enqueue_emails(flood_ids, res, mailboxes=dict.fromkeys(flood_ids, "flood"))
+    enqueue_emails(quiet_ids, res, mailboxes=dict.fromkeys(quiet_ids, "quiet"))
+
+    assert set(wait_until_closed(res, quiet_ids, timeout=60).values()) == {"succeeded"}
+    quiet_done = len(server.arrivals_about("Flooded invoice"))
+    statuses = wait_until_closed(res, flood_ids, timeout=90)
+
+    assert set(statuses.values()) == {"succeeded"}
+    assert {run.attempts for run in runs(res)} == {1}  # a deferral uses no attempt
+    arrivals = server.arrivals_about("Flooded invoice")
+    assert len(arrivals) == flood and len(server.arrivals()) == flood + quiet
+    burst = 1 + ceiling * 1.0
+    for i, first in enumerate(arrivals):
+        for j in range(i, len(arrivals)):
+            excess = (j - i + 1 - burst) / ceiling - (arrivals[j] - first)
+            assert excess <= ARRIVAL_JITTER_S, f"{j - i + 1} calls in {arrivals[j] - first:.3f} s"
+    # The other mailbox did not wait for the capped one: it was done with most of those calls
+    # still to come (at 2/s, 24 calls take 10.5 s after their burst).
+    assert quiet_done <= flood / 2, quiet_done
+    # No busy loop: each capped job was deferred to its own slot, in deferrals of at most
+    # MAILPIPE_RETRY_BACKOFF_MAX each (the slots reach flood / ceiling = 12 s out), not every
+    # half second; and none was counted as an attempt.
+    most = math.ceil(flood / ceiling / res.settings.retry_backoff_max) + 1
+    per_email = Counter(
+        re.findall(
+            r"email (\d+): deferred ",
+            "".join(log.read_text() for log in tmp_path.glob("models-*.log")),
+        )
+    )
+    assert per_email and max(per_email.values()) <= most, per_email
+    assert {int(email_id) for email_id in per_email} <= set(flood_ids)
 
 
 def test_provider_throttling_defers_the_job_without_using_its_attempts(

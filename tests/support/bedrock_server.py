@@ -345,6 +345,7 @@ class Call:
     arrived: float  # time.monotonic() of this (the test) process
     answered: float
     status: int
+    user_text: str = ""  # what the call asked about, to tell the tests' emails apart
 
 
 class TimedBedrockServer(BedrockServer):
@@ -369,12 +370,17 @@ class TimedBedrockServer(BedrockServer):
             with self._timing:
                 self._in_flight -= 1
         with self._timing:
-            self.calls.append(Call(arrived, time.monotonic(), reply.status))
+            self.calls.append(Call(arrived, time.monotonic(), reply.status, request.user_text))
         return reply
 
     def arrivals(self) -> list[float]:
         with self._timing:
             return sorted(call.arrived for call in self.calls)
+
+    def arrivals_about(self, text: str) -> list[float]:
+        """The arrivals of the calls whose prompt holds `text`."""
+        with self._timing:
+            return sorted(call.arrived for call in self.calls if text in call.user_text)
 
     def statuses(self) -> list[int]:
         """The answers' HTTP statuses, in the order the calls arrived."""
@@ -430,11 +436,11 @@ def unlimited_bedrock_env(server: BedrockServer, aws_dir: Path) -> dict[str, str
     }
 
 
-def invoices(n: int) -> list[bytes]:
+def invoices(n: int, subject: str = "Invoice") -> list[bytes]:
     tag = uuid.uuid4().hex[:8]
     return [
         raw_email(
-            f"Invoice {i}",
+            f"{subject} {i}",
             sender="billing@example.org",
             to="a@example.org",
             message_id=f"{tag}.{i}@example.org",

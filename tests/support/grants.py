@@ -20,7 +20,7 @@ def most_in_window(grants: list[float], window: float) -> int:
     return most
 
 
-def assert_within_rate(grants: list[float], rate: float, burst: int) -> None:
+def assert_within_rate(grants: list[float], rate: float, burst: float) -> None:
     """B + r*t holds for every window length at once: grants i..j span g_j - g_i."""
     micros = [round(t * 1_000_000) for t in sorted(grants)]
     for i, first in enumerate(micros):

@@ -147,3 +147,34 @@ def test_the_database_timeouts_stay_within_what_libpq_and_linux_take(name: str, 
     assert getattr(Settings(**{name: most}), name) == most
     with pytest.raises(ValidationError, match=name):
         Settings(**{name: most + 1})
+
+
+def test_a_mailboxs_model_rate_is_its_own_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAILPIPE_MAILBOX_MODEL_RATE", "4")
+    monkeypatch.setenv("MAILPIPE_MAILBOX_MODEL_RATES", '{"acme": 2.5, "default": 0, "x=y,z": 1}')
+    settings = Settings()
+    assert settings.mailbox_model_rate_of("acme") == 2.5
+    assert settings.mailbox_model_rate_of("x=y,z") == 1  # any name a mailbox may have
+    assert settings.mailbox_model_rate_of("default") == 0  # no ceiling for that one
+    assert settings.mailbox_model_rate_of("other") == 4
+    assert Settings(mailbox_model_rate=0).mailbox_model_rate_of("other") == 0  # no ceiling
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ('{"acme": 2, "secret-customer": -1}', "entry 2's rate is not a number"),
+        ('{"secret-customer": "2"}', "entry 1's rate is not a number"),
+        ('{"secret-customer": true}', "entry 1's rate is not a number"),
+        ('{" ": 2}', "entry 1's mailbox name is empty"),
+        ('["secret-customer"]', "must be a JSON object of mailbox names"),
+    ],
+)
+def test_a_bad_mailbox_model_rate_is_refused_without_naming_the_mailbox(
+    monkeypatch: pytest.MonkeyPatch, value: str, reason: str
+) -> None:
+    monkeypatch.setenv("MAILPIPE_MAILBOX_MODEL_RATES", value)
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    assert reason in str(refused.value)
+    assert "secret-customer" not in str(refused.value)

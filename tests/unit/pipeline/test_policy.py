@@ -179,3 +179,26 @@ def test_what_a_failed_attempt_records():
     assert (error, unforeseen) == ("TransientError: S3 hiccup", False)
     error, unforeseen = policy.attempt_error(ValueError("a bug"), 240)
     assert (error, unforeseen) == ("unexpected ValueError", True)
+
+
+def test_a_wait_for_a_mailbox_slot_is_bounded_per_deferral_and_never_fails_the_run():
+    # A slot an hour away, past MAILPIPE_MAX_DEFERRAL: waited for in deferrals of at most
+    # MAILPIPE_RETRY_BACKOFF_MAX each, and the job's clock of deferrals is not started.
+    far = Verdict(Kind.DEFER, 3600.0, "at its ceiling", mailbox_slot=4610.0, for_slot=True)
+    first = policy.deferred(DEFERRALS, far, now=1010.0)
+    assert first == Verdict(
+        Kind.DEFER, 60.0, "at its ceiling", None, mailbox_slot=4610.0, for_slot=True
+    )
+    # Nor does one that has waited for other reasons before fail for the slot's wait.
+    waited = Verdict(Kind.DEFER, 0.1, "at its ceiling", 0.0, mailbox_slot=1e9, for_slot=True)
+    assert policy.deferred(DEFERRALS, waited, now=1e9 - 0.1) == Verdict(
+        Kind.DEFER, 0.5, "at its ceiling", 0.0, mailbox_slot=1e9, for_slot=True
+    )
+
+
+def test_a_fleet_wait_of_a_job_holding_a_mailbox_slot_keeps_the_slot_and_its_bound():
+    fleet = Verdict(Kind.DEFER, 10.0, "at the fleet limit", 1000.0, mailbox_slot=995.0)
+    assert policy.deferred(DEFERRALS, fleet, now=1010.0) == Verdict(
+        Kind.DEFER, 10.0, "at the fleet limit", 1000.0, mailbox_slot=995.0
+    )
+    assert policy.deferred(DEFERRALS, fleet, now=1091.0).kind is Kind.FAILED
