@@ -209,7 +209,7 @@ def process_email(
     service down, a time limit, a killed child, a bug) up to MAILPIPE_MAX_RETRIES times with
     backoff and jitter, counted in the database; rejected input fails the run at once; an
     outage (a dependency whose own check fails), a deferral or a shutdown's cut-off uses no
-    attempt.
+    attempt. A delivery of a paused mailbox ends claiming nothing; the resume sends it again.
     """
     ignore_unknown(self, unknown)
     res = get_resources()
@@ -217,7 +217,12 @@ def process_email(
     if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
         return ROUTED
     verdict = job.process_email(
-        res, email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
+        res,
+        email_id,
+        lane=Lane(lane),
+        cut_off=cut_off,
+        deferred_since=deferred_since,
+        mailbox=mailbox,
     )
     return self.follow(email_id, verdict, Lane(lane), mailbox)
 
@@ -250,7 +255,9 @@ def classify_email(
     carried = {"deferred_since": deferred_since}
     if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
         return ROUTED
-    verdict = job.classify_email(res, email_id, lane=Lane(lane), deferred_since=deferred_since)
+    verdict = job.classify_email(
+        res, email_id, lane=Lane(lane), deferred_since=deferred_since, mailbox=mailbox
+    )
     return self.follow(email_id, verdict, Lane(lane), mailbox)
 
 
