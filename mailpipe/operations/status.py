@@ -504,9 +504,12 @@ def job_state(
     `state` and `waiting_for` are `_where_the_job_is`'s; `history` is a page, as
     `email_detail`'s."""
     email = session.execute(
-        select(EmailMessage.needs_review, EmailMessage.created_at, EmailMessage.lane).where(
-            EmailMessage.id == email_id
-        )
+        select(
+            EmailMessage.needs_review,
+            EmailMessage.created_at,
+            EmailMessage.lane,
+            EmailMessage.mailbox,
+        ).where(EmailMessage.id == email_id)
     ).one_or_none()
     if email is None:
         return None
