@@ -18,8 +18,9 @@ from redis import Redis
 from mailpipe.settings import Settings, get_settings
 
 if TYPE_CHECKING:
+    from mailpipe.broker.queues import Stage
     from mailpipe.classifiers import Classifier
-    from mailpipe.coordination.pauses import CachedPauses
+    from mailpipe.coordination.pauses import CachedPauses, MailboxPause, Pause
     from mailpipe.storage.blobs import BlobStore
     from mailpipe.storage.db import Database
     from mailpipe.storage.flags import CachedModelCalls
@@ -101,11 +102,18 @@ class Resources:
         return CachedModelCalls(self.settings.model_calls_cache_seconds)
 
     @cached_property
-    def pauses(self) -> CachedPauses:
+    def pauses(self) -> CachedPauses[dict[Stage, Pause]]:
         """The paused stages, read from Redis at most once a second."""
         from mailpipe.coordination.pauses import CachedPauses
 
-        return CachedPauses(1.0)
+        return CachedPauses({}, 1.0)
+
+    @cached_property
+    def mailbox_pauses(self) -> CachedPauses[dict[str, MailboxPause]]:
+        """The paused mailboxes, read from Redis at most once a second."""
+        from mailpipe.coordination.pauses import CachedPauses
+
+        return CachedPauses({}, 1.0)
 
     @cached_property
     def classifier(self) -> Classifier:

@@ -219,7 +219,7 @@ def process_email(
     service down, a time limit, a killed child, a bug) up to MAILPIPE_MAX_RETRIES times with
     backoff and jitter, counted in the database; rejected input fails the run at once; an
     outage (a dependency whose own check fails), a deferral or a shutdown's cut-off uses no
-    attempt.
+    attempt. A delivery of a paused mailbox ends claiming nothing; the resume sends it again.
     """
     ignore_unknown(self, unknown)
     res = get_resources()
@@ -227,7 +227,12 @@ def process_email(
     if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
         return ROUTED
     verdict = job.process_email(
-        res, email_id, lane=Lane(lane), cut_off=cut_off, deferred_since=deferred_since
+        res,
+        email_id,
+        lane=Lane(lane),
+        cut_off=cut_off,
+        deferred_since=deferred_since,
+        mailbox=mailbox,
     )
     return self.follow(email_id, verdict, Lane(lane), mailbox)
 

@@ -1,5 +1,5 @@
-"""The fleet: `mailpipe status`, `pause` and `resume` of a stage, the `model-calls` switch,
-and one `sweep` or `housekeeping` pass now.
+"""The fleet: `mailpipe status`, `pause` and `resume` of a stage or a mailbox, the
+`model-calls` switch, and one `sweep` or `housekeeping` pass now.
 
 What a command needs beyond click, rich and the resources it imports when it runs: `main.py`
 says why.
@@ -14,6 +14,7 @@ import click
 from rich.table import Table
 
 from mailpipe.cli import context
+from mailpipe.cli.exits import BadInput
 from mailpipe.cli.output import console
 from mailpipe.resources import get_resources
 
@@ -54,6 +55,11 @@ def status(as_json: bool) -> None:
         table.add_row(
             f"{stage} stage", f"PAUSED since {pause['since']} ({pause['by']}): {pause['error']}"
         )
+    for held in data["paused_mailboxes"]:
+        table.add_row(
+            f"mailbox {held['mailbox']}",
+            f"PAUSED since {held['since']}: {held['reason']}; {held['waiting']} waiting",
+        )
     sweep = data["last_sweep"]
     if sweep:
         table.add_row(
@@ -72,30 +78,67 @@ def _count(n: int, estimated: bool) -> str:
 _STAGES = click.Choice(["cpu", "model"])
 
 
+_MAILBOX = click.option(
+    "--mailbox",
+    help='A mailbox instead of a stage, by name ("default" for the default mailbox).',
+)
+
+
+def _one_of(stage: str | None, mailbox: str | None) -> None:
+    if (stage is None) == (mailbox is None):
+        raise BadInput("give a STAGE or --mailbox NAME, one of them")
+
+
 @click.command()
-@click.argument("stage", type=_STAGES)
+@click.argument("stage", type=_STAGES, required=False)
+@_MAILBOX
 @click.option(
     "--reason",
     default="paused by an operator",
     show_default=True,
     help="Why, as status shows it.",
 )
-def pause(stage: str, reason: str) -> None:
-    """Pause a stage: its workers stop taking its work until `mailpipe resume STAGE`."""
+def pause(stage: str | None, mailbox: str | None, reason: str) -> None:
+    """Pause a stage: its workers stop taking its work until `mailpipe resume STAGE`. Or pause a
+    mailbox (`--mailbox NAME`): its jobs wait, claiming nothing, until `mailpipe resume
+    --mailbox NAME` sends them again; the other mailboxes' go on."""
     from mailpipe.broker.queues import Stage
     from mailpipe.operations import actions
 
+    _one_of(stage, mailbox)
+    if mailbox is not None:
+        try:
+            kept = actions.pause_mailbox(context.migrated(), mailbox, reason, user=context.user())
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        console.print(f"mailbox {kept.mailbox} paused: {kept.reason}")
+        return
+    assert stage is not None
     held = actions.pause(get_resources(), Stage(stage), reason, user=context.user())
     console.print(f"{stage} stage paused ({held.by}): {held.error}")
 
 
 @click.command()
-@click.argument("stage", type=_STAGES)
-def resume(stage: str) -> None:
-    """End a stage's pause, an operator's or one an outage caused."""
+@click.argument("stage", type=_STAGES, required=False)
+@_MAILBOX
+def resume(stage: str | None, mailbox: str | None) -> None:
+    """End a stage's pause, an operator's or one an outage caused; or a mailbox's
+    (`--mailbox NAME`), sending its waiting jobs again."""
     from mailpipe.broker.queues import Stage
+    from mailpipe.enqueue import sender
     from mailpipe.operations import actions
 
+    _one_of(stage, mailbox)
+    if mailbox is not None:
+        res = context.migrated()
+        try:
+            done = actions.resume_mailbox(res, mailbox, enqueue=sender(res), user=context.user())
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        was = "resumed" if done.was_paused else "was not paused"
+        console.print(f"mailbox {mailbox} {was}; {done.enqueued} job(s) sent")
+        return
+    assert stage is not None
     ended = actions.resume(get_resources(), Stage(stage), user=context.user())
     console.print(f"{stage} stage resumed" if ended else f"{stage} stage was not paused")
 

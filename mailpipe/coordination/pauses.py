@@ -18,6 +18,12 @@ survives the probe. `since` is when the outage began: a pause that starts within
 of the last one's end counts from the first, so that an outage that flaps keeps one start for its
 alarm.
 
+A mailbox's pause (`mailpipe pause --mailbox`) is an operator's only, kept the same way: a
+field per mailbox in one hash, and a key of its own saying that Redis holds every one the
+database keeps (`paused_mailboxes_if_known`, `restore_mailboxes`). Its jobs are not left in the
+broker: each delivery ends without claiming anything and its resume sends them again
+(docs/mailboxes.md, "Pausing a mailbox").
+
 Times are Redis's own clock (`TIME`), so that hosts with skewed clocks agree on them. The pause
 keys have no TTL: a pause must outlive any quiet period, which is also why the broker's Redis
 must not evict (mailpipe.app.signals).
@@ -25,9 +31,11 @@ must not evict (mailpipe.app.signals).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from redis import Redis
 from redis.commands.core import Script
@@ -198,21 +206,78 @@ def restore(redis: Redis, kept: dict[Stage, tuple[str, float]]) -> dict[Stage, P
     return paused(redis)
 
 
+@dataclass(frozen=True)
+class MailboxPause:
+    mailbox: str  # the name shown ("default" for the default mailbox)
+    reason: str
+    since: float  # unix time
+
+
+def pause_mailbox(redis: Redis, pause: MailboxPause) -> None:
+    """Mirror a kept mailbox pause in Redis, for the workers' reads."""
+    redis.hset(redis_keys.mailbox_pauses(), pause.mailbox, _mailbox_fields(pause))
+
+
+def resume_mailbox(redis: Redis, mailbox: str) -> bool:
+    """End the mailbox's pause in Redis; False if Redis held none."""
+    return bool(redis.hdel(redis_keys.mailbox_pauses(), mailbox))
+
+
+def paused_mailboxes_if_known(redis: Redis) -> dict[str, MailboxPause] | None:
+    """Every paused mailbox, by the name shown, in one round trip; None when Redis lost the
+    pauses the database keeps: `restore_mailboxes` them first."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.exists(redis_keys.mailbox_pauses_restored())
+    pipe.hgetall(redis_keys.mailbox_pauses())
+    known, fields = pipe.execute()
+    if not known:
+        return None
+    found = {}
+    for name, value in fields.items():
+        mailbox, held = _str(name), json.loads(value)
+        found[mailbox] = MailboxPause(mailbox, held["reason"], float(held["since"]))
+    return found
+
+
+def restore_mailboxes(redis: Redis, kept: dict[str, tuple[str, float]]) -> dict[str, MailboxPause]:
+    """Put back the mailbox pauses the database keeps (`kept`: each one's reason and start);
+    every paused mailbox after it."""
+    back = {name: MailboxPause(name, reason, since) for name, (reason, since) in kept.items()}
+    pipe = redis.pipeline()
+    pipe.delete(redis_keys.mailbox_pauses())
+    if back:
+        pipe.hset(
+            redis_keys.mailbox_pauses(),
+            mapping={name: _mailbox_fields(pause) for name, pause in back.items()},
+        )
+    pipe.set(redis_keys.mailbox_pauses_restored(), 1)
+    pipe.execute()
+    return back
+
+
+def _mailbox_fields(pause: MailboxPause) -> str:
+    return json.dumps({"reason": pause.reason, "since": pause.since})
+
+
 def take_probe(redis: Redis, stage: Stage, interval: float) -> bool:
     """True for the one caller per `interval` that is to probe the stage."""
     return bool(redis.set(redis_keys.probe_lock(stage), 1, nx=True, px=int(interval * 1000)))
 
 
-class CachedPauses:
-    """The paused stages, read at most every `max_age` seconds: a job checks them at its start
-    without a round trip of its own. `read` reads them (and puts back what Redis lost)."""
+T = TypeVar("T")
 
-    def __init__(self, max_age: float = 1.0) -> None:
+
+class CachedPauses(Generic[T]):
+    """The paused stages (or mailboxes), read at most every `max_age` seconds: a job checks them
+    at its start without a round trip of its own. `read` reads them (and puts back what Redis
+    lost)."""
+
+    def __init__(self, nothing: T, max_age: float = 1.0) -> None:
         self._max_age = max_age
         self._read_at = -float("inf")
-        self._paused: dict[Stage, Pause] = {}
+        self._paused = nothing
 
-    def __call__(self, read: Callable[[], dict[Stage, Pause]]) -> dict[Stage, Pause]:
+    def __call__(self, read: Callable[[], T]) -> T:
         now = time.monotonic()
         if now - self._read_at >= self._max_age:
             self._paused = read()

@@ -56,6 +56,18 @@ def pauses_restored() -> str:
     return key("pauses:restored")
 
 
+def mailbox_pauses() -> str:
+    """Hash: the paused mailboxes, a field per mailbox (the name shown) holding its pause as
+    JSON (reason, since)."""
+    return key("mailbox-pauses")
+
+
+def mailbox_pauses_restored() -> str:
+    """Present while Redis holds every mailbox pause the database keeps: gone with a flush or a
+    restart, which tells a reader to put them back (mailpipe.coordination.pauses)."""
+    return key("mailbox-pauses:restored")
+
+
 def deferrals_counter() -> str:
     """Deferrals since the last metrics report (the `Deferrals` metric)."""
     return key("metrics:deferrals")

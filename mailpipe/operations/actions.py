@@ -1,5 +1,6 @@
 """What an operator does, from `mailpipe` or the console: to failed runs, the review list and
-lanes, to emails to forget, and to the fleet's switches (model calls, a stage's pause).
+lanes, to emails to forget, and to the fleet's switches (model calls, a stage's or a mailbox's
+pause).
 
 Every write goes through mailpipe.pipeline.interventions (a forget's deletions through
 mailpipe.operations.erasure), in batches of one transaction each, so that acting on ten thousand
@@ -7,14 +8,17 @@ runs never holds ten thousand row locks; a retry enqueues each batch's jobs afte
 through the deduplicated enqueue it is handed (`mailpipe.enqueue.sender`: this layer never
 imports Celery). Nothing asked for is passed over without saying why (`Done.refused`), and each
 batch is logged with the action, the user and the email ids (ids only: never an email's
-content); a switch leaves one line with the action and the user, a forgotten email one line with
-its id and the SHA-256 of its Message-ID.
+content); a switch leaves one line with the action and the user (a mailbox's pause and resume the
+SHA-256 of its name, never the name), a forgotten email one line with its id and the SHA-256 of
+its Message-ID.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,6 +26,7 @@ from typing import Any
 from sqlalchemy import Select, and_, false, func, not_, select, update
 from sqlalchemy.orm import Session, aliased
 
+from mailpipe.broker import mailboxes
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.broker.sending import Enqueue, Place, in_lanes
 from mailpipe.coordination import pauses
@@ -29,7 +34,7 @@ from mailpipe.errors import input_rejections
 from mailpipe.operations import erasure, search
 from mailpipe.operations.search import EmailFilter
 from mailpipe.operations.status import FailedFilter
-from mailpipe.pipeline import emails, interventions
+from mailpipe.pipeline import emails, interventions, mailbox_pauses
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, Reprocess, RunStatus
@@ -623,6 +628,73 @@ def resume(res: Resources, stage: Stage, *, user: str) -> bool:
     if ended:
         _audited(f"resume_{stage.value}", user)
     return ended
+
+
+def pause_mailbox(res: Resources, mailbox: str, reason: str, *, user: str) -> pauses.MailboxPause:
+    """Pause `mailbox` (its name as shown and typed: "default" for the default one) with
+    `reason`: its jobs end without claiming anything and the sweeper leaves its emails alone
+    until it is resumed, through a flushed or restarted Redis too; a mailbox paused already
+    keeps its pause. ValueError for a name no mailbox can have."""
+    name = mailboxes.shown(mailboxes.stored(mailbox))
+    with res.db.transaction() as session:
+        since = flags.set_mailbox_pause(session, name, reason, time.time())
+        reason = flags.mailbox_pauses(session)[name][0]
+    held = pauses.MailboxPause(name, reason, since)
+    pauses.pause_mailbox(res.redis, held)
+    _audited("pause_mailbox", user, mailbox_sha256=_hashed(name))
+    return held
+
+
+@dataclass(frozen=True)
+class Resumed:
+    was_paused: bool
+    enqueued: int = 0  # jobs sent again (one queued already gets none)
+
+
+def resume_mailbox(
+    res: Resources, mailbox: str, *, enqueue: Enqueue, user: str, batch: int = BATCH
+) -> Resumed:
+    """End `mailbox`'s pause and send its waiting jobs again, in batches, each in its email's
+    lane and mailbox, through the deduplicated `enqueue`: the CPU stage of its emails with no
+    run and of its open runs not past it, the model stage of those past it (a run that waits
+    for model calls has no job: the sweeper starts it once they are on). Sent even when it was
+    not paused, so that a resume run again sends what a failed one left. The kept pause goes
+    first: a worker that puts the kept pauses back meanwhile cannot revive it."""
+    name = mailboxes.shown(mailboxes.stored(mailbox))
+    with res.db.transaction() as session:
+        kept = flags.clear_mailbox_pause(session, name)
+    mirrored = pauses.resume_mailbox(res.redis, name)
+    if kept or mirrored:
+        _audited("resume_mailbox", user, mailbox_sha256=_hashed(name))
+    column = mailboxes.stored(name)
+    enqueued = 0
+    after = 0
+    while True:
+        with res.db.session() as session:
+            rows = session.execute(mailbox_pauses.without_run(column, after, batch)).all()
+        if not rows:
+            break
+        after = rows[-1].id
+        places = {row.id: Place(row.lane, row.mailbox) for row in rows}
+        enqueued += len(in_lanes(enqueue, list(places), places, TaskName.PROCESS_EMAIL))
+    after = 0
+    while True:
+        with res.db.session() as session:
+            found = session.execute(mailbox_pauses.open_runs(column, after, batch)).all()
+        if not found:
+            break
+        after = found[-1].email_id
+        places = {row.email_id: Place(row.lane, row.mailbox) for row in found}
+        cpu = [row.email_id for row in found if not row.converted]
+        model = [row.email_id for row in found if row.converted and not row.waiting]
+        enqueued += len(in_lanes(enqueue, cpu, places, TaskName.PROCESS_EMAIL))
+        enqueued += len(in_lanes(enqueue, model, places, TaskName.CLASSIFY_EMAIL))
+    return Resumed(kept or mirrored, enqueued)
+
+
+def _hashed(mailbox: str) -> str:
+    """What an audit line says of a mailbox: the SHA-256 of its name."""
+    return hashlib.sha256(mailbox.encode()).hexdigest()
 
 
 def _not_marked(session: Session, email_ids: list[int]) -> dict[int, str]:

@@ -12,13 +12,13 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, not_, select, text
 from sqlalchemy.orm import Session
 
-from mailpipe.broker import layout
+from mailpipe.broker import layout, mailboxes
 from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
 from mailpipe.coordination import markers, redis_keys
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.errors import mask_aws
 from mailpipe.operations.metrics import read_backlog
-from mailpipe.pipeline import stage_pauses
+from mailpipe.pipeline import mailbox_pauses, stage_pauses
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import (
@@ -124,6 +124,7 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
         }
         for stage, pause in stage_pauses.in_force(res).items()
     }
+    paused_mailboxes = _paused_mailboxes(res)
     workers = live_worker_list(res.redis, settings.worker_dead_after, list(names.values()))
     return {
         "emails": emails,
@@ -147,9 +148,28 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
         "model_calls": model_calls,
         "waiting_for_model_calls": waiting_for_model_calls,
         "paused": paused,
+        "paused_mailboxes": paused_mailboxes,
         "last_sweep": _sweep_dict(last_sweep),
         "reprocesses": reprocessing,
     }
+
+
+def _paused_mailboxes(res: Resources) -> list[dict[str, Any]]:
+    """The paused mailboxes, by name, each with its reason, since when and how many of its emails
+    wait for the resume."""
+    paused = sorted(mailbox_pauses.in_force(res).values(), key=lambda pause: pause.mailbox)
+    if not paused:
+        return []
+    with res.db.reading() as session:
+        return [
+            {
+                "mailbox": pause.mailbox,
+                "reason": pause.reason,
+                "since": datetime.fromtimestamp(pause.since, UTC).isoformat(),
+                "waiting": mailbox_pauses.waiting(session, mailboxes.stored(pause.mailbox)),
+            }
+            for pause in paused
+        ]
 
 
 def reprocesses(session: Session, latest: int = 3) -> list[dict[str, Any]]:
@@ -484,9 +504,12 @@ def job_state(
     `state` and `waiting_for` are `_where_the_job_is`'s; `history` is a page, as
     `email_detail`'s."""
     email = session.execute(
-        select(EmailMessage.needs_review, EmailMessage.created_at, EmailMessage.lane).where(
-            EmailMessage.id == email_id
-        )
+        select(
+            EmailMessage.needs_review,
+            EmailMessage.created_at,
+            EmailMessage.lane,
+            EmailMessage.mailbox,
+        ).where(EmailMessage.id == email_id)
     ).one_or_none()
     if email is None:
         return None
@@ -506,7 +529,9 @@ def job_state(
     labels = session.scalars(
         select(EmailLabel.label).where(EmailLabel.email_id == email_id).order_by(EmailLabel.label)
     ).all()
-    state, waiting_for = _where_the_job_is(res, session, email_id, Lane(email.lane), run)
+    state, waiting_for = _where_the_job_is(
+        res, session, email_id, Lane(email.lane), email.mailbox, run
+    )
     return {
         "email_id": email_id,
         "state": state,
@@ -527,13 +552,15 @@ _RATE_LIMITED = ("RateLimited", "Throttled")
 
 
 def _where_the_job_is(
-    res: Resources, session: Session, email_id: int, lane: Lane, run: Any
+    res: Resources, session: Session, email_id: int, lane: Lane, mailbox: str | None, run: Any
 ) -> tuple[str, str | None]:
     """The job's state, and for `waiting` what it waits for, from the run row and Redis:
 
     - a closed run: its status (succeeded, duplicate, failed), or dismissed;
     - a delivery holds the email's lease: running;
     - its stage is paused: waiting for `paused_stage`;
+    - its mailbox is paused: waiting for `paused_mailbox`, run or none (its delivery released
+      its marker, and the resume sends it again);
     - a deferred delivery is due later: waiting for `rate_limit` when its last attempt was
       deferred by a rate limit or the provider's throttling, else for `deferral`;
     - converted, with model calls off: waiting for `model_calls`;
@@ -555,12 +582,15 @@ def _where_the_job_is(
     pipe.get(redis_keys.job_marker(email_id))
     pipe.zscore(redis_keys.deferred(stage_queue(stage, res.settings, lane)), str(email_id))
     leased, marker, due = pipe.execute()
-    if run is None and marker is None:
+    held = mailboxes.shown(mailbox) in mailbox_pauses.in_force(res)
+    if run is None and marker is None and not held:
         return "not_enqueued", None
     if leased:
         return "running", None
     if stage in stage_pauses.in_force(res):
         return "waiting", "paused_stage"
+    if held:
+        return "waiting", "paused_mailbox"
     if due is not None and due > time.time():
         limited = run is not None and _last_deferred_by_a_limit(session, run.id)
         return "waiting", "rate_limit" if limited else "deferral"

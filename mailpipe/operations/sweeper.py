@@ -15,6 +15,8 @@ small partial indexes:
 - with model calls on, an open run is re-added at once when the email was never classified, and
   `MAILPIPE_STALL_AFTER` seconds (default 1800) after its classification was stored when it was;
 - with model calls off, runs waiting for them are left alone;
+- the emails of a paused mailbox are left alone, run or none: not re-added, not counted, not
+  failed (their resume sends their jobs);
 - each re-add of a lost job increments the run's sweep_count, over both stages; a run already swept
   `MAILPIPE_MAX_SWEEPS` times (default 3) whose job is lost again is failed and its email marked
   for review. Every write of a run goes through mailpipe.pipeline.interventions.
@@ -39,12 +41,12 @@ from redis.lock import Lock
 from sqlalchemy import Select, and_, not_, select
 from sqlalchemy.orm import Session
 
-from mailpipe.broker import layout
+from mailpipe.broker import layout, mailboxes
 from mailpipe.broker.queues import TaskName, job_queues
 from mailpipe.broker.sending import Enqueue, Place, in_lanes
 from mailpipe.coordination import markers, redis_keys
 from mailpipe.operations.metrics import read_backlog
-from mailpipe.pipeline import interventions, runs
+from mailpipe.pipeline import interventions, mailbox_pauses, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
@@ -169,9 +171,11 @@ def _sweep(res: Resources, enqueue: Enqueue, lock: Lock, view: BrokerView) -> Sw
     with res.db.session() as session:
         model_calls = flags.model_calls_enabled(session)
     result = SweepResult(model_calls=model_calls)
+    # As the column holds them: None is the default mailbox.
+    held = {mailboxes.stored(name) for name in mailbox_pauses.in_force(res)}
     # Open runs first: the runs this sweep creates for emails without one are not looked at twice.
-    _sweep_open_runs(res, enqueue, result, model_calls, lock, view)
-    _sweep_emails_without_run(res, enqueue, result, lock, view)
+    _sweep_open_runs(res, enqueue, result, model_calls, lock, view, held)
+    _sweep_emails_without_run(res, enqueue, result, lock, view, held)
     if view.taken:
         result.broker_jobs = len(view)
     return result
@@ -235,7 +239,12 @@ def _batches(res: Resources, view: BrokerView, lock: Lock, read):
 
 
 def _sweep_emails_without_run(
-    res: Resources, enqueue: Enqueue, result: SweepResult, lock: Lock, view: BrokerView
+    res: Resources,
+    enqueue: Enqueue,
+    result: SweepResult,
+    lock: Lock,
+    view: BrokerView,
+    held: set[str | None],
 ) -> None:
     batch_size = res.settings.sweep_batch_size
 
@@ -244,7 +253,7 @@ def _sweep_emails_without_run(
         return [(int(row.id), Place(row.lane, row.mailbox)) for row in found]
 
     for rows in _batches(res, view, lock, read):
-        places = dict(rows)
+        places = {email_id: place for email_id, place in rows if place.mailbox not in held}
         lost = view.lost(list(places), result)
         sent = in_lanes(enqueue, lost, places, TaskName.PROCESS_EMAIL)
         if sent:
@@ -262,6 +271,7 @@ def _sweep_open_runs(
     model_calls: bool,
     lock: Lock,
     view: BrokerView,
+    held: set[str | None],
 ) -> None:
     settings = res.settings
     cutoff = utcnow() - timedelta(seconds=settings.stall_after)
@@ -270,7 +280,8 @@ def _sweep_open_runs(
         statement = open_runs(after_id, settings.sweep_batch_size, model_calls, cutoff)
         return [Candidate(*row) for row in session.execute(statement)]
 
-    for rows in _batches(res, view, lock, read):
+    for batch in _batches(res, view, lock, read):
+        rows = [row for row in batch if row.mailbox not in held]
         read_at = utcnow()
         places = {row.email_id: Place(row.lane, row.mailbox) for row in rows}
         absent = view.lost(list(places), result)

@@ -22,6 +22,9 @@ verdict to Celery's actions in one place.
   foresaw) is recorded on the run and retried after an exponential backoff with jitter, until
   the attempts are used up; the hard time limit and a killed child count the same way, and
   wait out the same backoff, at the next claim.
+- A job of a paused mailbox (`mailpipe pause --mailbox`) ends at once, claiming nothing: its
+  marker is released, its run stays as it was, and the mailbox's resume sends it again
+  (mailpipe.pipeline.mailbox_pauses). It never goes round the queues while it waits.
 - A deferral (the lease held by a live delivery, the fleet's rate limit, the provider's
   throttling) waits without using an attempt, never longer than `MAILPIPE_RETRY_BACKOFF_MAX` at a
   time (so never past the visibility timeout), and fails the run once it has waited
@@ -42,10 +45,10 @@ from redis import RedisError
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
-from mailpipe.broker.mailboxes import shown
+from mailpipe.broker import mailboxes
 from mailpipe.broker.queues import Lane, Stage, stage_queue
 from mailpipe.classifiers import ClassificationResult, input_as_json, input_from_json
-from mailpipe.coordination import deferrals, forgotten, leases, pauses, shutdowns
+from mailpipe.coordination import deferrals, forgotten, leases, markers, pauses, shutdowns
 from mailpipe.coordination.leases import LeaseHeld
 from mailpipe.coordination.ratelimit import Ceiling, FleetRateLimiter, RateLimited
 from mailpipe.errors import (
@@ -58,7 +61,7 @@ from mailpipe.errors import (
     is_transient,
 )
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
-from mailpipe.pipeline import emails, health, policy, runs, stage_pauses
+from mailpipe.pipeline import emails, health, mailbox_pauses, policy, runs, stage_pauses
 from mailpipe.pipeline.classify import (
     classify_remote,
     email_for_classifier,
@@ -99,14 +102,17 @@ def process_email(
     lane: Lane = Lane.LIVE,
     cut_off: float | None = None,
     deferred_since: float | None = None,
+    mailbox: str | None = None,
 ) -> Verdict:
     """Run one delivery of the email's CPU stage.
 
     `lane`: the lane the delivery came in (its deferral is counted on that lane's queue).
     `cut_off`: this delivery replaces one killed by the hard time limit (its seconds).
     `deferred_since`: when the job was first deferred, carried by each deferred delivery.
+    `mailbox`: the email's mailbox as the message names it (None: not named, read from the row
+    when some mailbox is paused).
     """
-    return _deliver(res, email_id, Stage.CPU, lane, cut_off, deferred_since)
+    return _deliver(res, email_id, Stage.CPU, lane, cut_off, deferred_since, mailbox)
 
 
 def classify_email(
@@ -124,7 +130,7 @@ def classify_email(
     the row when a mailbox's ceiling is set); `mailbox_slot`: the slot of its mailbox's ceiling
     an earlier delivery was handed, which every follow-up keeps until it is given a new one."""
     call = ModelCall(mailbox, mailbox_slot)
-    verdict = _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since, call)
+    verdict = _deliver(res, email_id, Stage.MODEL, lane, None, deferred_since, mailbox, call)
     if verdict.follows_up and verdict.mailbox_slot is None and mailbox_slot is not None:
         return replace(verdict, mailbox_slot=mailbox_slot)
     return verdict
@@ -137,10 +143,13 @@ def _deliver(
     lane: Lane,
     cut_off: float | None,
     deferred_since: float | None,
+    mailbox: str | None,
     call: ModelCall | None = None,
 ) -> Verdict:
     """`call`: the model stage's, what its message says of the call's mailbox."""
     settings = res.settings
+    if _mailbox_held(res, email_id, mailbox):
+        return Verdict(Kind.HELD, error="its mailbox is paused")
     pause = _pause_in_force(res, stage)
     if pause is not None:
         # Taken before its worker stopped consuming the stage: back to the queue, untouched.
@@ -181,6 +190,33 @@ def _switched_on_since(res: Resources) -> bool:
     except DBAPIError:
         log.warning("whether model calls were switched on is unknown", exc_info=True)
         return False  # the run waits; the next sweep with model calls on starts it
+
+
+def _mailbox_held(res: Resources, email_id: int, mailbox: str | None) -> bool:
+    """Whether the delivery is of a paused mailbox and ends here, its marker released. The cached
+    read is asked first; a delivery it finds paused releases its marker and then asks Redis
+    afresh, so that a resume in between either sees no marker and sends the job again, or is
+    seen here and the job runs."""
+
+    def read() -> dict[str, pauses.MailboxPause]:
+        return res.mailbox_pauses(lambda: mailbox_pauses.in_force(res))
+
+    try:
+        paused = read()
+        if not paused:
+            return False
+        if mailbox is None:
+            found = emails.mailbox_of(res, email_id)
+            if found is None:
+                return False  # no such email: it fails as any other
+            mailbox = mailboxes.shown(found.mailbox)
+        if mailbox not in paused:
+            return False
+        markers.release(res.redis, [email_id])
+        res.mailbox_pauses.forget()
+        return mailbox in read()
+    except (RedisError, DBAPIError):
+        return False  # the lease or the claim cannot be taken either: the job defers there
 
 
 def _pause_in_force(res: Resources, stage: Stage) -> pauses.Pause | None:
@@ -490,7 +526,7 @@ def _classify_steps(
         capped = settings.mailbox_model_rate > 0 or bool(settings.mailbox_model_rates)
         if mailbox is None and capped and res.classifier.remote:
             # A message sent without its mailbox (upstream's, with no shard queues): its row's.
-            mailbox = shown(emails.mailbox_in(session, email_id))
+            mailbox = mailboxes.shown(emails.mailbox_in(session, email_id))
 
     if res.classifier.remote:
         limiter = FleetRateLimiter.for_model_calls(res.redis, settings)

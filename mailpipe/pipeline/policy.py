@@ -44,6 +44,7 @@ class Kind(enum.StrEnum):
     DEFER = "deferred"  # not an attempt: send again after `delay`
     PAUSED = "paused"  # not an attempt: the stage is paused, the job goes back to its queue
     HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
+    HELD = "held"  # nothing claimed: its mailbox is paused, and its resume sends the job again
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Durable runtime switches, kept in the database so that a broker flush cannot flip them: model
-calls on or off, and the stages an operator paused."""
+calls on or off, and the stages and mailboxes an operator paused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from mailpipe.storage.db import insert_ignore, upsert
-from mailpipe.storage.models import OperatorPause, RuntimeFlag, utcnow
+from mailpipe.storage.models import MailboxPause, OperatorPause, RuntimeFlag, utcnow
 
 MODEL_CALLS = "model_calls"
 
@@ -53,6 +53,41 @@ def set_operator_pause(session: Session, stage: str, reason: str, since: float) 
 
 def clear_operator_pause(session: Session, stage: str) -> None:
     session.execute(delete(OperatorPause).where(OperatorPause.stage == stage))
+
+
+def mailbox_pauses(session: Session, *, hold: bool = False) -> dict[str, tuple[str, float]]:
+    """The mailboxes an operator paused, by the name shown: each one's reason and since when
+    (unix time). `hold` as for `operator_pauses`."""
+    query = select(MailboxPause.mailbox, MailboxPause.reason, MailboxPause.since)
+    if hold:
+        query = query.with_for_update(read=True)
+    return {
+        mailbox: (reason, since.replace(tzinfo=UTC).timestamp())
+        for mailbox, reason, since in session.execute(query)
+    }
+
+
+def set_mailbox_pause(session: Session, mailbox: str, reason: str, since: float) -> float:
+    """Keep the pause of `mailbox` (the name shown); one kept already stays as it is. Returns
+    the kept pause's start (unix time)."""
+    started = datetime.fromtimestamp(since, UTC).replace(tzinfo=None)
+    insert_ignore(
+        session,
+        MailboxPause,
+        [{"mailbox": mailbox, "reason": reason, "since": started}],
+        ["mailbox"],
+    )
+    kept = session.scalar(select(MailboxPause.since).where(MailboxPause.mailbox == mailbox))
+    assert kept is not None
+    return kept.replace(tzinfo=UTC).timestamp()
+
+
+def clear_mailbox_pause(session: Session, mailbox: str) -> bool:
+    """End the kept pause of `mailbox`; False when none was kept."""
+    deleted = session.execute(
+        delete(MailboxPause).where(MailboxPause.mailbox == mailbox).returning(MailboxPause.mailbox)
+    )
+    return deleted.first() is not None
 
 
 class CachedModelCalls:

@@ -505,6 +505,18 @@ class OperatorPause(Base):
     since: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class MailboxPause(Base):
+    """A mailbox an operator paused (`mailpipe pause --mailbox`), named as shown ("default" for
+    the default mailbox), kept here so that a flushed or restarted Redis cannot end it: the
+    workers put it back (mailpipe.pipeline.mailbox_pauses)."""
+
+    __tablename__ = "mailbox_pause"
+
+    mailbox: Mapped[str] = mapped_column(Text, primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    since: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class RuntimeFlag(Base):
     """Durable runtime switches (model calls on/off) that workers read at job time."""
 

@@ -334,6 +334,28 @@ def test_pages_escape_what_emails_hold(res, console) -> None:  # type: ignore[no
     assert "alert" not in web.output()
 
 
+def test_the_overview_names_the_paused_mailboxes_with_their_waiting_counts(res, console) -> None:  # type: ignore[no-untyped-def]
+    from mailpipe.enqueue import sender
+    from mailpipe.operations import actions
+
+    web = console()
+    page = requests.get(f"{web.url}/", auth=VIEWER, timeout=10)
+    assert 'id="paused-mailboxes"' not in page.text
+    store_emails(res, [email(f"held {i}") for i in range(3)], mailbox=HOSTILE)
+    actions.pause_mailbox(res, HOSTILE, "under investigation", user="ops")
+    actions.pause_mailbox(res, "default", "runaway import", user="ops")
+
+    page = requests.get(f"{web.url}/", auth=VIEWER, timeout=10)
+    [banner] = re.findall(r'<p class="problem" id="paused-mailboxes">.*?</p>', page.text, re.S)
+    assert banner.startswith('<p class="problem" id="paused-mailboxes">2 mailboxes are paused')
+    assert "&lt;script&gt;alert(" in banner and "<script>alert" not in banner
+    assert re.search(r"&lt;/script&gt;</span> \(3 waiting, since ", banner), banner
+    assert re.search(r">default</span> \(0 waiting, since ", banner), banner
+    actions.resume_mailbox(res, "default", enqueue=sender(res), user="ops")
+    page = requests.get(f"{web.url}/", auth=VIEWER, timeout=10)
+    assert "1 mailbox is paused" in page.text
+
+
 def test_pages_take_their_style_and_script_from_the_console_alone(console) -> None:  # type: ignore[no-untyped-def]
     """No inline style or script, which the Content-Security-Policy would block: the console's
     own files, served as what they are."""

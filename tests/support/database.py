@@ -18,6 +18,7 @@ def clean(res) -> None:  # type: ignore[no-untyped-def]
     delete_prefix(os.environ["MAILPIPE_BROKER_URL"], os.environ["MAILPIPE_REDIS_PREFIX"])
     # A pause the last test left, read within the cache's second, would pause this one's jobs.
     res.pauses.forget()
+    res.mailbox_pauses.forget()
 
 
 def on_server(res, url: str):  # type: ignore[no-untyped-def]

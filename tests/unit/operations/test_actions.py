@@ -48,9 +48,9 @@ class Counting:
         self.calls: list[list[int]] = []
         self._send = sender(res)
 
-    def __call__(self, email_ids, task: TaskName, lane: Lane):  # type: ignore[no-untyped-def]
+    def __call__(self, email_ids, task: TaskName, lane: Lane, boxes):  # type: ignore[no-untyped-def]
         self.calls.append(list(email_ids))
-        return self._send(email_ids, task, lane)
+        return self._send(email_ids, task, lane, boxes)
 
 
 def test_retry_all_reopens_in_batches_and_enqueues_each_once(res) -> None:  # type: ignore[no-untyped-def]
@@ -232,10 +232,10 @@ def test_an_action_on_all_the_filter_lists_takes_the_count_confirmed_and_no_more
 
     late: list[int] = []
 
-    def failing_another(email_ids, task: TaskName, lane: Lane):  # type: ignore[no-untyped-def]
+    def failing_another(email_ids, task: TaskName, lane: Lane, boxes):  # type: ignore[no-untyped-def]
         if not late:
             late.append(add_failed(res, 9, "Stalled"))
-        return sender(res)(email_ids, task, lane)
+        return sender(res)(email_ids, task, lane, boxes)
 
     done = actions.retry(res, enqueue=failing_another, user=USER, expect=3, batch=1)
     assert sorted(done.done) == sorted([*rejected, stalled])

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import event
 
 from mailpipe.cli.ingest import store_emails
-from mailpipe.pipeline import job, runs, stage_pauses
+from mailpipe.pipeline import job, mailbox_pauses, runs, stage_pauses
 from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -161,6 +161,7 @@ def test_the_model_calls_flag_is_read_once_per_cache_window(res) -> None:  # typ
     ids = store_emails(res, [email(PLAIN, n) for n in range(3)])
     # A fleet's Redis holds the kept pauses already: putting them back is once per Redis.
     stage_pauses.restore(worker)
+    mailbox_pauses.restore(worker)
     with statements(worker) as counted:
         assert [job.process_email(worker, i).kind for i in ids] == [Kind.WAITING] * 3
     # Once in the window for the jobs' own transactions; and once more by each run that ends
