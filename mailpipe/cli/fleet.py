@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from mailpipe.cli import context
 from mailpipe.cli.exits import BadInput
@@ -22,7 +23,8 @@ from mailpipe.resources import get_resources
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (the status contract).")
 def status(as_json: bool) -> None:
-    """Emails, runs by status, review count, each queue, the live workers and the last sweep."""
+    """Emails, runs by status, review count, each queue, the live workers, the last sweep and
+    the mailboxes with the most waiting work."""
     from mailpipe.operations.status import fleet_status
 
     data = fleet_status(context.migrated())
@@ -69,6 +71,21 @@ def status(as_json: bool) -> None:
             f"model calls; {sweep['marked_for_review']} marked for review",
         )
     console.print(table)
+    waiting = data["mailboxes"]
+    if waiting["top"]:
+        mailboxes = Table(
+            title=f"mailboxes with waiting work: {waiting['waiting']}, the most first",
+            title_justify="left",
+        )
+        mailboxes.add_column("mailbox")
+        mailboxes.add_column("waiting", justify="right")
+        mailboxes.add_column("oldest", justify="right")
+        for row in waiting["top"]:
+            # A name as given upstream, never read as rich's markup.
+            mailboxes.add_row(
+                Text(row["mailbox"]), str(row["waiting"]), f"{row['oldest_age_s']:.0f} s"
+            )
+        console.print(mailboxes)
 
 
 def _count(n: int, estimated: bool) -> str:

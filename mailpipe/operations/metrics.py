@@ -12,6 +12,12 @@ queue itself, or `bulk`, its `.bulk` twin):
   lanes, the stage's backlog per task, what Auto Scaling tracks; 0 while the stage is paused, as
   a task added then would sit idle.
 
+Per stage and lane (dimensions `Stage` and `Lane`, never a mailbox's name):
+
+- `OldestMailboxWaitSeconds`: the longest wait of a mailbox's oldest waiting email, over every
+  mailbox but the one with the most waiting work there (mailpipe.operations.waiting): one flood
+  alone reads 0, a mailbox starved behind it its wait; 0 while the stage is paused.
+
 Per stage's queue (dimension `Queue` alone):
 
 - `RunningTasks`: worker processes (ECS tasks) consuming either lane, with a fresh heartbeat;
@@ -36,7 +42,8 @@ One reporter sends them for the whole fleet: the beat that holds the beat lock
 (mailpipe.app.scheduler), every `MAILPIPE_METRICS_INTERVAL` seconds, from beat's own process, which
 runs no jobs: the report goes out when every worker child is busy, which is when it matters most.
 A report is one reading of Redis, one transaction of two indexed range reads in the database
-(the failed runs, the attempts that ended), one that keeps each lane's depth and oldest job for
+(the failed runs, the attempts that ended), one grouped read of the waiting work by mailbox,
+one that keeps each lane's depth and oldest job for
 the console's charts (`queue_sample`, a day of them) and one batched PutMetricData, whatever the
 fleet's size. The sweeper reads the same backlog for its own report,
 and sends nothing.
@@ -63,6 +70,7 @@ from mailpipe.broker.layout import queue_stats
 from mailpipe.broker.queues import Lane, Stage, lane_of, stage_of, stage_queue
 from mailpipe.coordination import deferrals, redis_keys
 from mailpipe.coordination.heartbeat import live_versions, live_workers
+from mailpipe.operations.waiting import oldest_mailbox_waits
 from mailpipe.pipeline import stage_pauses
 from mailpipe.resources import Resources
 
@@ -184,6 +192,9 @@ class BacklogMetrics:
     stage_jobs: Mapping[Stage, StageJobs] | None = None
     # The queue's stage is paused: no task may take its jobs, however many run.
     held: bool = False
+    # The lane's worst-off mailbox's oldest wait, the mailbox with the most waiting work left
+    # out; None when the database could not be read.
+    oldest_mailbox_wait_s: float | None = None
     measured_at: float = field(default_factory=time.time)
 
     @property
@@ -195,6 +206,10 @@ class BacklogMetrics:
         """The `Queue` dimension: the stage's queue, the name of its live lane (a bulk lane is
         that name with `.bulk` after it, mailpipe.broker.queues.stage_queue)."""
         return self.queue.removesuffix(f".{Lane.BULK}")
+
+    @property
+    def stage(self) -> Stage:
+        return stage_of(self.queue)
 
     @property
     def backlog_per_task(self) -> float:
@@ -235,6 +250,7 @@ def collect(res: Resources) -> list[BacklogMetrics]:
             )
             for queue in lanes
         )
+    readings = with_mailbox_waits(res, readings, measured_at)
     try:
         keep_samples(res, readings)
     except Exception:
@@ -292,6 +308,27 @@ def read_backlog(
         deferred_jobs=int(deferred),
         measured_at=now,
     )
+
+
+def with_mailbox_waits(
+    res: Resources, readings: Sequence[BacklogMetrics], measured_at: float
+) -> list[BacklogMetrics]:
+    """The readings with their lane's OldestMailboxWaitSeconds: 0 on a paused stage's, whose
+    every mailbox waits for the pause, which has its own alarm. A database error costs that
+    figure only."""
+    try:
+        with res.db.reading() as session:
+            waits = oldest_mailbox_waits(session, _naive_utc(measured_at))
+    except Exception:
+        log.warning("could not read the mailboxes' waiting work", exc_info=True)
+        return list(readings)
+    return [
+        replace(
+            reading,
+            oldest_mailbox_wait_s=0.0 if reading.held else waits[(reading.stage, reading.lane)],
+        )
+        for reading in readings
+    ]
 
 
 def take_lane_deferrals(res: Resources) -> dict[str, int]:

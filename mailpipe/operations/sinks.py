@@ -40,6 +40,7 @@ class LogMetricsSink:
         counts = "".join(
             f" {name}={value}"
             for name, value in (
+                ("OldestMailboxWaitSeconds", metrics.oldest_mailbox_wait_s),
                 ("FailedRuns", metrics.failed_runs),
                 ("Deferrals", metrics.deferrals),
                 ("StagePaused", _names(metrics.paused_stages)),
@@ -62,7 +63,7 @@ class LogMetricsSink:
 
 class CloudWatchSink:
     """One batched PutMetricData per report (every lane's figures, the stages' pauses and
-    jobs: at most 32 entries, well within the API's 1,000).
+    jobs: at most 36 entries, well within the API's 1,000).
 
     Short timeouts and at most 3 attempts bound how long a report can take (about 20 s against a
     CloudWatch that accepts connections and never answers). A report that fails is logged and
@@ -108,7 +109,7 @@ class CloudWatchSink:
 
 def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
     """The PutMetricData entries of one reading: its lane's figures (dimensions `Queue` and
-    `Lane`), its stage's RunningTasks (dimension `Queue`) on the live lane's reading, and each
+    `Lane`; OldestMailboxWaitSeconds's `Stage` and `Lane`), its stage's RunningTasks (dimension `Queue`) on the live lane's reading, and each
     stage's pause and jobs (dimension `Stage`) when the reading carries them."""
     queue = [{"Name": "Queue", "Value": metrics.queue_dimension}]
     lane = [*queue, {"Name": "Lane", "Value": metrics.lane.value}]
@@ -118,6 +119,16 @@ def metric_data(metrics: BacklogMetrics) -> list[dict[str, Any]]:
         ("DeferredJobs", metrics.deferred_jobs, "Count", lane),
         ("BacklogPerTask", metrics.backlog_per_task, "Count", lane),
     ]
+    if metrics.oldest_mailbox_wait_s is not None:
+        # By stage and lane only: a mailbox's name may be an address, and each name would be a
+        # metric of its own.
+        by_lane = [
+            {"Name": "Stage", "Value": metrics.stage.value},
+            {"Name": "Lane", "Value": metrics.lane.value},
+        ]
+        figures.append(
+            ("OldestMailboxWaitSeconds", metrics.oldest_mailbox_wait_s, "Seconds", by_lane)
+        )
     if metrics.lane is Lane.LIVE:
         # The same workers consume both lanes: one count per stage.
         figures.append(("RunningTasks", metrics.running_tasks, "Count", queue))

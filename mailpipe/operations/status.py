@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,6 +18,7 @@ from mailpipe.coordination import markers, redis_keys
 from mailpipe.coordination.heartbeat import live_worker_list
 from mailpipe.errors import mask_aws
 from mailpipe.operations.metrics import read_backlog
+from mailpipe.operations.waiting import top_mailboxes
 from mailpipe.pipeline import mailbox_pauses, stage_pauses
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
@@ -33,6 +34,7 @@ from mailpipe.storage.models import (
     RunAttempt,
     RunStatus,
     SweepReport,
+    utcnow,
 )
 
 
@@ -104,6 +106,7 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
             select(SweepReport).order_by(SweepReport.id.desc()).limit(1)
         ).first()
         reprocessing = reprocesses(session)
+        waiting = top_mailboxes(session, utcnow())
     settings = res.settings
     # Each stage's live lane under the stage's role, its bulk lane after it.
     names = {
@@ -151,6 +154,10 @@ def fleet_status(res: Resources, *, estimates: bool = False) -> dict[str, Any]:
         "paused_mailboxes": paused_mailboxes,
         "last_sweep": _sweep_dict(last_sweep),
         "reprocesses": reprocessing,
+        "mailboxes": {
+            "waiting": waiting.mailboxes,
+            "top": [asdict(mailbox) for mailbox in waiting.top],
+        },
     }
 
 

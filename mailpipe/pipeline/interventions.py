@@ -115,6 +115,7 @@ def _reopen(run: PipelineRun) -> None:
     # Asked for by its id, a dismissed run is taken back onto the failed list should it fail again.
     run.dismissed_at = None
     run.closed_at = None
+    run.reopened_at = utcnow()
 
 
 def reopen_failed(

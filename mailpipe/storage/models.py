@@ -281,6 +281,9 @@ class PipelineRun(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     closed_at: Mapped[datetime | None]
+    # When an ended run was last opened again (a retry, a reprocess): its waiting work is aged
+    # from then (mailpipe.operations.waiting). None on a run never reopened.
+    reopened_at: Mapped[datetime | None]
     # The operator's reprocess that last reopened the run (`Reprocess`), for its progress.
     reprocess_id: Mapped[int | None] = mapped_column(BigInteger)
 

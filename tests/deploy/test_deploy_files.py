@@ -871,9 +871,16 @@ def emitted_metrics() -> set[tuple[str, frozenset[tuple[str, str]]]]:
             deferrals=1,
             paused_stages=frozenset(),
             stage_jobs=jobs,
+            oldest_mailbox_wait_s=1.0,
         ),
         *(
-            BacklogMetrics(queue=q, queue_depth=1, oldest_job_age_s=1.0, running_tasks=1)
+            BacklogMetrics(
+                queue=q,
+                queue_depth=1,
+                oldest_job_age_s=1.0,
+                running_tasks=1,
+                oldest_mailbox_wait_s=1.0,
+            )
             for q in others
         ),
     ]
@@ -916,6 +923,8 @@ ALARMED = {
     "MetricsMissingAlarm": ("BacklogPerTask", {("Queue", QUEUE), LIVE}),
     "CpuStagePausedAlarm": ("StagePaused", {("Stage", "cpu")}),
     "ModelStagePausedAlarm": ("StagePaused", {("Stage", "model")}),
+    "CpuMailboxStarvedAlarm": ("OldestMailboxWaitSeconds", {("Stage", "cpu"), LIVE}),
+    "ModelMailboxStarvedAlarm": ("OldestMailboxWaitSeconds", {("Stage", "model"), LIVE}),
 }
 # Alarms whose action is a scaling policy, not the topic.
 # Each scale-out alarm reads its live lane's oldest job, as 0 while its stage is paused.

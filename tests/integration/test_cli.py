@@ -20,7 +20,7 @@ import click
 import psycopg
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
 
 from mailpipe.broker import layout
 from mailpipe.broker.queues import control_queue
@@ -578,6 +578,24 @@ def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]
     data = json.loads(mailpipe("status", "--json").stdout)
     assert set(data["queues"]) == {"email", "email.bulk", "model", "model.bulk", "control"}
     assert data["workers"] == []
+
+
+def test_status_prints_the_mailboxes_with_the_most_waiting_work(res) -> None:  # type: ignore[no-untyped-def]
+    row = {"blob_key": "blobs/none", "size": 1, "sha256": "0" * 64}
+    with res.db.transaction() as session:
+        session.execute(
+            insert(EmailRow),
+            [{**row, "mailbox": "[bold]ops[/]@example.com"}] * 2 + [{**row, "mailbox": None}],
+        )
+    table = mailpipe("status", COLUMNS="200")
+    assert table.returncode == 0, table.stderr
+    assert "mailboxes with waiting work: 2, the most first" in table.stdout
+    # A name is upstream's text: printed as it is, never read as markup.
+    lines = [
+        line for line in table.stdout.splitlines() if "@example.com" in line or "default" in line
+    ]
+    assert ["[bold]ops[/]@example.com" in lines[0], "default" in lines[1]] == [True, True]
+    assert lines[0].split("│")[2].strip() == "2"
 
 
 def test_find_prints_the_emails_it_finds_newest_first(res) -> None:  # type: ignore[no-untyped-def]

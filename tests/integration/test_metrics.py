@@ -283,15 +283,22 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
     assert [(m["MetricName"], m["Dimensions"]) for m in by_version] == [
         ("RunningTasks", [{"Name": "Version", "Value": mailpipe.__version__}])
     ]
-    assert len(listed) == 4 * len(LANE_NAMES) + 3 + 2 * len(STAGE_NAMES) + 1 + 1
+    # The worst-off mailbox's wait, by stage and lane only.
+    by_stage_and_lane = sorted(
+        tuple(d["Value"] for d in m["Dimensions"])
+        for m in listed
+        if m["MetricName"] == "OldestMailboxWaitSeconds"
+    )
+    assert by_stage_and_lane == sorted((stage, lane) for stage in Stage for lane in Lane)
+    assert len(listed) == 4 * len(LANE_NAMES) + 3 + 2 * len(STAGE_NAMES) + 1 + 1 + 4
     # One report's datapoints: four per lane, RunningTasks per stage and per release,
-    # FailedRuns, per stage its pause and four job counts (and no Deferrals: nothing was
-    # deferred; no JobDuration: no job had run).
+    # FailedRuns, per stage its pause and four job counts, per stage and lane the worst-off
+    # mailbox's wait (and no Deferrals: nothing was deferred; no JobDuration: no job had run).
     first_report = [
         stats(namespace, m["MetricName"], waiting_from, waiting_until, dimensions=m["Dimensions"])
         for m in listed
     ]
-    assert sum(figures["SampleCount"] for figures in first_report) == 30
+    assert sum(figures["SampleCount"] for figures in first_report) == 34
 
     # While six jobs waited and no worker consumed their queue, the report said so.
     waiting = {name: stats(namespace, name, waiting_from, waiting_until) for name in NAMES}

@@ -212,3 +212,22 @@ def test_running_tasks_are_sent_per_release_as_well() -> None:
         if entry["MetricName"] == "RunningTasks" and entry["Dimensions"][0]["Name"] == "Version"
     }
     assert per_release == {"0.1.0": 3.0, "0.2.0": 1.0}
+
+
+def test_the_oldest_mailbox_wait_goes_by_stage_and_lane_only() -> None:
+    """No queue and no mailbox among its dimensions; not sent when the database was not read."""
+    bulk = BacklogMetrics(
+        queue="mailpipe.model.bulk",
+        queue_depth=0,
+        oldest_job_age_s=0.0,
+        running_tasks=1,
+        oldest_mailbox_wait_s=42.0,
+    )
+    [entry] = [e for e in metric_data(bulk) if e["MetricName"] == "OldestMailboxWaitSeconds"]
+    assert entry["Dimensions"] == [
+        {"Name": "Stage", "Value": "model"},
+        {"Name": "Lane", "Value": "bulk"},
+    ]
+    assert (entry["Value"], entry["Unit"]) == (42.0, "Seconds")
+    names = {e["MetricName"] for e in metric_data(replace(bulk, oldest_mailbox_wait_s=None))}
+    assert "OldestMailboxWaitSeconds" not in names

@@ -24,7 +24,8 @@ from mailpipe.operations.status import (
     job_state,
     review_page,
 )
-from mailpipe.pipeline import emails
+from mailpipe.operations.waiting import top_mailboxes
+from mailpipe.pipeline import emails, interventions
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.models import EmailLabel, PipelineRun, RunStatus, utcnow
@@ -355,3 +356,43 @@ def test_fleet_status_counts_every_figure_and_the_overview_estimates_the_totals(
         "duplicate": 1,
         "failed": 1,
     }
+
+
+def waiting_emails(res: Resources, n: int, mailbox: str | None, stored_ago: float) -> list[int]:
+    """`n` emails of `mailbox`, stored `stored_ago` seconds ago, with no run yet."""
+    created_at = utcnow() - timedelta(seconds=stored_ago)
+    return add_emails(res, n, mailbox=mailbox, created_at=created_at)
+
+
+def test_fleet_status_lists_the_mailboxes_with_the_most_waiting_work(res) -> None:  # type: ignore[no-untyped-def]
+    """Counted over the open runs and the emails with no run; each aged from when it began to
+    wait at its stage: stored, handed on to the model stage, or opened again."""
+    now = utcnow()
+    flood = waiting_emails(res, 5, "flood", 60)
+    add_run(res, flood[0], RunStatus.OPEN)  # stored 60 s ago, its CPU stage under way
+    waiting_emails(res, 3, "tied", 200)
+    default = waiting_emails(res, 3, None, 100)
+    # Stored long ago, handed on to the model stage 30 s ago: it waits from then.
+    [handed_on] = waiting_emails(res, 1, None, 900)
+    add_run(res, handed_on, RunStatus.OPEN, converted_at=now - timedelta(seconds=30))
+    add_run(res, default[0], RunStatus.SUCCEEDED)  # done: no longer waiting
+    # Failed long ago and retried now: it waits from its retry, not from when it was stored.
+    [retried] = waiting_emails(res, 1, "retried", 5000)
+    add_run(res, retried, RunStatus.FAILED, closed_at=now - timedelta(seconds=4000))
+    with res.db.transaction() as session:
+        assert interventions.reopen(session, retried)
+    add_run(res, waiting_emails(res, 1, "done", 10)[0], RunStatus.SUCCEEDED)
+
+    found = fleet_status(res)["mailboxes"]
+    assert found["waiting"] == 4
+    assert [(m["mailbox"], m["waiting"]) for m in found["top"]] == [
+        ("flood", 5),
+        ("tied", 3),  # as many as the default mailbox's, waiting longer
+        ("default", 3),
+        ("retried", 1),
+    ]
+    ages = [m["oldest_age_s"] for m in found["top"]]
+    assert ages == pytest.approx([60, 200, 100, 0], abs=5)
+    with res.db.session() as session:
+        two = top_mailboxes(session, utcnow(), limit=2)
+    assert (two.mailboxes, [m.mailbox for m in two.top]) == (4, ["flood", "tied"])
