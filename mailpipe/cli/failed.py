@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from mailpipe.cli import context
 from mailpipe.cli.exits import BadInput
@@ -53,7 +54,7 @@ _PAGE = click.option(
     "as_json",
     is_flag=True,
     help="List as JSON: the page's rows (email_id, attempts, failed_at, stage, error_class, "
-    "error, needs_review, lane, dismissed_at), page, pages and total.",
+    "error, needs_review, lane, mailbox, dismissed_at), page, pages and total.",
 )
 @click.option(
     "--dismissed", is_flag=True, help="List the dismissed runs instead (`dismiss --undo`)."
@@ -94,6 +95,7 @@ def failed(
         return
     table = Table(
         "email",
+        "mailbox",
         "attempts",
         "failed at",
         "error",
@@ -103,6 +105,7 @@ def failed(
     for row in listed.rows:
         table.add_row(
             str(row["email_id"]),
+            Text(row["mailbox"]),
             str(row["attempts"]),
             to_second(row["failed_at"]),
             row["error"],
@@ -206,8 +209,8 @@ def dismiss(
     "--json",
     "as_json",
     is_flag=True,
-    help="List as JSON: the page's rows (email_id, subject, reason, status), page, pages and "
-    "total.",
+    help="List as JSON: the page's rows (email_id, subject, reason, mailbox, status), page, "
+    "pages and total.",
 )
 def review(page: int, limit: int, as_json: bool) -> None:
     """List the emails marked for review, with the reason; `failed --retry` and `dismiss` clear
@@ -221,6 +224,7 @@ def review(page: int, limit: int, as_json: bool) -> None:
         return
     table = Table(
         "email",
+        "mailbox",
         "subject",
         "reason",
         "run",
@@ -228,6 +232,10 @@ def review(page: int, limit: int, as_json: bool) -> None:
     )
     for row in listed.rows:
         table.add_row(
-            str(row["email_id"]), row["subject"] or "", row["reason"] or "", row["status"] or ""
+            str(row["email_id"]),
+            Text(row["mailbox"]),
+            row["subject"] or "",
+            row["reason"] or "",
+            row["status"] or "",
         )
     console.print(table)
