@@ -182,5 +182,5 @@ def test_the_failed_list_reads_a_mailbox() -> None:
     assert filt.mailbox == "acme"
     assert failed_fields(filt)["mailbox"] == "acme"
     assert read_failed(failed_fields(filt)) == filt
-    with pytest.raises(BadSearch, match="^mailbox: a mailbox's name holds a control character$"):
+    with pytest.raises(BadSearch, match=r"^mailbox: a mailbox's name holds a control character$"):
         read_failed({"mailbox": "\u200bacme"})
