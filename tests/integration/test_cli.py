@@ -35,7 +35,7 @@ from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.migrate import MIGRATIONS
 from mailpipe.storage.models import EmailMessage as EmailRow
-from mailpipe.storage.models import PipelineRun
+from mailpipe.storage.models import PipelineRun, RunStatus
 from tests.conftest import PG_ADMIN_URL, RUN_ID
 from tests.support.searched import store_searched
 from tests.support.services import Database
@@ -570,7 +570,7 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
 
 
 def test_the_lists_and_their_acts_take_a_mailbox_and_show_it(res) -> None:  # type: ignore[no-untyped-def]
-    from tests.support.failed_runs import add_failed
+    from tests.support.failed_runs import add_emails, add_failed, add_run
 
     acme = add_failed(res, 1, "Stalled", mailbox="acme", review=True)
     other = add_failed(res, 2, "Stalled", mailbox="globex")
@@ -600,6 +600,12 @@ def test_the_lists_and_their_acts_take_a_mailbox_and_show_it(res) -> None:  # ty
     assert queued_email_ids(res) == [default]
     for run in (dismissed, retried):
         assert "globex" not in run.stderr and "default" not in run.stderr
+
+    for box in ("acme", "globex", None):
+        [succeeded] = add_emails(res, 1, mailbox=box)
+        add_run(res, succeeded, RunStatus.SUCCEEDED)
+    planned = mailpipe("reprocess", "--mailbox", "acme", "--from", "classify", "--dry-run")
+    assert planned.stdout.startswith("1 succeeded emails match, from classify"), planned.stderr
 
 
 def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]
