@@ -13,7 +13,6 @@ from typing import Any
 
 import click
 from rich.table import Table
-from rich.text import Text
 
 from mailpipe.cli import context
 from mailpipe.cli.exits import BadInput
@@ -95,7 +94,6 @@ def failed(
         return
     table = Table(
         "email",
-        "mailbox",
         "attempts",
         "failed at",
         "error",
@@ -105,7 +103,6 @@ def failed(
     for row in listed.rows:
         table.add_row(
             str(row["email_id"]),
-            Text(row["mailbox"]),
             str(row["attempts"]),
             to_second(row["failed_at"]),
             row["error"],
@@ -224,7 +221,6 @@ def review(page: int, limit: int, as_json: bool) -> None:
         return
     table = Table(
         "email",
-        "mailbox",
         "subject",
         "reason",
         "run",
@@ -232,10 +228,6 @@ def review(page: int, limit: int, as_json: bool) -> None:
     )
     for row in listed.rows:
         table.add_row(
-            str(row["email_id"]),
-            Text(row["mailbox"]),
-            row["subject"] or "",
-            row["reason"] or "",
-            row["status"] or "",
+            str(row["email_id"]), row["subject"] or "", row["reason"] or "", row["status"] or ""
         )
     console.print(table)

@@ -217,6 +217,7 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
             "error",
             "needs_review",
             "lane",
+            "mailbox",
             "dismissed_at",
         }
         assert row["attempts"] == 1 and "not an email" in row["error"]
@@ -585,7 +586,7 @@ def test_the_lists_and_their_acts_take_a_mailbox_and_show_it(res) -> None:  # ty
     assert listed("failed", "--mailbox", "default") == [(default, "default")]
     assert listed("find", "--mailbox", "globex") == [(other, "globex")]
     assert listed("review") == [(acme, "acme")]
-    table = mailpipe("failed", "--mailbox", "acme", COLUMNS="200")
+    table = mailpipe("find", "--mailbox", "acme", COLUMNS="200")
     assert table.returncode == 0 and "mailbox" in table.stdout and " acme " in table.stdout
     assert json.loads(mailpipe("show", str(other)).stdout)["mailbox"] == "globex"
     bad = mailpipe("find", "--mailbox", "a\x07b")
