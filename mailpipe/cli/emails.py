@@ -129,8 +129,8 @@ def ingest(
     "--json",
     "as_json",
     is_flag=True,
-    help="As JSON: the page's rows (email_id, received_at, sender, subject, lane, state, "
-    "error_class, needs_review) and next_before.",
+    help="As JSON: the page's rows (email_id, received_at, sender, subject, lane, mailbox, "
+    "state, error_class, needs_review) and next_before.",
 )
 def find(text: str | None, review: bool | None, as_json: bool, **options: str | None) -> None:
     """Find emails, newest first, 50 a page: every filter given at once. TEXT is what the
@@ -154,6 +154,7 @@ def find(text: str | None, review: bool | None, as_json: bool, **options: str | 
         "from",
         "subject",
         "lane",
+        "mailbox",
         "state",
         "error class",
         title=f"emails found: {len(found.rows)}, newest first",
@@ -166,6 +167,7 @@ def find(text: str | None, review: bool | None, as_json: bool, **options: str | 
             Text(row["sender"] or ""),
             Text(row["subject"] or ""),
             row["lane"],
+            Text(row["mailbox"]),
             row["state"],
             row["error_class"] or "",
         )

@@ -53,7 +53,7 @@ _PAGE = click.option(
     "as_json",
     is_flag=True,
     help="List as JSON: the page's rows (email_id, attempts, failed_at, stage, error_class, "
-    "error, needs_review, lane, dismissed_at), page, pages and total.",
+    "error, needs_review, lane, mailbox, dismissed_at), page, pages and total.",
 )
 @click.option(
     "--dismissed", is_flag=True, help="List the dismissed runs instead (`dismiss --undo`)."
@@ -206,8 +206,8 @@ def dismiss(
     "--json",
     "as_json",
     is_flag=True,
-    help="List as JSON: the page's rows (email_id, subject, reason, status), page, pages and "
-    "total.",
+    help="List as JSON: the page's rows (email_id, subject, reason, mailbox, status), page, "
+    "pages and total.",
 )
 def review(page: int, limit: int, as_json: bool) -> None:
     """List the emails marked for review, with the reason; `failed --retry` and `dismiss` clear

@@ -33,6 +33,11 @@ def failed_filters(command: Any) -> Any:
             click.option(
                 "--until", metavar="TIME", help=f"Only runs failed before this time ({TIME})."
             ),
+            click.option(
+                "--mailbox",
+                metavar="NAME",
+                help="Only runs of emails in this mailbox (default: those without one).",
+            ),
         )
     ):
         command = option(command)
@@ -94,6 +99,11 @@ def email_filters(command: Any) -> Any:
                 "--review/--no-review",
                 default=None,
                 help="Only emails marked for review, or only those not marked.",
+            ),
+            click.option(
+                "--mailbox",
+                metavar="NAME",
+                help="Only emails in this mailbox (default: those without one).",
             ),
         )
     ):

@@ -1,4 +1,4 @@
-"""`mailpipe forget`: erase emails everywhere, by id, Message-ID or sender
+"""`mailpipe forget`: erase emails everywhere, by id, Message-ID, sender or mailbox
 (`mailpipe/operations/erasure.py`, docs/decisions/erasure.md).
 
 What a command needs beyond click, rich and the resources it imports when it runs: `main.py`
@@ -25,6 +25,11 @@ from mailpipe.cli.output import YES, asked, name_refused
     help="Every email whose From holds this address (whole, in any case).",
 )
 @click.option(
+    "--mailbox",
+    metavar="NAME",
+    help="Every email of this mailbox (default: those without one), a customer's whole account.",
+)
+@click.option(
     "--dry-run", is_flag=True, help="List what it would delete (ids, counts); change nothing."
 )
 @YES
@@ -32,24 +37,26 @@ def forget(
     email_ids: tuple[int, ...],
     message_id: str | None,
     sender: str | None,
+    mailbox: str | None,
     dry_run: bool,
     yes: bool,
 ) -> None:
     """Erase emails everywhere: their rows, blobs, documents, labels, history and Redis state.
-    Their origins pass to their next copy, which keeps their labels and runs the steps a copy
-    skips; their jobs in flight are fenced off. Each leaves one audit line (who, its id, the
-    SHA-256 of its Message-ID). It cannot be undone."""
+    Their origins pass to their next copy (one in another mailbox, for --mailbox), which keeps
+    their labels and runs the steps a copy skips; their jobs in flight are fenced off. Each
+    leaves one audit line (who, its id, the SHA-256 of its Message-ID). It cannot be undone."""
     from mailpipe.enqueue import sender as jobs_sender
     from mailpipe.operations import actions
     from mailpipe.operations.erasure import selection
     from mailpipe.operations.search import BadSearch
 
-    if sum((bool(email_ids), message_id is not None, sender is not None)) != 1:
-        raise BadInput("give email ids, --message-id or --sender: one of them")
+    named = (message_id, sender, mailbox)
+    if sum((bool(email_ids), *(given is not None for given in named))) != 1:
+        raise BadInput("give email ids, --message-id, --sender or --mailbox: one of them")
     filt = None
     if not email_ids:
         try:
-            filt = selection(message_id, sender)
+            filt = selection(message_id, sender, mailbox)
         except BadSearch as exc:
             raise BadInput(str(exc)) from None
     res = context.migrated()
@@ -59,7 +66,8 @@ def forget(
     if not planned.email_ids:
         if planned.refused:
             raise NotFound(f"no email with id {' '.join(map(str, planned.refused))}")
-        click.echo("no email found (Message-ID and sender find only emails a job has read)")
+        note = "" if mailbox else " (Message-ID and sender find only emails a job has read)"
+        click.echo("no email found" + note)
         return
     click.echo(f"{len(planned.email_ids)} emails: {' '.join(map(str, planned.email_ids))}")
     click.echo(_forget_counts(planned))

@@ -97,19 +97,29 @@ class Tally:
         self.completed += other.completed
 
 
-def selection(message_id: str | None = None, sender: str | None = None) -> EmailFilter:
-    """The filter of a forget by Message-ID or by sender, one of them, read as the search reads
-    them; a sender is one whole address, as a domain or a word would take far more than the
-    one person's mail. Raises BadSearch naming what is wrong."""
-    if (message_id is None) == (sender is None):
-        raise BadSearch("give a Message-ID or a sender's address, one of them")
-    if sender is not None:
+def selection(
+    message_id: str | None = None, sender: str | None = None, mailbox: str | None = None
+) -> EmailFilter:
+    """The filter of a forget by Message-ID, by sender or by mailbox, one of them, read as the
+    search reads them; a sender is one whole address, as a domain or a word would take far more
+    than the one person's mail; a mailbox is a customer's whole account, its copies of emails
+    that other mailboxes also hold among them. Raises BadSearch naming what is wrong."""
+    if sum(given is not None for given in (message_id, sender, mailbox)) != 1:
+        raise BadSearch("give a Message-ID, a sender's address or a mailbox, one of them")
+    if mailbox is not None:
+        filt = read_search({"mailbox": mailbox})[0]
+    elif sender is not None:
         address = parseaddr(sender)[1]
         local, at, domain = address.partition("@")
         if address != sender.strip() or not (local and at and domain) or "@" in domain:
             raise BadSearch("sender is one whole address, as name@example.org")
-        return read_search({"sender": address})[0]
-    return read_search({"message_id": message_id or ""})[0]
+        filt = read_search({"sender": address})[0]
+    else:
+        filt = read_search({"message_id": message_id or ""})[0]
+    # Blank text is no filter, which would find every email.
+    if filt == EmailFilter():
+        raise BadSearch("the Message-ID, sender or mailbox given is blank")
+    return filt
 
 
 def chosen(

@@ -9,11 +9,12 @@ next page starts below the page's last id (keyset, so that every page costs what
 
 Where each filter reads, and the index it needs, is in docs/decisions/search-indexes.md. The
 Message-ID, sender and subject are what an email's job read from its headers (the origin step),
-so an email no job has read yet is found by its id, time, state, lane or review mark only. On
-PostgreSQL the sender and subject match whole words (full text, any case), each email checked
-first by at most PART_CHARS characters of the query, never by the whole of it: their text is an
-outsider's, and a check of the query anywhere in it costs its length times the query's per email
-(docs/decisions/search-load.md). On SQLite, the demo's database, the text anywhere in them.
+so an email no job has read yet is found by its id, time, state, lane, review mark or mailbox
+only. On PostgreSQL the sender and subject match whole words (full text, any case), each email
+checked first by at most PART_CHARS characters of the query, never by the whole of it: their
+text is an outsider's, and a check of the query anywhere in it costs its length times the
+query's per email (docs/decisions/search-load.md). On SQLite, the demo's database, the text
+anywhere in them.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, aliased
 
+from mailpipe.broker import mailboxes
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.mail.headers import normalise_message_id
-from mailpipe.operations.status import FailedFilter
+from mailpipe.operations.status import FailedFilter, in_mailbox
 from mailpipe.storage.models import (
     EmailLabel,
     EmailMessage,
@@ -72,16 +74,28 @@ FIELDS = (
     "label",
     "lane",
     "review",
+    "mailbox",
 )
 KEYS = ("q", *FIELDS, "before")
 # What the failed list's filter reads; `view=dismissed` lists the runs an operator dismissed. The
 # other keys of a query or form (its page, its token) are its face's to read.
-FAILED_FIELDS = ("error_class", "stage", "since", "until", "view")
+FAILED_FIELDS = ("error_class", "stage", "since", "until", "mailbox", "view")
 # Ids are PostgreSQL bigints: a number past them is refused here, not by the database.
 MAX_ID = 2**63 - 1
 # Longer than any header a search could match (a header line is at most 998 characters) and
-# than the columns (an error class and a label are at most 64).
-MAX_CHARS = {"message_id": 998, "sender": 998, "subject": 998, "error_class": 64, "label": 64}
+# than the columns (an error class and a label are at most 64); a mailbox's name as
+# `mailboxes.checked` takes it.
+MAX_CHARS = {
+    "message_id": 998,
+    "sender": 998,
+    "subject": 998,
+    "error_class": 64,
+    "label": 64,
+    "mailbox": mailboxes.MAX_NAME_CHARS,
+}
+# What the search box's text names a mailbox with: `mailbox:NAME`, beside the rest of its text.
+MAILBOX_PREFIX = "mailbox:"
+
 MAX_WORDS = 10
 # What `_holds_part` checks of a word before its full text is: enough for an address or a domain
 # to rule out most emails, and a bound on what the check costs per email whatever its text.
@@ -114,6 +128,7 @@ class EmailFilter:
     label: str | None = None
     lane: Lane | None = None
     review: bool | None = None  # marked for review, or not
+    mailbox: str | None = None  # as shown and typed: "default" is the emails without one
 
     def fields(self) -> dict[str, str]:
         """The filter as the search's form and its links carry it (FIELDS, empty when unset)."""
@@ -128,6 +143,7 @@ class EmailFilter:
             "label": self.label,
             "lane": None if self.lane is None else self.lane.value,
             "review": None if self.review is None else ("yes" if self.review else "no"),
+            "mailbox": self.mailbox,
         }
         return {name: value or "" for name, value in values.items()}
 
@@ -191,6 +207,8 @@ class EmailFilter:
             # The bare column, as the partial index over the marked emails is written.
             marked = email.needs_review.expression
             conditions.append(marked if self.review else not_(marked))
+        if self.mailbox is not None:
+            conditions.append(in_mailbox(self.mailbox))
         return conditions
 
 
@@ -339,6 +357,7 @@ def _rows(session: Session, ids: list[int]) -> list[dict[str, Any]]:
             email.sender,
             email.subject,
             email.lane,
+            email.mailbox,
             email.needs_review,
             run.status,
             run.dismissed_at,
@@ -355,6 +374,7 @@ def _rows(session: Session, ids: list[int]) -> list[dict[str, Any]]:
             "sender": row.sender,
             "subject": row.subject,
             "lane": row.lane,
+            "mailbox": mailboxes.shown(row.mailbox),
             "state": _state_of(row.status, row.dismissed_at),
             "error_class": row.error_class,
             "needs_review": row.needs_review,
@@ -430,6 +450,7 @@ def read_search(values: Mapping[str, str]) -> tuple[EmailFilter, int | None]:
         label=given["label"],
         lane=_lane(given["lane"], reading.problems),
         review=_yes_or_no(given["review"], reading.problems),
+        mailbox=_mailbox(given["mailbox"], reading.problems),
     )
     before = _whole_number(given["before"], "before", reading.problems)
     reading.in_order(filt.since, filt.until)
@@ -453,6 +474,7 @@ def read_failed(values: Mapping[str, str]) -> FailedFilter:
         since=_time(given["since"], "since", reading.problems),
         until=_time(given["until"], "until", reading.problems),
         dismissed=view is not None,
+        mailbox=_mailbox(given["mailbox"], reading.problems),
     )
     reading.in_order(filt.since, filt.until)
     reading.done()
@@ -467,14 +489,31 @@ def failed_fields(filt: FailedFilter) -> dict[str, str]:
         "stage": None if filt.stage is None else filt.stage.value,
         "since": _shown_time(filt.since),
         "until": _shown_time(filt.until),
+        "mailbox": filt.mailbox,
         "view": "dismissed" if filt.dismissed else None,
     }
     return {name: value or "" for name, value in values.items()}
 
 
 def _box_fields(box: str, given: dict[str, str | None], problems: list[str]) -> dict[str, str]:
-    """What the search box's text stands for: an email id (digits), a Message-ID (in angle
-    brackets), a sender (an address: it has an @), or else words of the subject."""
+    """What the search box's text stands for: a mailbox (`mailbox:NAME`, a word of it), and
+    what the rest is: an email id (digits), a Message-ID (in angle brackets), a sender (an
+    address: it has an @), or else words of the subject."""
+    words = box.split()
+    named = [word for word in words if word.startswith(MAILBOX_PREFIX)]
+    if not named:
+        return _box_text(box, given, problems)
+    fields: dict[str, str] = {}
+    if len(named) > 1 or given["mailbox"] is not None:
+        problems.append("q and mailbox give one mailbox between them: give it once")
+    else:
+        fields["mailbox"] = named[0].removeprefix(MAILBOX_PREFIX)
+    rest = " ".join(word for word in words if not word.startswith(MAILBOX_PREFIX))
+    return {**fields, **(_box_text(rest, given, problems) if rest else {})}
+
+
+def _box_text(box: str, given: dict[str, str | None], problems: list[str]) -> dict[str, str]:
+    """What the search box's text, its mailbox aside, stands for (`_box_fields`)."""
     if box.isascii() and box.isdigit():
         return {"email_id": box}
     if box.startswith("<") and box.endswith(">"):
@@ -563,6 +602,18 @@ def _choice(
         return value
     problems.append(f"{name} is one of {', '.join(allowed)}")
     return None
+
+
+def _mailbox(value: str | None, problems: list[str]) -> str | None:
+    """A mailbox's name as shown and typed ("default" included), checked as ingest checks it;
+    what is wrong is said without the name."""
+    if value is None:
+        return None
+    try:
+        return mailboxes.checked(value)
+    except ValueError as exc:
+        problems.append(f"mailbox: {exc}")
+        return None
 
 
 def _lane(value: str | None, problems: list[str]) -> Lane | None:

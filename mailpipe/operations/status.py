@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, not_, select, text
+from sqlalchemy import ColumnElement, Select, exists, func, not_, select, text
 from sqlalchemy.orm import Session
 
 from mailpipe.broker import layout, mailboxes
@@ -48,9 +48,11 @@ class FailedFilter:
     since: datetime | None = None  # closed_at >= since (naive UTC)
     until: datetime | None = None  # closed_at < until (naive UTC)
     dismissed: bool = False
+    mailbox: str | None = None  # as shown and typed: "default" is the emails without one
 
     def where(self) -> list[ColumnElement[bool]]:
-        """The conditions on `pipeline_run` of the runs this filter lists."""
+        """The conditions on `pipeline_run` of the runs this filter lists (its email's mailbox
+        as EXISTS, so that the runs are found and sorted in that table alone)."""
         dismissed_at = PipelineRun.dismissed_at
         listed = dismissed_at.is_not(None) if self.dismissed else dismissed_at.is_(None)
         conditions = [PipelineRun.status == RunStatus.FAILED, listed]
@@ -64,7 +66,19 @@ class FailedFilter:
             conditions.append(PipelineRun.closed_at >= self.since)
         if self.until is not None:
             conditions.append(PipelineRun.closed_at < self.until)
+        if self.mailbox is not None:
+            conditions.append(
+                exists().where(EmailMessage.id == PipelineRun.email_id, in_mailbox(self.mailbox))
+            )
         return conditions
+
+
+def in_mailbox(name: str) -> ColumnElement[bool]:
+    """Whether an email is in the mailbox of this name, as shown and typed (`mailboxes.shown`):
+    a named one's emails are found by `ix_email_message_mailbox` (mailbox, id); the default
+    mailbox's, NULL, by no index of their own."""
+    value = mailboxes.stored(name)
+    return EmailMessage.mailbox.is_(None) if value is None else EmailMessage.mailbox == value
 
 
 @dataclass(frozen=True)
@@ -284,6 +298,7 @@ def failed_page(
             PipelineRun.dismissed_at,
             EmailMessage.needs_review,
             EmailMessage.lane,
+            EmailMessage.mailbox,
         )
         .join(paged, paged.c.id == PipelineRun.id)
         .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
@@ -300,6 +315,7 @@ def failed_page(
             "error": _shown(row.error),
             "needs_review": row.needs_review,
             "lane": row.lane,
+            "mailbox": mailboxes.shown(row.mailbox),
             "dismissed_at": _iso(row.dismissed_at),
         }
         for row in session.execute(query)
@@ -327,7 +343,11 @@ def review_page(session: Session, page: int = 1, per_page: int = 50) -> Page:
     total = session.scalar(select(func.count()).select_from(EmailMessage).where(marked)) or 0
     query = (
         select(
-            EmailMessage.id, EmailMessage.subject, EmailMessage.review_reason, PipelineRun.status
+            EmailMessage.id,
+            EmailMessage.subject,
+            EmailMessage.review_reason,
+            EmailMessage.mailbox,
+            PipelineRun.status,
         )
         .outerjoin(PipelineRun, PipelineRun.email_id == EmailMessage.id)
         .where(marked)
@@ -338,6 +358,7 @@ def review_page(session: Session, page: int = 1, per_page: int = 50) -> Page:
             "email_id": row.id,
             "subject": row.subject,
             "reason": row.review_reason,
+            "mailbox": mailboxes.shown(row.mailbox),
             "status": None if row.status is None else row.status.value,
         }
         for row in session.execute(_paged(query, page, per_page))
@@ -394,6 +415,7 @@ def email_detail(
         "duplicate_of": email.duplicate_of,
         "next_copy": next_copy,
         "lane": email.lane,
+        "mailbox": mailboxes.shown(email.mailbox),
         "origin": None
         if origin is None
         else {
@@ -544,6 +566,7 @@ def job_state(
         "state": state,
         "waiting_for": waiting_for,
         "lane": email.lane,
+        "mailbox": mailboxes.shown(email.mailbox),
         "attempts": 0 if run is None else run.attempts,
         "error_class": None if run is None else run.error_class,
         "error": None if run is None else _shown(run.error),

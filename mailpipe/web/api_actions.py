@@ -111,21 +111,25 @@ def _with_plan(status: int, why: str, plan: actions.Reprocessed | actions.Counte
 
 
 async def forget(request: Request) -> Response:
-    """POST /api/forget: {"email_ids": [...]}, {"message_id": ...} or {"sender": ...} (a whole
-    address), one of them, erased everywhere; with {"dry_run": true}, what it would delete."""
+    """POST /api/forget: {"email_ids": [...]}, {"message_id": ...}, {"sender": ...} (a whole
+    address) or {"mailbox": ...}, one of them, erased everywhere; with {"dry_run": true}, what
+    it would delete."""
     body = await _body(request)
-    unknown = sorted(set(body) - {"email_ids", "message_id", "sender", "dry_run"})
+    chosen_by = ("message_id", "sender", "mailbox")
+    unknown = sorted(set(body) - {"email_ids", *chosen_by, "dry_run"})
     if unknown:
         raise HTTPException(400, f"unknown field {', '.join(unknown)}")
+    if any(not isinstance(body.get(name, ""), str) for name in chosen_by):
+        raise HTTPException(400, f"{', '.join(chosen_by)} are text")
     email_ids = body.get("email_ids")
     if email_ids is None:
         try:
-            filt = selection(body.get("message_id"), body.get("sender"))
+            filt = selection(*(body.get(name) for name in chosen_by))
         except BadSearch as exc:
             raise HTTPException(400, f"{exc}, or email_ids") from None
         return await _forget(request, body, None, filt)
-    if "message_id" in body or "sender" in body:
-        raise HTTPException(400, "email_ids, message_id or sender: one of them")
+    if any(name in body for name in chosen_by):
+        raise HTTPException(400, "email_ids, message_id, sender or mailbox: one of them")
     if not isinstance(email_ids, list) or not all(
         type(i) is int and 1 <= i <= params.MAX_ID for i in email_ids
     ):

@@ -35,7 +35,7 @@ from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.migrate import MIGRATIONS
 from mailpipe.storage.models import EmailMessage as EmailRow
-from mailpipe.storage.models import PipelineRun
+from mailpipe.storage.models import PipelineRun, RunStatus
 from tests.conftest import PG_ADMIN_URL, RUN_ID
 from tests.support.searched import store_searched
 from tests.support.services import Database
@@ -217,6 +217,7 @@ def test_failed_json_and_retry_all(res) -> None:  # type: ignore[no-untyped-def]
             "error",
             "needs_review",
             "lane",
+            "mailbox",
             "dismissed_at",
         }
         assert row["attempts"] == 1 and "not an email" in row["error"]
@@ -567,6 +568,45 @@ def test_dismiss_takes_runs_off_the_list_and_show_prints_the_history(res) -> Non
     assert shown["dismissed_at"] is not None
     assert shown["history"] == []  # no attempt recorded for a run written straight in
     assert shown["run"]["error_class"] == "Stalled"
+
+
+def test_the_lists_and_their_acts_take_a_mailbox_and_show_it(res) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.failed_runs import add_emails, add_failed, add_run
+
+    acme = add_failed(res, 1, "Stalled", mailbox="acme", review=True)
+    other = add_failed(res, 2, "Stalled", mailbox="globex")
+    default = add_failed(res, 3, "Stalled")
+
+    def listed(*args: str) -> list[tuple[int, str]]:
+        run = mailpipe(*args, "--json")
+        assert run.returncode == 0, run.stderr
+        return [(row["email_id"], row["mailbox"]) for row in json.loads(run.stdout)["rows"]]
+
+    assert listed("failed", "--mailbox", "acme") == [(acme, "acme")]
+    assert listed("failed", "--mailbox", "default") == [(default, "default")]
+    assert listed("find", "--mailbox", "globex") == [(other, "globex")]
+    assert listed("review") == [(acme, "acme")]
+    table = mailpipe("find", "--mailbox", "acme", COLUMNS="200")
+    assert table.returncode == 0 and "mailbox" in table.stdout and " acme " in table.stdout
+    assert json.loads(mailpipe("show", str(other)).stdout)["mailbox"] == "globex"
+    bad = mailpipe("find", "--mailbox", "a\x07b")
+    assert bad.returncode == 2 and "mailbox is text without control characters" in bad.stderr
+
+    dismissed = mailpipe("dismiss", "--all", "--mailbox", "globex", "--yes")
+    assert dismissed.stdout.splitlines()[-1] == "dismissed 1", dismissed.stderr
+    retried = mailpipe("failed", "--retry-all", "--mailbox", "default", "--yes")
+    assert retried.stdout.splitlines()[-1] == "reopened 1, enqueued 1", retried.stderr
+    assert statuses(res) == {acme: "failed", other: "failed", default: "open"}
+    assert listed("failed", "--dismissed") == [(other, "globex")]
+    assert queued_email_ids(res) == [default]
+    for run in (dismissed, retried):
+        assert "globex" not in run.stderr and "default" not in run.stderr
+
+    for box in ("acme", "globex", None):
+        [succeeded] = add_emails(res, 1, mailbox=box)
+        add_run(res, succeeded, RunStatus.SUCCEEDED)
+    planned = mailpipe("reprocess", "--mailbox", "acme", "--from", "classify", "--dry-run")
+    assert planned.stdout.startswith("1 succeeded emails match, from classify"), planned.stderr
 
 
 def test_status_lists_each_queue(res) -> None:  # type: ignore[no-untyped-def]

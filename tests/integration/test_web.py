@@ -569,6 +569,42 @@ def test_the_search_page_and_the_api_find_the_same_emails(res, console) -> None:
     assert 'name="subject" value="nothing-like-it"' in page.text
 
 
+def test_the_console_and_the_api_filter_by_mailbox_and_show_it(res, console) -> None:  # type: ignore[no-untyped-def]
+    ids = store_searched(res)
+    web = console()
+
+    def get(path: str, **query: str) -> requests.Response:
+        answer = requests.get(f"{web.url}{path}", params=query, auth=VIEWER, timeout=10)
+        assert answer.status_code == 200, (path, answer.text)
+        return answer
+
+    def listed(page: requests.Response) -> list[tuple[int, str]]:
+        row = r'<a href="/emails/(\d+)">.*?<td class="mailbox">([^<]*)</td>'
+        rows = re.findall(row, page.text, re.S)
+        return [(int(email_id), mailbox) for email_id, mailbox in rows]
+
+    found = get("/search", q="mailbox:acme")
+    assert listed(found) == [(ids["alert"], "acme"), (ids["invoice"], "acme")]
+    assert 'name="mailbox" value="acme"' in found.text  # what the box read, in its field
+    rows = get("/api/search", mailbox="globex").json()["rows"]
+    assert [(row["email_id"], row["mailbox"]) for row in rows] == [(ids["copy"], "globex")]
+    rows = get("/api/search", q="mailbox:default", label="invoice").json()["rows"]
+    assert [(row["email_id"], row["mailbox"]) for row in rows] == [(ids["overdue"], "default")]
+
+    assert listed(get("/failed", mailbox="acme")) == [(ids["alert"], "acme")]
+    assert listed(get("/failed", mailbox="globex")) == []
+    rows = get("/api/failed", mailbox="acme").json()["rows"]
+    assert [(row["email_id"], row["mailbox"]) for row in rows] == [(ids["alert"], "acme")]
+    assert sorted(listed(get("/review"))) == [(ids["alert"], "acme"), (ids["overdue"], "default")]
+    assert '<dd id="mailbox">globex</dd>' in get(f"/emails/{ids['copy']}").text
+    assert get(f"/api/jobs/{ids['copy']}").json()["mailbox"] == "globex"
+    assert get(f"/api/jobs/{ids['overdue']}").json()["mailbox"] == "default"
+
+    refused = requests.get(f"{web.url}/api/search", params={"q": "mailbox:"}, auth=VIEWER)
+    assert refused.json() == {"error": "mailbox: a mailbox's name is empty"}
+    assert "acme" not in web.output() and "globex" not in web.output()
+
+
 def test_a_bad_search_is_a_400_with_the_reason_in_one_line(console) -> None:  # type: ignore[no-untyped-def]
     web = console()
     for query, reason in (

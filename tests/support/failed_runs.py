@@ -64,10 +64,11 @@ def add_failed(
     model_stage: bool = False,
     review: bool = False,
     dismissed: bool = False,
+    mailbox: str | None = None,
 ) -> int:
-    """One email whose run failed `minutes` after T0."""
+    """One email of `mailbox` (None: the default one) whose run failed `minutes` after T0."""
     [email_id] = add_emails(
-        res, 1, needs_review=review, review_reason="stalled" if review else None
+        res, 1, needs_review=review, review_reason="stalled" if review else None, mailbox=mailbox
     )
     closed_at = T0 + timedelta(minutes=minutes)
     add_run(

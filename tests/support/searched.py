@@ -1,6 +1,7 @@
 """A small set of emails for the search, written straight into the database as the pipeline
 leaves them: distinct senders, subjects, Message-IDs (on their origins), received times, labels,
-lanes, run states and error classes, a copy, one marked for review and one no job has read."""
+lanes, mailboxes, run states and error classes, a copy (delivered to another mailbox), one marked
+for review and one no job has read."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Mail:
     lane: str = "live"
     review: bool = False
     copy_of: str | None = None  # the name of the email it is a copy of
+    mailbox: str | None = None  # as the row holds it: None is the default mailbox
 
 
 # In the order they are stored: ids ascending, so the search lists them bottom up.
@@ -47,6 +49,7 @@ MAILS = (
         0,
         "succeeded",
         labels=("invoice",),
+        mailbox="acme",
     ),
     Mail(
         "newsletter",
@@ -68,6 +71,7 @@ MAILS = (
         error_class="BlobMissing",
         labels=("security",),
         review=True,
+        mailbox="acme",
     ),
     Mail(
         "lunch",
@@ -87,6 +91,7 @@ MAILS = (
         4,
         "duplicate",
         copy_of="invoice",
+        mailbox="globex",
     ),
     Mail(
         "overdue",
@@ -131,6 +136,7 @@ def store_searched(res: Resources) -> dict[str, int]:
                     sender=mail.sender,
                     subject=mail.subject,
                     lane=mail.lane,
+                    mailbox=mail.mailbox,
                     needs_review=mail.review,
                     review_reason="looked odd" if mail.review else None,
                     has_run=mail.state != "no_run",

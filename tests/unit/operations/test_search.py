@@ -85,6 +85,11 @@ ALONE = [
     ({"lane": "live"}, ["wildcards", "unread", "copy", "lunch", "alert", "invoice"]),
     ({"review": "yes"}, ["overdue", "alert"]),
     ({"review": "no"}, ["wildcards", "unread", "copy", "lunch", "newsletter", "invoice"]),
+    ({"mailbox": "acme"}, ["alert", "invoice"]),
+    ({"mailbox": "globex"}, ["copy"]),  # the copy, delivered to another mailbox
+    ({"mailbox": "default"}, ["wildcards", "unread", "overdue", "lunch", "newsletter"]),
+    ({"mailbox": "ACME"}, []),  # a name as it is written
+    ({"q": "mailbox:globex"}, ["copy"]),
     # The search box: a Message-ID in brackets, an address, or subject words.
     ({"q": "<Alert-7@corp.example>"}, ["alert"]),
     ({"q": "carol@corp.example"}, ["lunch"]),
@@ -116,6 +121,9 @@ TOGETHER = [
     ({"subject": "invoice 2026-0142", "sender": "acme.example"}, ["copy", "invoice"]),
     ({"state": "no_run", "lane": "live"}, ["unread"]),
     ({"q": "invoice", "review": "yes"}, ["overdue"]),
+    ({"q": "mailbox:acme invoice"}, ["invoice"]),
+    ({"mailbox": "default", "label": "invoice"}, ["overdue"]),
+    ({"message_id": "inv-0142@acme.example", "mailbox": "globex"}, ["copy"]),
 ]
 
 
@@ -137,6 +145,7 @@ def test_a_row_carries_what_the_results_show(db: Resources) -> None:
         "sender": "billing@shop.example",
         "subject": "Invoice 2026-0190 overdue",
         "lane": "bulk",
+        "mailbox": "default",
         "state": "dismissed",
         "error_class": "InputRejected",
         "needs_review": True,
@@ -176,6 +185,7 @@ INDEXED = [
     ({"label": "invoice"}, ["ix_email_label_label"]),
     ({"lane": "bulk"}, ["ix_email_message_bulk"]),
     ({"review": "yes"}, ["ix_email_message_needs_review"]),
+    ({"mailbox": "acme"}, ["ix_email_message_mailbox"]),
 ]
 
 
@@ -256,3 +266,14 @@ def planned(res: Resources, values: dict[str, str]) -> tuple[Any, list[str]]:
             plans.append("\n".join(row[0] for row in explained))
     assert "Index Scan Backward using pk_email_message" in plans[1], plans[1]
     return page, plans
+
+
+def test_a_row_shows_its_mailbox_by_name(db: Resources) -> None:
+    ids = store_searched(db)
+    filt, _ = read_search({"message_id": "inv-0142@acme.example"})
+    with db.db.session() as session:
+        rows = find(session, filt).rows
+    assert [(row["email_id"], row["mailbox"]) for row in rows] == [
+        (ids["copy"], "globex"),
+        (ids["invoice"], "acme"),
+    ]

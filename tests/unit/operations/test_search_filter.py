@@ -8,7 +8,14 @@ from datetime import datetime
 import pytest
 
 from mailpipe.broker.queues import Lane
-from mailpipe.operations.search import MAX_ID, BadSearch, EmailFilter, read_failed, read_search
+from mailpipe.operations.search import (
+    MAX_ID,
+    BadSearch,
+    EmailFilter,
+    failed_fields,
+    read_failed,
+    read_search,
+)
 
 
 def refused(values: dict[str, str]) -> str:
@@ -70,6 +77,13 @@ def test_a_time_with_an_offset_is_read_as_utc() -> None:
         ("alice@example.org", EmailFilter(sender="alice@example.org")),
         ("overdue invoice", EmailFilter(subject=("overdue", "invoice"))),
         ("١٢٣", EmailFilter(subject=("١٢٣",))),  # other scripts' digits: a word, not an id
+        ("mailbox:acme", EmailFilter(mailbox="acme")),
+        ("mailbox:default", EmailFilter(mailbox="default")),
+        (
+            "overdue mailbox:acme invoice",
+            EmailFilter(subject=("overdue", "invoice"), mailbox="acme"),
+        ),
+        ("mailbox:acme alice@example.org", EmailFilter(sender="alice@example.org", mailbox="acme")),
     ],
 )
 def test_the_search_box_reads_an_id_a_message_id_a_sender_or_words(
@@ -123,6 +137,11 @@ def test_a_filter_reads_back_from_the_fields_it_shows() -> None:
         ({"q": "99999999999999999999"}, "an email id is a whole number from 1 to"),
         ({"q": "alice@example.org", "sender": "bob"}, "q and sender both give the sender"),
         ({"page": "2"}, "unknown filter page (known: q, message_id, sender"),
+        ({"q": "mailbox:"}, "mailbox: a mailbox's name is empty"),
+        ({"mailbox": "a" * 201}, "mailbox is at most 200 characters"),
+        ({"mailbox": "ac\x07me"}, "mailbox is text without control characters"),
+        ({"q": "mailbox:a mailbox:b"}, "q and mailbox give one mailbox between them"),
+        ({"q": "mailbox:a", "mailbox": "b"}, "q and mailbox give one mailbox between them"),
     ],
     ids=repr,
 )
@@ -144,8 +163,24 @@ def test_every_problem_is_named_in_the_one_line() -> None:
     reason = refused({"state": "lost", "lane": "fast", "since": "soon", "extra": "1"})
     assert reason.split("; ") == [
         "unknown filter extra (known: q, message_id, sender, subject, since, until, state, "
-        "error_class, label, lane, review, before)",
+        "error_class, label, lane, review, mailbox, before)",
         "since is a date or a date and time, as 2026-01-31 or 2026-01-31T14:00 (UTC unless given)",
         "state is one of no_run, open, succeeded, duplicate, failed, dismissed",
         "lane is one of live, bulk",
     ]
+
+
+def test_a_mailbox_reads_back_from_the_fields_it_shows() -> None:
+    filt, _ = read_search({"q": "mailbox:acme report"})
+    assert filt.fields()["mailbox"] == "acme"
+    assert read_search(filt.fields()) == (filt, None)
+    assert filt.names() == ["subject", "mailbox"]
+
+
+def test_the_failed_list_reads_a_mailbox() -> None:
+    filt = read_failed({"mailbox": " acme ", "stage": "cpu"})
+    assert filt.mailbox == "acme"
+    assert failed_fields(filt)["mailbox"] == "acme"
+    assert read_failed(failed_fields(filt)) == filt
+    with pytest.raises(BadSearch, match=r"^mailbox: a mailbox's name holds a control character$"):
+        read_failed({"mailbox": "\u200bacme"})

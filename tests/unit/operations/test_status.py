@@ -59,6 +59,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error": "InputRejected: failed",
             "needs_review": False,
             "lane": "live",
+            "mailbox": "default",
             "dismissed_at": None,
         },
         {
@@ -70,6 +71,7 @@ def test_the_failed_list_is_the_latest_first_without_dismissed_runs(res) -> None
             "error": "BlobMissing: failed",
             "needs_review": True,
             "lane": "bulk",
+            "mailbox": "default",
             "dismissed_at": None,
         },
     ]
@@ -126,7 +128,13 @@ def test_the_review_list_pages_with_the_run_s_status(res) -> None:  # type: igno
     assert (first.total, first.pages, second.page) == (4, 2, 2)
     assert [row["email_id"] for row in first.rows + second.rows] == [*marked, no_run]
     assert second.rows == [
-        {"email_id": no_run, "subject": None, "reason": "looked odd", "status": None}
+        {
+            "email_id": no_run,
+            "subject": None,
+            "reason": "looked odd",
+            "mailbox": "default",
+            "status": None,
+        }
     ]
     assert first.rows[0]["status"] == "failed"
     assert unmarked not in [row["email_id"] for row in first.rows + second.rows]

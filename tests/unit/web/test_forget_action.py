@@ -138,3 +138,22 @@ def test_an_operator_forgets_through_the_api(console) -> None:  # type: ignore[n
     for refused in ({"sender": "@acme.example"}, {"email_ids": [5], "sender": "a@b.c"}, {}):
         assert call(app, "/api/forget", OPERATOR, body=refused)[0] == 400
     assert len(asked) == 2
+
+
+def test_an_operator_forgets_a_mailbox_through_the_api(console) -> None:  # type: ignore[no-untyped-def]
+    app, asked = console
+    status, _, _ = call(app, "/api/forget", OPERATOR, body={"mailbox": "acme", "dry_run": True})
+    assert status == 200
+    assert [(a["email_ids"], a["filt"].mailbox, a["dry_run"]) for a in asked] == [
+        (None, "acme", True)
+    ]
+    for refused in (
+        {"mailbox": "acme", "sender": "a@b.c"},
+        {"mailbox": "acme", "email_ids": [5]},
+        {"mailbox": " "},
+        {"mailbox": 5},
+    ):
+        status, _, body = call(app, "/api/forget", OPERATOR, body=refused)
+        assert status == 400, body
+        assert "acme" not in body
+    assert len(asked) == 1
