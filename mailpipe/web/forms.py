@@ -19,11 +19,9 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from mailpipe.broker.queues import Stage
-from mailpipe.enqueue import send_sweep, sender
+from mailpipe.enqueue import send_sweep
 from mailpipe.operations import actions
 from mailpipe.operations.search import FIELDS, failed_fields
-from mailpipe.operations.status import FailedFilter
-from mailpipe.resources import Resources
 from mailpipe.web import params, verbs
 from mailpipe.web.auth import ACT, acting, csrf_refusal
 
@@ -42,13 +40,6 @@ ACTIONS = {
     "reprocess": "reprocessed",
     "forget": "forgotten",
 }
-_VERBS = (
-    "retry-selected",
-    "retry-matching",
-    "dismiss-selected",
-    "dismiss-matching",
-    "undo-selected",
-)
 _COUNTS = ("done", "enqueued", "refused")
 # What the redirect after an action adds to a page's query, for its notice alone.
 NOTICE_KEYS = ("action", *_COUNTS)
@@ -80,46 +71,41 @@ async def pause_or_resume(request: Request) -> Response:
 
 
 async def act_on_failed(request: Request) -> Response:
-    """The failed list's actions: on the ticked runs at once; on every run the filters match
-    only with the count its confirmation page showed (`expect`), or to that page."""
+    """The failed list's actions (`verbs.ON_LISTS`): on the ticked runs at once; on every run
+    the filters match only with the count its confirmation page showed (`expect`), or to that
+    page."""
     form = await _action_form(request)
-    verb, scope = params.choice(form, "do", _VERBS).split("-")
+    verb, scope = params.choice(form, "do", verbs.posted_on("failed")).split("-")
     filt = params.failed_filter(params.filter_fields(form))
     fields = failed_fields(filt)
-    res, user = request.app.state.resources, acting(request, FACE)
     if scope == "selected":
-        done = await run_in_threadpool(_act, res, verb, user, _selected(form))
+        done = await verbs.act_on_list(request, verb, verbs.Chosen(_selected(form)), FACE)
     else:
         expect = params.count(form, "expect")
         confirm = request.app.url_path_for("confirm_failed")
         if expect is None:
             return _to(confirm, fields, do=verb)
         try:
-            done = await run_in_threadpool(_act, res, verb, user, None, filt, expect)
+            done = await verbs.act_on_list(request, verb, verbs.Chosen(None, filt, expect), FACE)
         except actions.Changed:
             return _to(confirm, fields, do=verb, changed=expect)
     return _back(request, "failed", fields, verb, done)
 
 
 async def act_on_review(request: Request) -> Response:
-    """The review list's actions: on the ticked emails at once; on all of them only with the
-    count its confirmation page showed (`expect`), or to that page."""
+    """The review list's actions (`verbs.ON_LISTS`): on the ticked emails at once; on all of
+    them only with the count its confirmation page showed (`expect`), or to that page."""
     form = await _action_form(request)
-    verb, scope = params.choice(form, "do", (*_VERBS, "clear-selected", "clear-matching")).split(
-        "-"
-    )
-    res = request.app.state.resources
+    verb, scope = params.choice(form, "do", verbs.posted_on("review")).split("-")
     if scope == "selected":
         email_ids, expect = _selected(form), None
     else:
         expect = params.count(form, "expect")
         if expect is None:
             return _to(request.app.url_path_for("confirm_review"), {}, do=verb)
-        email_ids = await run_in_threadpool(actions.marked, res)
+        email_ids = await run_in_threadpool(actions.marked, request.app.state.resources)
     try:
-        done = await run_in_threadpool(
-            _act, res, verb, acting(request, FACE), email_ids, None, expect
-        )
+        done = await verbs.act_on_list(request, verb, verbs.Chosen(email_ids, None, expect), FACE)
     except actions.Changed:
         return _to(request.app.url_path_for("confirm_review"), {}, do=verb, changed=expect)
     return _back(request, "review", {}, verb, done)
@@ -216,28 +202,6 @@ def _selected(form: FormData) -> list[int]:
         params.whole_number(str(value), "an email id", params.MAX_ID)
         for value in form.getlist("email_id")
     ]
-
-
-def _act(
-    res: Resources,
-    verb: str,
-    user: str,
-    email_ids: list[int] | None,
-    filt: FailedFilter | None = None,
-    expect: int | None = None,
-) -> actions.Done:
-    """A list's action `verb` on `email_ids`, or on the failed runs `filt` matches when they are
-    None, `expect` of them when it is confirmed; done by `user` (`auth.acting`)."""
-    if email_ids is not None and not email_ids and expect is None:
-        return actions.Done([])  # nothing selected: never "every failed run"
-    if verb == "retry":
-        return actions.retry(res, email_ids, filt, enqueue=sender(res), user=user, expect=expect)
-    if verb == "dismiss":
-        return actions.dismiss(res, email_ids, filt, user=user, expect=expect)
-    assert email_ids is not None
-    if verb == "undo":
-        return actions.undo_dismiss(res, email_ids, user=user)
-    return actions.clear_review(res, email_ids, user=user, expect=expect)
 
 
 def _to(path: str, fields: Mapping[str, str], **changes: Any) -> Response:

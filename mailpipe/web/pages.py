@@ -173,8 +173,8 @@ def _search_page(
 
 
 # The confirmations of the lists' actions on all they list: what each does, by its `do`.
-FAILED_VERBS = {"retry": "Retry", "dismiss": "Dismiss"}
-REVIEW_VERBS = {"retry": "Retry", "dismiss": "Dismiss", "clear": "Clear the mark of"}
+FAILED_VERBS = verbs.on_all("failed")
+REVIEW_VERBS = verbs.on_all("review")
 
 
 def confirm_failed(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""A real prefork worker, shared by the tests of one module that only need one to be running.
+"""A real prefork worker, shared by the tests of one module that only need one to be running;
+fleets of a test's own; and a browser signed in to the console.
 
 Module scope, not session: a module that asserts what waits in the queue (the sweeper's tests)
 must not have a worker from an earlier module consuming it.
@@ -10,9 +11,12 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from playwright.sync_api import Page, sync_playwright
 
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.demo.fleet import CeleryProcess
+from tests.conftest import CHROMIUM
+from tests.support.console import OPERATOR
 from tests.support.database import clean
 from tests.support.fleet import Fleet
 
@@ -52,3 +56,20 @@ def fleet(res, tmp_path):  # type: ignore[no-untyped-def]
     yield make
     for made in fleets:
         made.stop()
+
+
+@pytest.fixture
+def operator_page() -> Iterator[Page]:
+    """A page of headless Chromium (the system's, `CHROMIUM`) that signs in to the console as
+    the operator, 1280 by 800 as docs/console.md's pictures are; the browser is closed after
+    the test."""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            context = browser.new_context(
+                http_credentials={"username": OPERATOR[0], "password": OPERATOR[1]},
+                viewport={"width": 1280, "height": 800},
+            )
+            yield context.new_page()
+        finally:
+            browser.close()

@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import ConsoleMessage, Page, expect, sync_playwright
+from playwright.sync_api import ConsoleMessage, Page, expect
 from sqlalchemy import func, insert, select
 
 from mailpipe.cli.ingest import store_emails
@@ -39,9 +39,8 @@ from mailpipe.pipeline import emails
 from mailpipe.storage import flags
 from mailpipe.storage.keys import raw_email_key
 from mailpipe.storage.models import EmailMessage, PipelineRun, QueueSample, RunAttempt, utcnow
-from tests.conftest import CHROMIUM
 from tests.support.bedrock_server import BedrockServer, keyword_labels, unlimited_bedrock_env
-from tests.support.console import OPERATOR, ConsoleProcess, users_env
+from tests.support.console import ConsoleProcess, users_env
 from tests.support.emails import raw_email
 from tests.support.fleet import Fleet
 from tests.support.waits import wait_for, wait_until_closed
@@ -89,7 +88,9 @@ def store_without_blob(res, raw: bytes) -> tuple[int, str]:  # type: ignore[no-u
     return int(email_id), key
 
 
-def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_operator_retries_a_failed_email_in_a_browser(  # type: ignore[no-untyped-def]
+    res, fleet, tmp_path, operator_page
+) -> None:
     # As long as a short call takes, so that the charts' durations read as a model's.
     model = BedrockServer(default=keyword_labels, delay=0.4).start()
     f: Fleet = fleet(MAILPIPE_METRICS_INTERVAL="1", **unlimited_bedrock_env(model, tmp_path))
@@ -131,6 +132,7 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
         _the_hour_before(res, backfill)
         activity = partial(_activity, attempts=_cpu_attempts_by_minute(res), shots=shots)
         _drive(
+            operator_page,
             web,
             missing,
             shots,
@@ -147,6 +149,7 @@ def test_an_operator_retries_a_failed_email_in_a_browser(res, fleet, tmp_path) -
 
 
 def _drive(
+    page: Page,
     web: ConsoleProcess,
     missing: int,
     shots: Path,
@@ -156,72 +159,62 @@ def _drive(
     dismiss_and_undo,
     retry_all,
 ) -> None:  # type: ignore[no-untyped-def]
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        try:
-            context = browser.new_context(
-                http_credentials={"username": OPERATOR[0], "password": OPERATOR[1]},
-                viewport={"width": 1280, "height": 800},
-            )
-            page = context.new_page()
-            # What the Content-Security-Policy blocks, Chromium says on the console.
-            blocked: list[str] = []
+    # What the Content-Security-Policy blocks, Chromium says on the console.
+    blocked: list[str] = []
 
-            def note_blocked(message: ConsoleMessage) -> None:
-                if "Content Security Policy" in message.text:
-                    blocked.append(message.text)
+    def note_blocked(message: ConsoleMessage) -> None:
+        if "Content Security Policy" in message.text:
+            blocked.append(message.text)
 
-            page.on("console", note_blocked)
-            page.goto(f"{web.url}/")
-            expect(page.get_by_role("heading", name="Overview")).to_be_visible()
-            expect(page.locator("header")).to_have_css("background-color", "rgb(29, 35, 48)")
-            expect(page.get_by_text("console@localhost")).to_be_visible()  # the live worker
-            activity(page)
+    page.on("console", note_blocked)
+    page.goto(f"{web.url}/")
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    expect(page.locator("header")).to_have_css("background-color", "rgb(29, 35, 48)")
+    expect(page.get_by_text("console@localhost")).to_be_visible()  # the live worker
+    activity(page)
 
-            page.get_by_role("link", name="Failed", exact=True).click()
-            row = page.locator("tr", has=page.locator(f'a[href="/emails/{missing}"]'))
-            expect(row).to_contain_text("BlobMissing")
-            select_all = page.get_by_label("select all on this page")
-            select_all.check()
-            expect(page.get_by_label(f"select email {missing}")).to_be_checked()
-            select_all.uncheck()
-            expect(page.get_by_label(f"select email {missing}")).not_to_be_checked()
-            page.screenshot(path=shots / "console-failed.png", full_page=True)
+    page.get_by_role("link", name="Failed", exact=True).click()
+    row = page.locator("tr", has=page.locator(f'a[href="/emails/{missing}"]'))
+    expect(row).to_contain_text("BlobMissing")
+    select_all = page.get_by_label("select all on this page")
+    select_all.check()
+    expect(page.get_by_label(f"select email {missing}")).to_be_checked()
+    select_all.uncheck()
+    expect(page.get_by_label(f"select email {missing}")).not_to_be_checked()
+    page.screenshot(path=shots / "console-failed.png", full_page=True)
 
-            row.get_by_role("link", name=str(missing)).click()
-            expect(page.locator("#state")).to_have_text("failed")
-            expect(page.locator("#history")).to_contain_text("BlobMissing")
-            first_attempts = page.locator("#history tr").count() - 1  # less the heading
-            assert first_attempts >= 1
+    row.get_by_role("link", name=str(missing)).click()
+    expect(page.locator("#state")).to_have_text("failed")
+    expect(page.locator("#history")).to_contain_text("BlobMissing")
+    first_attempts = page.locator("#history tr").count() - 1  # less the heading
+    assert first_attempts >= 1
 
-            page.get_by_role("link", name="Review", exact=True).click()
-            expect(page.get_by_text("the model named a label out of the list")).to_be_visible()
-            page.screenshot(path=shots / "console-review.png", full_page=True)
+    page.get_by_role("link", name="Review", exact=True).click()
+    expect(page.get_by_text("the model named a label out of the list")).to_be_visible()
+    page.screenshot(path=shots / "console-review.png", full_page=True)
 
-            put_back()
-            page.get_by_role("link", name="Failed", exact=True).click()
-            page.get_by_label(f"select email {missing}").check()
-            page.get_by_role("button", name="Retry selected").click()
-            expect(page.get_by_role("status")).to_have_text("1 retried, 1 jobs sent")
+    put_back()
+    page.get_by_role("link", name="Failed", exact=True).click()
+    page.get_by_label(f"select email {missing}").check()
+    page.get_by_role("button", name="Retry selected").click()
+    expect(page.get_by_role("status")).to_have_text("1 retried, 1 jobs sent")
 
-            page.goto(f"{web.url}/emails/{missing}")
+    page.goto(f"{web.url}/emails/{missing}")
 
-            def succeeded() -> bool:
-                page.reload()
-                return page.locator("#state").inner_text() == "succeeded"
+    def succeeded() -> bool:
+        page.reload()
+        return page.locator("#state").inner_text() == "succeeded"
 
-            wait_for(succeeded, 60, "the email's page to show its run succeeded", every=0.5)
-            assert page.locator("#history tr").count() - 1 > first_attempts
-            expect(page.locator("#history")).to_contain_text("succeeded")
-            expect(page.get_by_role("button", name="Reprocess", exact=True)).to_be_visible()
-            page.screenshot(path=shots / "console-email.png", full_page=True)
-            search(page, retried=missing, shots=shots)
-            dismiss_and_undo(page, shots=shots)
-            retry_all(page, shots=shots)
-            _reprocess(page, web, shots)
-            assert blocked == []
-        finally:
-            browser.close()
+    wait_for(succeeded, 60, "the email's page to show its run succeeded", every=0.5)
+    assert page.locator("#history tr").count() - 1 > first_attempts
+    expect(page.locator("#history")).to_contain_text("succeeded")
+    expect(page.get_by_role("button", name="Reprocess", exact=True)).to_be_visible()
+    page.screenshot(path=shots / "console-email.png", full_page=True)
+    search(page, retried=missing, shots=shots)
+    dismiss_and_undo(page, shots=shots)
+    retry_all(page, shots=shots)
+    _reprocess(page, web, shots)
+    assert blocked == []
 
 
 def _search(page: Page, invoice: int, invoice_id: str, retried: int, shots: Path) -> None:
@@ -428,7 +421,9 @@ def _reprocess(page: Page, web: ConsoleProcess, shots: Path) -> None:
     page.screenshot(path=shots / "console-overview.png", full_page=True)
 
 
-def test_the_overview_says_model_calls_are_off_and_how_many_runs_wait(res, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_overview_says_model_calls_are_off_and_how_many_runs_wait(  # type: ignore[no-untyped-def]
+    res, fleet, tmp_path, operator_page
+) -> None:
     """A new operator's first fleet, as the README runs it: model calls start off, so the emails
     stop past their CPU stage. The overview says so at its top, with the count, and switching
     them on from it ends the wait."""
@@ -442,23 +437,15 @@ def test_the_overview_says_model_calls_are_off_and_how_many_runs_wait(res, fleet
         ids = store_emails(res, [email(*mail) for mail in MAIL])
         f.enqueue(ids)
         wait_for(lambda: _waiting(res) == len(ids), 60, "every run waiting for model calls")
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-            try:
-                page = browser.new_context(
-                    http_credentials={"username": OPERATOR[0], "password": OPERATOR[1]},
-                    viewport={"width": 1280, "height": 800},
-                ).new_page()
-                page.goto(f"{web.url}/")
-                banner = page.locator("#model-calls-off")
-                expect(banner).to_be_visible()
-                expect(banner).to_contain_text(f"Model calls are off: {len(ids)} runs wait")
-                page.screenshot(path=shots / "console-model-calls-off.png")
-                banner.get_by_role("link", name="Model calls").click()
-                page.get_by_role("button", name="Switch model calls on").click()
-                expect(page.locator("#model-calls-off")).to_have_count(0)
-            finally:
-                browser.close()
+        page = operator_page
+        page.goto(f"{web.url}/")
+        banner = page.locator("#model-calls-off")
+        expect(banner).to_be_visible()
+        expect(banner).to_contain_text(f"Model calls are off: {len(ids)} runs wait")
+        page.screenshot(path=shots / "console-model-calls-off.png")
+        banner.get_by_role("link", name="Model calls").click()
+        page.get_by_role("button", name="Switch model calls on").click()
+        expect(page.locator("#model-calls-off")).to_have_count(0)
         assert set(wait_until_closed(res, ids).values()) == {"succeeded"}
     finally:
         web.stop()

@@ -27,11 +27,11 @@ from starlette.types import Message, Scope
 from mailpipe.broker.queues import Lane, Stage
 from mailpipe.cli import context
 from mailpipe.cli import main as cli
-from mailpipe.operations import search, status
+from mailpipe.operations import actions, search, status
 from mailpipe.operations.search import EmailFilter, Found
 from mailpipe.operations.status import FailedFilter, Page
 from mailpipe.settings import Settings
-from mailpipe.web import api, forms, pages, searching
+from mailpipe.web import api, pages, searching
 from mailpipe.web.app import create_app
 from mailpipe.web.auth import LOCAL_USER, csrf_token
 
@@ -130,16 +130,16 @@ def faces(monkeypatch: pytest.MonkeyPatch) -> Faces:
         faces.asked.append(filt)
         return Found([], None)
 
-    def act(res: object, verb: str, user: str, ids: object, filt: FailedFilter, expect: int) -> Any:
+    def retry(res: object, ids: object, filt: FailedFilter, **kw: Any) -> actions.Done:
         faces.asked.append(filt)
-        return SimpleNamespace(done=[], enqueued=0, refused={})
+        return actions.Done([])
 
     for module in (status, pages, api):
         monkeypatch.setattr(module, "failed_page", failed_page)
     for module in (search, searching):
         monkeypatch.setattr(module, "find", find)
     monkeypatch.setattr(pages, "error_classes", lambda session: [])
-    monkeypatch.setattr(forms, "_act", act)
+    monkeypatch.setattr(actions, "retry", retry)
     monkeypatch.setattr(context, "migrated", lambda: resources)
     return faces
 

@@ -29,24 +29,27 @@ def call(
     path: str,
     user: tuple[str, str],
     *,
-    form: dict[str, str] | None = None,
+    form: dict[str, str] | list[tuple[str, str]] | None = None,
     body: object = None,
+    method: str = "POST",
 ) -> tuple[int, dict[str, str], str]:
-    """One POST to `app` as `user`, with a form or a JSON body: its status, headers and body."""
+    """One request to `app` as `user` (a POST, with a form or a JSON body, unless `method` says
+    otherwise; `path` may end in a query): its status, headers and body."""
     if form is not None:
         content, kind = urlencode(form).encode(), b"application/x-www-form-urlencoded"
     else:
         content, kind = json.dumps(body).encode(), b"application/json"
     auth = base64.b64encode(":".join(user).encode())
+    path, _, query = path.partition("?")
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
-        "query_string": b"",
+        "query_string": query.encode(),
         "root_path": "",
         "headers": [
             (b"host", b"127.0.0.1"),
