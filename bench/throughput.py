@@ -17,7 +17,8 @@ Variants, each over the same emails (tables truncated and the emails stored agai
 - limit: `mailpipe.pipeline.job.process_email(res, email_id)` in N plain processes (fork, no
   Celery), each with its own `Resources` committing as a worker's children do, taking the next
   email id from a shared counter;
-- mailpipe: the emails enqueued with `mailpipe.enqueue.enqueue_emails` and processed by one
+- mailpipe: the emails enqueued with `mailpipe.enqueue.enqueue_emails`, each with its mailbox (the
+  default one) as ingest and the sweeper send them, and processed by one
   `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement). The jobs are
   published while the worker's consumer is stopped (a remote control command), then it is
   restarted: the worker drains a full queue, as the limit's processes start with every email id
@@ -292,14 +293,19 @@ class Bench:
         """Stop or restart the worker's consumer of the email queue (a remote control command,
         answered once the worker has done it): the jobs are published while it is stopped, so
         the measurement is the worker draining a full queue, without the publisher's CPU."""
-        from mailpipe.broker.queues import email_queue
+        from mailpipe.broker.queues import email_queue, family
 
-        queue = email_queue(self.res["local"].settings)
+        settings = self.res["local"].settings
         with fleet.control_app(worker.env) as app:
             command = app.control.add_consumer if on else app.control.cancel_consumer
-            replies = command(queue, destination=[worker.nodename], reply=True, timeout=10)
-        if not replies or any("ok" not in answer for reply in replies for answer in reply.values()):
-            raise RuntimeError(f"worker did not {'resume' if on else 'pause'} {queue}: {replies}")
+            # The email queue and its mailboxes' shards.
+            for queue in family(email_queue(settings), settings):
+                replies = command(queue, destination=[worker.nodename], reply=True, timeout=10)
+                if not replies or any(
+                    "ok" not in answer for reply in replies for answer in reply.values()
+                ):
+                    state = "resume" if on else "pause"
+                    raise RuntimeError(f"worker did not {state} {queue}: {replies}")
 
     def _drain(  # type: ignore[no-untyped-def]
         self, worker: fleet.CeleryProcess, concurrency: int, publish, db, database: str
@@ -348,7 +354,8 @@ class Bench:
 
             def publish() -> None:
                 published = time.time()
-                result = enqueue_emails(ids, self.res[blobs])
+                # With their mailbox (the default one), as ingest and the sweeper send them.
+                result = enqueue_emails(ids, self.res[blobs], mailboxes=dict.fromkeys(ids))
                 self.enqueue_s = time.time() - published
                 if len(result.sent) != len(ids):
                     raise RuntimeError(

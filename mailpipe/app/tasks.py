@@ -14,9 +14,9 @@ from celery import Task
 from celery.exceptions import TaskPredicate
 from celery.worker.request import Request
 
-from mailpipe.broker import mailboxes
+from mailpipe.broker import layout, mailboxes
 from mailpipe.broker.layout import job_headers
-from mailpipe.broker.queues import Lane, TaskName
+from mailpipe.broker.queues import Lane, TaskName, queue_of
 from mailpipe.broker.sending import Route
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 PAUSED_RESEND_S = 1.0
 # The result of a delivery that only moved its job to its mailbox's shard queue.
 ROUTED = "routed"
+# Jobs waiting in a lane's own queue past which a job sent without its mailbox moves to its
+# mailbox's shard instead of running where it is (`EmailJobTask.to_its_mailbox`).
+MOVE_BEHIND = 20
 
 
 class EmailRequest(Request):
@@ -134,13 +137,21 @@ class EmailJobTask(MailpipeTask):
         """Send a job whose message names no mailbox (upstream's `enqueue_email`, the previous
         release) to its mailbox's shard queue, keeping the message's other arguments
         (`carried`); True when it was sent. Its marker stays: the job is still queued. A job of
-        an email with no row goes on to fail as any other."""
+        an email with no row goes on to fail as any other.
+
+        Only while more than MOVE_BEHIND jobs wait in the lane's own queue behind it: the move
+        costs a job's overhead without its work, and is worth it only when the jobs behind it
+        would otherwise wait for all of those ahead of them (a flood sent without its mailbox).
+        A job that stays runs at once, taken first; its follow-ups name no mailbox either."""
         if not res.settings.mailbox_queues:
+            return False
+        task = TaskName(self.name)
+        own_queue = queue_of(task, res.settings, lane)
+        if layout.lengths(res.redis, [own_queue])[own_queue] <= MOVE_BEHIND:
             return False
         found = emails.mailbox_of(res, email_id)
         if found is None:
             return False
-        task = TaskName(self.name)
         there = route(res, [email_id], task, lane, {email_id: found.mailbox})[email_id]
         # Limits the message carried of its own go with it.
         hard, soft = self.request.timelimit or (None, None)

@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 
 import mailpipe
 from mailpipe.broker.layout import ENQUEUED_AT_HEADER
-from mailpipe.broker.queues import Lane, Stage, stage_queue
+from mailpipe.broker.queues import Lane, Stage, family, stage_queue
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
@@ -227,7 +227,8 @@ def test_a_report_gives_exact_figures_per_queue(res, tmp_path: Path) -> None:  #
         waiting_until = time.time() + 1
 
         control = localfleet.control_app(env)
-        assert control.control.add_consumer("mailpipe", destination=[worker.nodename], reply=True)
+        for queue in family("mailpipe", res.settings):  # the email queue and its shards
+            assert control.control.add_consumer(queue, destination=[worker.nodename], reply=True)
         statuses = wait_until_closed(res, ids, timeout=60)
         assert sorted(statuses.values()) == ["failed"] * 2 + ["succeeded"] * 4
         # The failures are counted once their window has settled; the worker's next heartbeat
