@@ -1,8 +1,8 @@
 """run reopened_at: when an ended run was last opened again
 
-Revision ID: 0023
-Revises: 0020
-Create Date: 2026-12-08
+Revision ID: 0022
+Revises: 0021
+Create Date: 2026-12-07
 
 Only adds a nullable column. `pipeline_run.reopened_at`: when an operator's retry, a reprocess or
 the forgetting of the email a copy copied last opened the ended run again, so that its waiting
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0023"
-down_revision = "0020"
+revision = "0022"
+down_revision = "0021"
 branch_labels = None
 depends_on = None
 
