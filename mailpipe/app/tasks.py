@@ -150,8 +150,8 @@ class EmailJobTask(MailpipeTask):
         if layout.lengths(res.redis, [own_queue])[own_queue] <= MOVE_BEHIND:
             return False
         found = emails.mailbox_of(res, email_id)
-        if found is None:
-            return False
+        if found is None or found.mailbox is None:
+            return False  # no row, or the default mailbox, whose queue this is
         there = route(res, [email_id], task, lane, {email_id: found.mailbox})[email_id]
         # Limits the message carried of its own go with it.
         hard, soft = self.request.timelimit or (None, None)

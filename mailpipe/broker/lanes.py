@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fractions import Fraction
 
-from mailpipe.broker.queues import Lane, control_queue, family_of, lane_of
+from mailpipe.broker.queues import Lane, control_queue, lane_of
 from mailpipe.settings import get_settings
 
 
@@ -45,13 +45,13 @@ class LiveFirst:
         # Starting with one job's share gives bulk its first turn at the 1/share-th job.
         self.credit = self.share
         self.queues: list[str] = []
-        # The shard queues in the order of their next turns; the last one used is at the end.
+        # The job queues in the order of their next turns; the last one used is at the end.
         self.turns: dict[str, None] = {}
 
     def update(self, queues: Iterable[str]) -> None:
         self.queues = list(queues)
-        shards = [queue for queue in self.queues if family_of(queue) != queue]
-        self.turns = {**{q: None for q in self.turns if q in shards}, **dict.fromkeys(shards)}
+        jobs = [queue for queue in self.queues if queue != self.control]
+        self.turns = {**{q: None for q in self.turns if q in jobs}, **dict.fromkeys(jobs)}
 
     def consume(self, n: int) -> list[str]:
         """The first `n` queues, in the order to BRPOP them."""
@@ -62,18 +62,13 @@ class LiveFirst:
         return control + (bulk + live if self.credit >= 1 else live + bulk)
 
     def _in_turn(self, queues: list[str]) -> list[str]:
-        """A lane's queues: its own queues first, then its shards by their turns."""
+        """A lane's queues by their turns."""
         given = set(queues)
-        own = [queue for queue in queues if family_of(queue) == queue]
-        return own + [queue for queue in self.turns if queue in given]
+        return [queue for queue in self.turns if queue in given]
 
     def rotate(self, last_used: str) -> str:
         """A job came from `last_used`; a sweep counts toward neither lane."""
         if last_used == self.control:
-            return last_used
-        if self.turns and family_of(last_used) == last_used:
-            # A lane's own queue beside shards: a job that only moves to its mailbox's shard,
-            # whose run there counts toward its lane.
             return last_used
         if last_used in self.turns:
             del self.turns[last_used]

@@ -4,12 +4,14 @@ An email's mailbox is on its row (`email_message.mailbox`): a customer, a user, 
 named by upstream storage or `mailpipe ingest --mailbox`. Emails without one belong to the default
 mailbox. Names are identifiers chosen upstream and may be addresses, so nothing logs them.
 
-Each lane of each stage is a family of queues: its own (which carries the jobs whose mailbox is
-not known yet, and the previous release's) and MAILPIPE_MAILBOX_QUEUES shard queues. A mailbox
+Each lane of each stage is a family of queues: its own and MAILPIPE_MAILBOX_QUEUES shard queues.
+The lane's own queue is the default mailbox's, and carries the jobs whose mailbox the sender did
+not know and the previous release's, which consumes no shard: so every job of an email without a
+mailbox stays where that release takes it, and a rollback strands none. Any other mailbox
 hashes to two of the shards, and each of its jobs goes to the shorter of the two: a flood fills
 its own two, and another mailbox shares both of them with it only once in C(n, 2) mailboxes
-(120 at 16 shards). Workers take the shards of a lane in turn (`mailpipe.broker.lanes`), so a
-mailbox's job waits behind about one job of each other busy shard, not behind their backlogs
+(120 at 16 shards). Workers take a lane's queues in turn (`mailpipe.broker.lanes`), so a
+mailbox's job waits behind about one job of each other busy queue, not behind their backlogs
 (docs/mailboxes.md).
 """
 
@@ -61,14 +63,18 @@ def shards_of(mailbox: str | None, shards: int) -> tuple[int, int]:
 def assign(
     wanted: Iterable[tuple[int, str | None]], queue: str, shards: int, lengths: Mapping[str, int]
 ) -> dict[int, str]:
-    """The shard queue of `queue` each email's job goes to: of its mailbox's two, the one with
-    the fewer jobs (`lengths`, what each holds now, counting the jobs placed here as they are),
-    the first one on a tie. With no shards, the lane queue itself."""
+    """The queue of `queue`'s family each email's job goes to: of its mailbox's two shards, the
+    one with the fewer jobs (`lengths`, what each holds now, counting the jobs placed here as
+    they are), the first one on a tie; the default mailbox's, and every job with no shards,
+    the lane queue itself."""
     if shards == 0:
         return {email_id: queue for email_id, _ in wanted}
     held = dict(lengths)
     placed: dict[int, str] = {}
     for email_id, mailbox in wanted:
+        if mailbox is None:
+            placed[email_id] = queue
+            continue
         first, second = (shard_queue(queue, i) for i in shards_of(mailbox, shards))
         chosen = second if held.get(second, 0) < held.get(first, 0) else first
         held[chosen] = held.get(chosen, 0) + 1
@@ -81,4 +87,5 @@ def candidates(mailboxes: Iterable[str | None], queue: str, shards: int) -> set[
     needs."""
     if shards == 0:
         return set()
-    return {shard_queue(queue, i) for mailbox in mailboxes for i in shards_of(mailbox, shards)}
+    named = (mailbox for mailbox in mailboxes if mailbox is not None)
+    return {shard_queue(queue, i) for mailbox in named for i in shards_of(mailbox, shards)}

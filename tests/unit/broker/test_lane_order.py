@@ -122,16 +122,16 @@ def test_a_lane_s_shards_take_turns_so_a_quiet_shard_waits_behind_one_job_of_eac
     assert len(served(cycle, waiting, 100)) == 100
 
 
-def test_a_lane_s_own_queue_goes_before_its_shards_and_live_before_bulk(monkeypatch) -> None:
+def test_a_lane_s_own_queue_takes_its_turn_with_its_shards_and_live_goes_before_bulk(
+    monkeypatch,
+) -> None:
+    """The lane's own queue is the default mailbox's: one queue among the lane's, in turn."""
     cycle = sharded_cycle(0, monkeypatch)
     order = cycle.consume(len(SHARDED))
     assert order[:2] == ["mailpipe.control", "mailpipe"]
     assert order.index("mailpipe.bulk") > max(order.index(f"mailpipe:{i:02d}") for i in range(4))
     waiting = {"mailpipe": 3, "mailpipe:00": 3, "mailpipe.bulk:00": 3}
-    assert (
-        served(cycle, waiting, 9)
-        == ["mailpipe"] * 3 + ["mailpipe:00"] * 3 + ["mailpipe.bulk:00"] * 3
-    )
+    assert served(cycle, waiting, 9) == ["mailpipe", "mailpipe:00"] * 3 + ["mailpipe.bulk:00"] * 3
 
 
 def test_bulk_keeps_its_share_across_shards(monkeypatch) -> None:
@@ -152,15 +152,3 @@ def test_a_queue_added_or_cancelled_keeps_the_others_turns(monkeypatch) -> None:
     cycle.update([q for q in SHARDED if q != "mailpipe:02"])
     live = [q for q in cycle.consume(len(SHARDED)) if q.startswith("mailpipe:")]
     assert live == ["mailpipe:01", "mailpipe:03", "mailpipe:00"]
-
-
-def test_a_job_moving_to_its_shard_spends_none_of_bulk_s_share(monkeypatch) -> None:
-    """Jobs sent without their mailbox wait in the lane's own queue and move to their shards:
-    bulk's turns go to bulk's work, not to those moves, and the moves go first."""
-    cycle = sharded_cycle(0.25, monkeypatch)
-    waiting = {"mailpipe": 40, "mailpipe.bulk": 20}
-    moved = served(cycle, waiting, 60)
-    assert moved == ["mailpipe"] * 40 + ["mailpipe.bulk"] * 20
-    waiting = {"mailpipe:00": 40, "mailpipe.bulk:00": 40}
-    order = served(cycle, waiting, 40)
-    assert sum(q.startswith("mailpipe.bulk") for q in order) == 10

@@ -38,7 +38,10 @@ def test_a_quiet_mailbox_beside_a_flood_goes_to_its_shard_the_flood_does_not_hol
     assert int(queue.rsplit(":", 1)[1]) not in flood
 
 
-def test_no_shards_is_the_lane_s_own_queue() -> None:
+def test_the_default_mailbox_and_no_shards_are_the_lane_s_own_queue() -> None:
+    """Where the previous release takes every job of an email without a mailbox."""
+    assert mailboxes.assign([(1, None), (2, "a")], "mailpipe", 16, {})[1] == "mailpipe"
+    assert mailboxes.candidates([None], "mailpipe", 16) == set()
     assert mailboxes.assign([(1, "a"), (2, None)], "mailpipe.bulk", 0, {}) == {
         1: "mailpipe.bulk",
         2: "mailpipe.bulk",
