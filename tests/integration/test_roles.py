@@ -49,7 +49,7 @@ import requests
 from sqlalchemy import func, select
 
 import mailpipe
-from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
+from mailpipe.broker.queues import Lane, Stage, control_queue, family, stage_queue
 from mailpipe.cli.demo.fleet import control_app
 from mailpipe.cli.demo.servers import free_port
 from mailpipe.coordination import redis_keys
@@ -168,11 +168,14 @@ def queues_of_the_roles(env: dict[str, str]) -> dict[str, list[str]]:
     settings = Settings.model_construct(
         queue=env.get("MAILPIPE_QUEUE", Settings.model_fields["queue"].default)
     )
+
+    def lanes_of(stage: Stage) -> list[str]:
+        """The stage's lane queues, each with its mailboxes' shards."""
+        return [q for lane in Lane for q in family(stage_queue(stage, settings, lane), settings)]
+
     return {
-        "worker": sorted(
-            [*(stage_queue(Stage.CPU, settings, lane) for lane in Lane), control_queue(settings)]
-        ),
-        "model": sorted(stage_queue(Stage.MODEL, settings, lane) for lane in Lane),
+        "worker": sorted([*lanes_of(Stage.CPU), control_queue(settings)]),
+        "model": sorted(lanes_of(Stage.MODEL)),
     }
 
 

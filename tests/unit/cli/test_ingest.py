@@ -328,9 +328,9 @@ def test_batches_are_bounded_by_bytes_as_well_as_count(
     batches: list[list[int]] = []
     real = ingest_module.store_emails
 
-    def spy(res, raws, lane):  # type: ignore[no-untyped-def]
+    def spy(res, raws, lane, mailbox):  # type: ignore[no-untyped-def]
         batches.append([len(raw) for raw in raws])
-        return real(res, raws, lane)
+        return real(res, raws, lane, mailbox)
 
     monkeypatch.setattr(ingest_module, "store_emails", spy)
     monkeypatch.setattr(ingest_module, "BATCH_BYTES", 100_000)

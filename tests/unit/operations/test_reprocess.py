@@ -36,7 +36,9 @@ class Sent:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], TaskName, Lane]] = []
 
-    def __call__(self, ids: Sequence[int], task: TaskName, lane: Lane) -> list[int]:
+    def __call__(
+        self, ids: Sequence[int], task: TaskName, lane: Lane, boxes: object = None
+    ) -> list[int]:
         self.calls.append((list(ids), task, lane))
         return list(ids)
 
@@ -302,12 +304,12 @@ def test_a_reprocess_takes_the_count_confirmed_and_no_more_than_the_most_unless_
     assert sent.calls == [] and {status_of(res, i) for i in invoices} == {RunStatus.SUCCEEDED}
     late: list[int] = []
 
-    def storing_another(ids: Sequence[int], task: TaskName, lane: Lane) -> list[int]:
+    def storing_another(ids: Sequence[int], task: TaskName, lane: Lane, boxes: object) -> list[int]:
         """An invoice that succeeds while the reprocess works: its plan did not count it."""
         if not late:
             late.extend(store_emails(res, [INVOICE.replace(b"j12@", b"late@")]))
             succeeded_again(res, late)
-        return sent(ids, task, lane)
+        return sent(ids, task, lane, boxes)
 
     done = actions.reprocess(
         small,
