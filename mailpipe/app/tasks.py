@@ -14,9 +14,9 @@ from celery import Task
 from celery.exceptions import TaskPredicate
 from celery.worker.request import Request
 
-from mailpipe.broker import layout, mailboxes
+from mailpipe.broker import mailboxes
 from mailpipe.broker.layout import job_headers
-from mailpipe.broker.queues import Lane, TaskName, queue_of
+from mailpipe.broker.queues import Lane, TaskName
 from mailpipe.broker.sending import Route
 from mailpipe.celery import app
 from mailpipe.coordination import shutdowns
@@ -30,11 +30,6 @@ from mailpipe.resources import Resources, get_resources
 log = logging.getLogger(__name__)
 
 PAUSED_RESEND_S = 1.0
-# The result of a delivery that only moved its job to its mailbox's shard queue.
-ROUTED = "routed"
-# Jobs waiting in a lane's own queue past which a job sent without its mailbox moves to its
-# mailbox's shard instead of running where it is (`EmailJobTask.to_its_mailbox`).
-MOVE_BEHIND = 20
 
 
 class EmailRequest(Request):
@@ -131,35 +126,6 @@ class EmailJobTask(MailpipeTask):
     reject_on_worker_lost = True
     Request = EmailRequest
 
-    def to_its_mailbox(
-        self, res: Resources, email_id: int, lane: Lane, carried: dict[str, Any]
-    ) -> bool:
-        """Send a job whose message names no mailbox (upstream's `enqueue_email`, the previous
-        release) to its mailbox's shard queue, keeping the message's other arguments
-        (`carried`); True when it was sent. Its marker stays: the job is still queued. A job of
-        an email with no row goes on to fail as any other.
-
-        Only while more than MOVE_BEHIND jobs wait in the lane's own queue behind it: the move
-        costs a job's overhead without its work, and is worth it only when the jobs behind it
-        would otherwise wait for all of those ahead of them (a flood sent without its mailbox).
-        A job that stays runs at once, taken first; its follow-ups name no mailbox either."""
-        if not res.settings.mailbox_queues:
-            return False
-        task = TaskName(self.name)
-        own_queue = queue_of(task, res.settings, lane)
-        if layout.lengths(res.redis, [own_queue])[own_queue] <= MOVE_BEHIND:
-            return False
-        found = emails.mailbox_of(res, email_id)
-        if found is None or found.mailbox is None:
-            return False  # no row, or the default mailbox, whose queue this is
-        there = route(res, [email_id], task, lane, {email_id: found.mailbox})[email_id]
-        # Limits the message carried of its own go with it.
-        hard, soft = self.request.timelimit or (None, None)
-        limits = {"time_limit": hard, "soft_time_limit": soft}
-        own = {name: value for name, value in limits.items() if value is not None}
-        send_job(email_id, task, lane, there, kwargs=carried, **own)
-        return True
-
     def follow(self, email_id: int, verdict: Verdict, lane: Lane, mailbox: str | None) -> str:
         """Map the verdict to Celery; every follow-up goes in the delivery's `lane` and
         `mailbox` (as the message names it; None: not named)."""
@@ -200,6 +166,11 @@ class EmailJobTask(MailpipeTask):
             )
         elif verdict.kind is Kind.HANDED_OFF:
             model = TaskName.CLASSIFY_EMAIL
+            if mailbox is None and res.settings.mailbox_queues:
+                # Sent without its mailbox (upstream's `enqueue_email(id)`): the model stage,
+                # where the fleet's cost is, takes it in its mailbox's turns all the same.
+                found = emails.mailbox_of(res, email_id)
+                mailbox = None if found is None else mailboxes.shown(found.mailbox)
             send_job(email_id, model, lane, _route(res, email_id, model, lane, mailbox))
         elif verdict.kind is Kind.FAILED:
             raise RunFailed(f"email {email_id}: {verdict.error}")
@@ -234,9 +205,6 @@ def process_email(
     """
     ignore_unknown(self, unknown)
     res = get_resources()
-    carried = {"cut_off": cut_off, "deferred_since": deferred_since}
-    if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
-        return ROUTED
     verdict = job.process_email(
         res,
         email_id,
@@ -276,9 +244,6 @@ def classify_email(
     """
     ignore_unknown(self, unknown)
     res = get_resources()
-    carried = {"deferred_since": deferred_since, "mailbox_slot": mailbox_slot}
-    if mailbox is None and self.to_its_mailbox(res, email_id, Lane(lane), carried):
-        return ROUTED
     verdict = job.classify_email(
         res,
         email_id,

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from mailpipe.broker.mailboxes import shards_of
 from mailpipe.broker.queues import Lane
 from mailpipe.celery import app
 from mailpipe.cli.demo import fleet as localfleet
@@ -37,7 +38,13 @@ from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails
 from mailpipe.storage import flags
-from mailpipe.storage.models import Classification, EmailLabel, EmailMessage, PipelineRun
+from mailpipe.storage.models import (
+    Classification,
+    EmailLabel,
+    EmailMessage,
+    PipelineRun,
+    RunStatus,
+)
 from tests.support.bedrock_server import (
     BedrockServer,
     TimedBedrockServer,
@@ -290,6 +297,45 @@ def test_a_capped_mailbox_keeps_to_its_ceiling_while_another_mailboxs_emails_fin
     )
     assert per_email and max(per_email.values()) <= most, per_email
     assert {int(email_id) for email_id in per_email} <= set(flood_ids)
+
+
+def test_other_mailboxes_calls_wait_behind_a_few_of_a_flood_s_at_the_model_stage(
+    res,
+    model_fleet,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """300 emails of one mailbox wait for the model (10 calls/s); 8 other mailboxes' emails
+    sent meanwhile are classified before more than a round of the flood's calls: the model
+    role's 4 threads take the model queues in turn, each round at most one job of each of the
+    flood's two shards and at least one of the 8. Without shards the 8 would wait for the whole
+    flood's 30 s of calls."""
+    model_fleet(workers=1, concurrency=4, delay=0.1, rate_per_s=10.0, max_in_flight=8)
+    flood = store_emails(res, invoices(300, subject="Flooded invoice"), mailbox="flood")
+    assert len(enqueue_emails(flood, res, mailboxes=dict.fromkeys(flood, "flood")).sent) == 300
+
+    def flood_classified(by: int | None = None) -> int:
+        statement = (
+            select(func.count())
+            .select_from(PipelineRun)
+            .where(PipelineRun.email_id.in_(flood), PipelineRun.status != RunStatus.OPEN)
+        )
+        if by is not None:
+            then = select(PipelineRun.closed_at).where(PipelineRun.email_id == by)
+            statement = statement.where(PipelineRun.closed_at <= then.scalar_subquery())
+        with res.db.session() as session:
+            return int(session.scalar(statement) or 0)
+
+    wait_for(lambda: flood_classified() >= 10, 60, "the flood's calls to be under way")
+    both = set(shards_of("flood", 16))
+    names = [n for n in (f"customer-{i}" for i in range(40)) if set(shards_of(n, 16)) != both][:8]
+    quiet = [store_emails(res, invoices(1), mailbox=name)[0] for name in names]
+    before = flood_classified()
+    for email_id, name in zip(quiet, names, strict=True):
+        enqueue_emails([email_id], res, mailboxes={email_id: name})
+    assert set(wait_until_closed(res, quiet, timeout=60).values()) == {"succeeded"}
+    waited = max(flood_classified(email_id) - before for email_id in quiet)
+    assert waited <= 4 + 2 * len(quiet) + 2, waited
+    assert flood_classified() < 250  # the flood was still waiting all along
 
 
 def test_provider_throttling_defers_the_job_without_using_its_attempts(
