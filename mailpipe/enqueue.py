@@ -23,7 +23,7 @@ from kombu import Producer
 
 from mailpipe.broker import layout
 from mailpipe.broker.layout import job_headers
-from mailpipe.broker.mailboxes import assign, candidates, shown, stored
+from mailpipe.broker.mailboxes import assign, candidates, stored
 from mailpipe.broker.queues import Lane, TaskName, queue_of
 from mailpipe.broker.sending import Enqueue, Route
 from mailpipe.celery import app
@@ -98,7 +98,7 @@ def route(
     wanted = [(email_id, mailboxes[email_id]) for email_id in email_ids]
     held = layout.lengths(res.redis, candidates((box for _, box in wanted), queue, count))
     placed = assign(wanted, queue, count, held)
-    return {email_id: Route(placed[email_id], shown(box)) for email_id, box in wanted}
+    return {email_id: Route(placed[email_id], box) for email_id, box in wanted}
 
 
 def sender(res: Resources) -> Enqueue:

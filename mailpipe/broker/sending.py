@@ -13,8 +13,10 @@ from mailpipe.broker.queues import Lane, TaskName
 
 @dataclass(frozen=True)
 class Route:
-    """Where one job is sent: its queue, and its mailbox as the message names it
-    (mailpipe.broker.mailboxes.shown), None when the sender does not know it."""
+    """Where one job is sent: its queue, and its mailbox as the message names it; None for the
+    default mailbox, and when the sender does not know it. The default mailbox is never named:
+    its jobs go where the previous release takes them, and that release refuses arguments it
+    does not know (0.1.0 does)."""
 
     queue: str
     mailbox: str | None
