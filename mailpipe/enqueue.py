@@ -90,7 +90,8 @@ def route(
 ) -> dict[int, Route]:
     """Where each email's job of `task` goes in `lane`: the shorter of its mailbox's two shard
     queues (one round trip for their lengths), or the lane's own queue when `mailboxes` is not
-    given, where the job finds its mailbox on the row (mailpipe.broker.mailboxes)."""
+    given or there are no shards, where the job finds its mailbox on the row
+    (mailpipe.broker.mailboxes)."""
     queue = queue_of(task, res.settings, lane)
     if mailboxes is None:
         return {email_id: Route(queue, None) for email_id in email_ids}
@@ -98,7 +99,12 @@ def route(
     wanted = [(email_id, mailboxes[email_id]) for email_id in email_ids]
     held = layout.lengths(res.redis, candidates((box for _, box in wanted), queue, count))
     placed = assign(wanted, queue, count, held)
-    return {email_id: Route(placed[email_id], box) for email_id, box in wanted}
+    # A job in the lane's own queue names no mailbox, whatever its row's: the previous release
+    # takes that queue and refuses arguments it does not know. It reads its mailbox from the row.
+    return {
+        email_id: Route(placed[email_id], None if placed[email_id] == queue else box)
+        for email_id, box in wanted
+    }
 
 
 def sender(res: Resources) -> Enqueue:

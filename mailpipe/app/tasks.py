@@ -78,7 +78,8 @@ def _named(sent: Route) -> dict[str, str]:
 
 def _slot(verdict: Verdict) -> dict[str, float]:
     """The mailbox slot a follow-up carries (`mailbox_slot`), when the job holds one: a keyword
-    the previous release ignores."""
+    the previous release refuses, so a ceiling on a job of the lane's own queue (the default
+    mailbox's, or any with no shard queues) is for a fleet that no longer runs it."""
     return {} if verdict.mailbox_slot is None else {"mailbox_slot": verdict.mailbox_slot}
 
 

@@ -9,9 +9,10 @@ import pytest
 
 from mailpipe import enqueue
 from mailpipe.broker import layout
-from mailpipe.broker.queues import Lane, Stage, TaskName, job_queues, stage_queue
+from mailpipe.broker.queues import Lane, Stage, TaskName, family, job_queues, stage_queue
 from mailpipe.cli.ingest import store_emails
 from mailpipe.coordination import redis_keys
+from mailpipe.resources import Resources
 from tests.support.emails import raw_email
 
 pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
@@ -57,12 +58,30 @@ def test_a_lane_s_jobs_go_to_its_queue_and_carry_the_lane(res) -> None:  # type:
     assert layout.emails_in_broker(res.redis, others) == set()
 
 
-def lanes_in(res, queue: str) -> dict[int, str]:  # type: ignore[no-untyped-def]
-    """The lane keyword of each job waiting in `queue`, by email."""
+@pytest.mark.parametrize("shards", [0, 16])
+def test_a_job_names_its_mailbox_only_in_a_shard_queue(res, shards: int) -> None:  # type: ignore[no-untyped-def]
+    """The lane's own queue is the previous release's too, which refuses arguments it does not
+    know: no job there names a mailbox, even a named mailbox's sent with no shards."""
+    res = Resources(res.settings.model_copy(update={"mailbox_queues": shards}))
+    [email_id] = store_emails(res, emails(1), mailbox="customer")
+    enqueue.enqueue_emails([email_id], res, mailboxes={email_id: "customer"})
+    [(queue, kwargs)] = jobs_in(res, res.settings.queue).values()
+    assert (queue == res.settings.queue) is (shards == 0)
+    assert kwargs.get("mailbox") == (None if shards == 0 else "customer")
+
+
+def jobs_in(res, queue: str) -> dict[int, tuple[str, dict[str, object]]]:  # type: ignore[no-untyped-def]
+    """The queue of `queue`'s family each job waiting in it was sent to, and its keywords, by
+    email."""
     found = {}
-    for name in layout.family_lists(queue):
-        for raw in res.redis.lrange(name, 0, -1):
+    for member in family(queue, res.settings):
+        for raw in res.redis.lrange(layout.queue_list(member), 0, -1):
             message = json.loads(raw)
             _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-            found[message["headers"][layout.EMAIL_ID_HEADER]] = kwargs["lane"]
+            found[message["headers"][layout.EMAIL_ID_HEADER]] = (member, kwargs)
     return found
+
+
+def lanes_in(res, queue: str) -> dict[int, str]:  # type: ignore[no-untyped-def]
+    """The lane keyword of each job waiting in `queue`, by email."""
+    return {email_id: kwargs["lane"] for email_id, (_, kwargs) in jobs_in(res, queue).items()}
