@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from mailpipe.broker import mailboxes
-from mailpipe.broker.queues import Lane, Stage, control_queue, stage_queue
+from mailpipe.broker.queues import Lane, Stage, control_queue, shard_queue, stage_queue
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.demo.fleet import CeleryProcess
 from mailpipe.cli.ingest import store_emails
@@ -194,3 +194,72 @@ def test_a_flood_sent_without_its_mailbox_holds_up_no_mailbox_sent_with_its_own(
             select(PipelineRun.attempts).where(PipelineRun.email_id.in_(ids))
         ).all()
     assert set(attempts) == {1}
+
+
+def assert_in_their_shards(res, f, where: dict[int, str], bulk: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Each of `where`'s emails has one job in the broker, in one of its mailbox's two shards of
+    its lane's CPU queue, its message naming the mailbox and the lane."""
+    jobs: dict[int, tuple[str, dict[str, object]]] = {}
+    for lane in Lane:
+        jobs |= f.placed(stage_queue(Stage.CPU, res.settings, lane))
+    assert set(jobs) >= set(where), set(where) - set(jobs)
+    for email_id, name in where.items():
+        lane = Lane.BULK if email_id in bulk else Lane.LIVE
+        queue = stage_queue(Stage.CPU, res.settings, lane)
+        shards = {shard_queue(queue, i) for i in mailboxes.shards_of(name, 16)}
+        placed, kwargs = jobs[email_id]
+        assert placed in shards, (email_id, placed, shards)
+        assert (kwargs["mailbox"], kwargs["lane"]) == (name, lane.value), kwargs
+
+
+def test_a_sweep_after_a_worker_s_sigkill_sends_each_lost_job_to_its_mailbox_and_lane(
+    res, fleet
+) -> None:  # type: ignore[no-untyped-def]
+    """A flood's worker SIGKILLed, and every job in the broker lost with it (a failed-over
+    Redis): the sweeps send each email's job back to its mailbox's shards in its lane, and the
+    quiet mailboxes' emails, live and bulk, re-added beside the flood's, wait behind a round of
+    it, not its backlog."""
+    f = fleet()
+    queues = [stage_queue(Stage.CPU, res.settings, lane) for lane in Lane]
+    cpu = f"--queues={','.join([*queues, control_queue(res.settings)])}"
+    flooded = store_emails(res, plain_emails(400), mailbox=FLOOD)
+    where = dict.fromkeys(flooded, FLOOD)
+    assert sorted(f.sweep()["readded_ids"]) == sorted(flooded)  # no run yet: sent, as lost
+    assert_in_their_shards(res, f, where, [])
+
+    killed = f.worker("killed", cpu)
+    wait_for(lambda: flood_closed(res) >= 20, what="the flood to be under way")
+    names = quiet_mailboxes(15)
+    quiet = [store_emails(res, plain_emails(1), mailbox=name)[0] for name in names]
+    bulk = quiet[10:]
+    with res.db.transaction() as session:
+        session.execute(update(EmailMessage).where(EmailMessage.id.in_(bulk)).values(lane="bulk"))
+    killed.kill()
+    f.lose_jobs()
+
+    with res.db.session() as session:
+        closed = set(
+            session.scalars(
+                select(PipelineRun.email_id).where(PipelineRun.status != RunStatus.OPEN)
+            )
+        )
+    where = {i: n for i, n in where.items() if i not in closed} | dict(
+        zip(quiet, names, strict=True)
+    )
+    readded: set[int] = set()
+
+    def all_readded() -> bool:  # the killed worker's leases lapse first (MAILPIPE_LEASE_TTL)
+        readded.update(f.sweep()["readded_ids"])
+        return readded >= set(where)
+
+    wait_for(all_readded, 60, "the sweeps to re-add every lost job")
+    assert readded == set(where)
+    assert_in_their_shards(res, f, where, bulk)
+
+    before = flood_closed(res)
+    f.worker("after", cpu)
+    live = quiet[:10]
+    assert set(wait_until_closed(res, live).values()) == {"succeeded"}
+    waited = max(flood_closed(res, email_id) - before for email_id in live)
+    assert waited <= RESERVED + 2 * len(live) + 2, waited
+    assert set(wait_until_closed(res, list(where), timeout=300).values()) == {"succeeded"}

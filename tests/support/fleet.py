@@ -87,12 +87,20 @@ class Fleet:
     def jobs_in(self, queue: str) -> dict[int, str]:
         """The jobs waiting in one of the fleet's queues: each one's email, and the lane its
         message carries (None: no lane)."""
+        return {
+            email_id: kwargs.get("lane") for email_id, (_, kwargs) in self.placed(queue).items()
+        }
+
+    def placed(self, queue: str) -> dict[int, tuple[str, dict[str, object]]]:
+        """The jobs waiting in one of the fleet's lane queues or its shards: each one's email,
+        the queue it waits in, and its message's keywords."""
         jobs = {}
         for name in self._lists(queue):
+            member = name.removeprefix(self.prefix).split(Channel.sep)[0]
             for raw in self.res.redis.lrange(name, 0, -1):
                 message = json.loads(raw)
                 _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-                jobs[message["headers"][EMAIL_ID_HEADER]] = kwargs.get("lane")
+                jobs[message["headers"][EMAIL_ID_HEADER]] = (member, kwargs)
         return jobs
 
     def flush(self) -> None:
