@@ -12,8 +12,11 @@ stage calls the Bedrock stand-in) on one broker key prefix:
   started as the task definitions start them (`REMAP_SIGTERM=SIGQUIT`: the soft shutdown);
 - rollback: the same with the roles reversed, the previous release on this release's schema.
 
-Nothing may fail: no run fails, no task raises, nothing waits for a sweep, and every email is
-done by the deadline (DONE_WITHIN_S). A wait that times out says how each stopped worker exited,
+A third of the emails belong to named mailboxes, half of those sent to their mailbox's shard
+queues, which only this release takes. Nothing may fail: no run fails, no task raises, and every
+email is done by the deadline (DONE_WITHIN_S). Nothing waits for a sweep in a rollout; in a
+rollback, the jobs this release left in its shards wait for the previous release's sweep (run
+here as its beat would), and only those: every default mailbox's job runs as it was sent. A wait that times out says how each stopped worker exited,
 what each email not closed was doing, and whether its job is in the broker.
 """
 
@@ -57,6 +60,10 @@ pytestmark = pytest.mark.services  # Redis, PostgreSQL and the S3 server
 
 EMAILS = 500
 RETRIED = 10  # emails of each half whose first attempt fails, so that a release schedules a retry
+# Mailboxes in use beside the default one: a third of the emails are theirs, of which half are
+# sent with their mailbox (to its shards, which only this release takes) and half without, as
+# upstream's `enqueue_email(id)` sends them (to the lane's own queue, which both releases take).
+MAILBOXES = ("north", "south", "east")
 # A deadline, not a figure, counted once the first release's workers have stopped. On a quiet
 # machine the backlog closes a few seconds after the last ingest. It has room for a worker whose
 # shutdown hung in Celery until the harness killed it (docs/decisions/worker-shutdown-hangs.md):
@@ -144,16 +151,22 @@ def start(release: Release, env: dict[str, str], logs: Path) -> list[localfleet.
     return processes
 
 
-def enqueue(env: dict[str, str], ids: list[int], lane: Lane) -> None:
-    """This release's deduplicated enqueue, in the fleet's key space."""
+def enqueue(
+    env: dict[str, str], ids: list[int], lane: Lane, mailboxes: dict[int, str | None] | None
+) -> None:
+    """This release's deduplicated enqueue, in the fleet's key space; with `mailboxes`, each
+    job sent to its mailbox's queue."""
     subprocess.run(
         [
             sys.executable,
             "-c",
-            "import sys; from mailpipe.broker.queues import Lane; "
+            "import json, sys; from mailpipe.broker.queues import Lane; "
             "from mailpipe.enqueue import enqueue_emails; "
-            "enqueue_emails([int(a) for a in sys.argv[2:]], lane=Lane(sys.argv[1]))",
+            "boxes = json.loads(sys.argv[2]); ids = [int(a) for a in sys.argv[3:]]; "
+            "enqueue_emails(ids, lane=Lane(sys.argv[1]), "
+            "mailboxes=None if boxes is None else {i: boxes[str(i)] for i in ids})",
             lane.value,
+            json.dumps(mailboxes),
             *map(str, ids),
         ],
         env=env,
@@ -162,7 +175,8 @@ def enqueue(env: dict[str, str], ids: list[int], lane: Lane) -> None:
 
 
 def ingest(res, env: dict[str, str], prefix: str, n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """`n` emails, half of them in the bulk lane, RETRIED of them failing their first attempt."""
+    """`n` emails, half of them in the bulk lane, a third of them in MAILBOXES, RETRIED of them
+    failing their first attempt."""
     tag = uuid.uuid4().hex[:8]
     ids = store_emails(
         res,
@@ -177,12 +191,21 @@ def ingest(res, env: dict[str, str], prefix: str, n: int) -> list[int]:  # type:
         ],
     )
     bulk = ids[: n // 2]
+    boxes: dict[int, str | None] = dict.fromkeys(ids)
+    boxes |= {email_id: MAILBOXES[i % len(MAILBOXES)] for i, email_id in enumerate(ids[::3])}
     with res.db.transaction() as session:
         session.execute(update(EmailMessage).where(EmailMessage.id.in_(bulk)).values(lane="bulk"))
+        for name in MAILBOXES:
+            mine = [email_id for email_id, box in boxes.items() if box == name]
+            session.execute(
+                update(EmailMessage).where(EmailMessage.id.in_(mine)).values(mailbox=name)
+            )
     for email_id in ids[:: n // RETRIED][:RETRIED]:
         set_fault(res.redis, email_id, "transient", 1, prefix=prefix)
-    enqueue(env, bulk, Lane.BULK)
-    enqueue(env, ids[n // 2 :], Lane.LIVE)
+    upstream = set(ids[3::6])  # a mailbox's, sent without it
+    for lane, mine in ((Lane.BULK, bulk), (Lane.LIVE, ids[n // 2 :])):
+        enqueue(env, [i for i in mine if i not in upstream], lane, boxes)
+        enqueue(env, [i for i in mine if i in upstream], lane, None)
     return ids
 
 
@@ -224,6 +247,41 @@ def broker_state(env: dict[str, str]) -> dict[str, Any]:
         [sys.executable, "-c", BROKER_STATE], env=env, check=True, capture_output=True, text=True
     )
     return dict(json.loads(done.stdout))
+
+
+# The previous release's sweep, as its beat sends one every MAILPIPE_SWEEP_INTERVAL: run with its
+# interpreter, from its checkout, in the fleet's environment. Prints the emails it re-added.
+PREVIOUS_SWEEP = """
+import json
+from mailpipe.enqueue import enqueue_emails
+from mailpipe.operations import sweeper
+from mailpipe.resources import get_resources
+res = get_resources()
+result = sweeper.sweep(res, lambda ids, task, lane: enqueue_emails(ids, res, task, lane).sent)
+print(json.dumps(result.readded_ids))
+"""
+
+
+def swept_by(release: Release, env: dict[str, str]) -> list[int]:
+    done = subprocess.run(
+        [release.python, "-c", PREVIOUS_SWEEP],
+        env=env,
+        cwd=release.checkout,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return list(json.loads(done.stdout.splitlines()[-1]))
+
+
+def closed(res, ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
+    with res.db.session() as session:
+        done = session.scalar(
+            select(func.count())
+            .select_from(PipelineRun)
+            .where(PipelineRun.email_id.in_(ids), PipelineRun.status != RunStatus.OPEN)
+        )
+    return done == len(ids)
 
 
 def still_open(  # type: ignore[no-untyped-def]
@@ -298,7 +356,37 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
         for process in old:
             began = time.monotonic()
             stops[process.nodename] = (process.stop(), round(time.monotonic() - began, 1))
+        late: list[int] = []
+        if first is THIS:
+            # A sender of this release not rolled back yet: its mailboxes' jobs go to shards
+            # that no worker takes now.
+            late = store_emails(
+                res,
+                [
+                    raw_email(f"Late {i}", message_id=f"late-{i}-{prefix}@x", body=f"{prefix}{i}")
+                    for i in range(6)
+                ],
+            )
+            with res.db.transaction() as session:
+                session.execute(
+                    update(EmailMessage).where(EmailMessage.id.in_(late)).values(mailbox="north")
+                )
+            enqueue(env, late, Lane.LIVE, dict.fromkeys(late, "north"))
+            ids += late
         try:
+            if first is THIS:
+                # Rolled back: the jobs this release left in its mailboxes' shards, which the
+                # previous release never takes, wait for that release's sweep.
+                def swept_and_closed() -> bool:
+                    swept_by(second, env)
+                    return closed(res, ids)
+
+                wait_for(
+                    swept_and_closed,
+                    DONE_WITHIN_S,
+                    "the previous release's sweeps to close every email",
+                    every=2.0,
+                )
             statuses = wait_until_closed(res, ids, timeout=DONE_WITHIN_S)
         except AssertionError as timeout:
             raise AssertionError(f"{timeout}\n{still_open(res, env, ids, stops)}") from None
@@ -323,8 +411,21 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
             )
             for outcome in (AttemptOutcome.RETRYING, AttemptOutcome.DEFERRED)
         )
-    assert {run.sweep_count for run in runs} == {0}
-    assert sum(r.readded_no_run + r.readded_stalled for r in reports) == 0
+        named = set(
+            session.scalars(
+                select(EmailMessage.id).where(
+                    EmailMessage.id.in_(ids), EmailMessage.mailbox.is_not(None)
+                )
+            )
+        )
+    swept = {run.email_id for run in runs if run.sweep_count}
+    readded = sum(r.readded_no_run + r.readded_stalled for r in reports)
+    if first is THIS:
+        # Only the named mailboxes' jobs were in shards; every default mailbox's job ran as sent.
+        assert set(late) <= swept <= named, (len(swept), len(swept - named))
+        assert readded >= len(swept)
+    else:
+        assert (swept, readded) == (set(), 0)
     # The retries ran, and passed (a run's own count restarts at the model stage: its history).
     assert retried >= 2 * RETRIED
     assert deferred > 0  # the deferrals ran too
@@ -336,6 +437,7 @@ def roll(res, first: Release, second: Release, tmp_path: Path) -> dict[str, floa
         "retried": retried,
         "deferred": deferred,
         "done_after_last_ingest_s": round(done_after, 1),
+        "swept": len(swept),
         **taken,
     }
 
