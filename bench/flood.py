@@ -27,7 +27,6 @@ second from the first other email's store to the last one's close, against the l
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import statistics
 import time
@@ -146,15 +145,7 @@ def main() -> int:
     # Each way in a process of its own (`bench.lanes.in_process`).
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
         ways = [pool.apply(one_way, (shards, *given)) for shards in (16, 0)]
-    report = {
-        "machine": harness.machine(),
-        "args": vars(args) | {"json": str(args.json) if args.json else None},
-        "ways": ways,
-    }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return harness.publish(args, {"ways": ways})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tests.support.services import Database
 
@@ -111,9 +111,10 @@ def run_mailpipe(src: Path, env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
-def ingest(src: Path, env: dict[str, str], folder: Path, expected: int) -> None:
-    """`mailpipe ingest FOLDER` with the checkout at `src`: every email stored and enqueued."""
-    output = run_mailpipe(src, env, "ingest", str(folder))
+def ingest(src: Path, env: dict[str, str], folder: Path, expected: int, *options: str) -> None:
+    """`mailpipe ingest [OPTIONS] FOLDER` with the checkout at `src`: every email stored and
+    enqueued."""
+    output = run_mailpipe(src, env, "ingest", *options, str(folder))
     found = _INGESTED.search(output)
     if found is None or (int(found[1]), int(found[2])) != (expected, expected):
         raise RuntimeError(f"ingest of {expected} emails from {src}: {output.strip()}")
@@ -217,3 +218,16 @@ def postgres_backends(conn, database: str) -> list[int]:  # type: ignore[no-unty
         (database,),
     ).fetchall()
     return [pid for (pid,) in rows]
+
+
+def publish(args: Any, figures: dict[str, Any]) -> int:
+    """Print a benchmark's report as JSON (the machine, the arguments, then `figures`) and write
+    it to `args.json` when given. Returns the exit status."""
+    given = {
+        name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()
+    }
+    text = json.dumps({"machine": machine(), "args": given, **figures}, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0

@@ -14,7 +14,6 @@ jobs. No rows are needed: the jobs are only sent, never run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import uuid
@@ -68,19 +67,15 @@ def main() -> int:
             "enqueue_us_per_job": round(seconds / count * 1e6, 1),
         }
     delete_prefix(harness.REDIS_URL, prefix)
-    report = {
-        "machine": harness.machine(),
-        "mailboxes": count,
-        "ways": ways,
-        "bytes_per_waiting_mailbox_beyond_its_jobs": round(
-            (ways["a mailbox each"]["redis_bytes"] - ways["one mailbox"]["redis_bytes"]) / count,
-            1,
-        ),
-    }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    beyond = (ways["a mailbox each"]["redis_bytes"] - ways["one mailbox"]["redis_bytes"]) / count
+    return harness.publish(
+        args,
+        {
+            "mailboxes": count,
+            "ways": ways,
+            "bytes_per_waiting_mailbox_beyond_its_jobs": round(beyond, 1),
+        },
+    )
 
 
 if __name__ == "__main__":

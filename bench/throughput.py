@@ -3,6 +3,7 @@ optionally another mailpipe checkout's worker beside them.
 
     .venv/bin/python -m bench.throughput [--workload mixed|plain] [--jobs 1100] [--repeat 3]
                                          [--concurrency 2] [--no-s3] [--baseline-src DIR]
+                                         [--mailbox NAME]
                                          [--json FILE]
 
 One run, every measurement interleaved (each repetition starts with a different one), on a fresh
@@ -18,7 +19,8 @@ Variants, each over the same emails (tables truncated and the emails stored agai
   Celery), each with its own `Resources` committing as a worker's children do, taking the next
   email id from a shared counter;
 - mailpipe: the emails enqueued with `mailpipe.enqueue.enqueue_emails`, each with its mailbox (the
-  default one) as ingest and the sweeper send them, and processed by one
+  default one, or `--mailbox NAME`'s: one mailbox's flood, in its two shard queues) as ingest
+  and the sweeper send them, and processed by one
   `celery -A mailpipe worker -P prefork -c N` (started fresh for the measurement). The jobs are
   published while the worker's consumer is stopped (a remote control command), then it is
   restarted: the worker drains a full queue, as the limit's processes start with every email id
@@ -228,7 +230,9 @@ class Bench:
         harness.truncate(self.url)
         ids: list[int] = []
         for start in range(0, len(self.emails), 500):
-            ids += store_emails(self.res[blobs], self.emails[start : start + 500])
+            ids += store_emails(
+                self.res[blobs], self.emails[start : start + 500], mailbox=self.args.mailbox
+            )
         return ids
 
     def limit(self, blobs: str, concurrency: int) -> tuple[float, dict[str, int], None]:
@@ -354,8 +358,9 @@ class Bench:
 
             def publish() -> None:
                 published = time.time()
-                # With their mailbox (the default one), as ingest and the sweeper send them.
-                result = enqueue_emails(ids, self.res[blobs], mailboxes=dict.fromkeys(ids))
+                # With their mailbox, as ingest and the sweeper send them.
+                boxes = dict.fromkeys(ids, self.args.mailbox)
+                result = enqueue_emails(ids, self.res[blobs], mailboxes=boxes)
                 self.enqueue_s = time.time() - published
                 if len(result.sent) != len(ids):
                     raise RuntimeError(
@@ -723,6 +728,11 @@ def main() -> int:
         help="mixed: corpus, documents and copies; plain: short plain-text emails only",
     )
     parser.add_argument("--seed", type=int, default=8)
+    parser.add_argument(
+        "--mailbox",
+        help="store and enqueue every email in this mailbox (a flood in its shard queues); "
+        "default: the default mailbox, in the lane's own queue",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.baseline_src:

@@ -281,6 +281,10 @@ class BedrockServer:
 
 
 class _Server(ThreadingHTTPServer):
+    # The model role opens a connection per thread (32) at once: socketserver's listen backlog
+    # of 5 would drop some on a loaded machine, which botocore reports as an outage.
+    request_queue_size = 128
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client killed while it waited for its answer (the chaos run SIGKILLs worker
         # children) resets its connection: expected, not worth a traceback.
