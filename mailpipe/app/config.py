@@ -44,6 +44,12 @@ broker_transport_options = {
     # strategies are round robin (bulk gets half while both lanes have work) or strict priority
     # (bulk starves behind a steady live stream).
     "queue_order_strategy": "mailpipe.broker.lanes:LiveFirst",
+    # No job is sent with a priority, so every message is in its queue's own list: a worker's
+    # BRPOP names that list alone, not kombu's default four per queue (each lane queue has its
+    # shards, so a worker would name 140 lists on every BRPOP). The previous release publishes
+    # to the same lists; readers of the broker still read every priority's list
+    # (docs/decisions/priority-steps.md).
+    "priority_steps": [0],
 }
 # A restarted Redis or a deploy that starts workers before Redis must not crash them.
 broker_connection_retry_on_startup = True
