@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     model_calls_cache_seconds: Seconds = Field(5.0, ge=0)
 
     # The bulk lane's model stage through Bedrock batch inference (docs/batch.md): `on`, `off`,
-    # or unset for on with the `bedrock` backend and S3 blobs. Batches of at most `size` records
+    # or unset for on with the `bedrock` backend and a batch role. Batches of at most `size` records
     # are formed once that many wait, or `wait` seconds after the oldest began to wait, within
     # the model's record limits per job (`min`, `max`); a leftover under `min` goes through
     # real-time Converse once it has waited `max_wait`.
@@ -330,30 +330,27 @@ class Settings(BaseSettings):
                 "MAILPIPE_MODEL_BATCH_SIZE must be from MAILPIPE_MODEL_BATCH_MIN to "
                 "MAILPIPE_MODEL_BATCH_MAX"
             )
-        if self.model_batch == "on":
-            if self.model_backend != "bedrock" or not self.blob_url.startswith("s3://"):
-                raise ValueError(
-                    "MAILPIPE_MODEL_BATCH=on needs MAILPIPE_MODEL_BACKEND=bedrock and an s3:// "
-                    "MAILPIPE_BLOB_URL: Bedrock reads and writes the batches in S3"
-                )
-            if not self.model_batch_role_arn:
-                raise ValueError(
-                    "MAILPIPE_MODEL_BATCH=on needs MAILPIPE_MODEL_BATCH_ROLE_ARN, the role "
-                    "Bedrock assumes"
-                )
+        if self.model_batch == "on" and self.model_backend != "bedrock":
+            raise ValueError("MAILPIPE_MODEL_BATCH=on needs MAILPIPE_MODEL_BACKEND=bedrock")
         return self
 
     @property
     def model_batch_on(self) -> bool:
         """Whether the bulk lane's model stage goes through batches: as set, or unset, with the
-        `bedrock` backend, S3 blobs and a role for Bedrock."""
+        `bedrock` backend and a role for Bedrock's batch jobs."""
         if self.model_batch is not None:
             return self.model_batch == "on"
-        return (
-            self.model_backend == "bedrock"
-            and self.blob_url.startswith("s3://")
-            and bool(self.model_batch_role_arn)
-        )
+        return self.model_backend == "bedrock" and bool(self.model_batch_role_arn)
+
+    def model_batch_leader_problem(self) -> str | None:
+        """Why beat's leader could not form batches with these settings; None when it can."""
+        if not self.model_batch_on:
+            return None
+        if not self.blob_url.startswith("s3://"):
+            return "model batches need an s3:// MAILPIPE_BLOB_URL: Bedrock reads and writes them"
+        if not self.model_batch_role_arn:
+            return "model batches need MAILPIPE_MODEL_BATCH_ROLE_ARN, the role Bedrock assumes"
+        return None
 
     @model_validator(mode="after")
     def _check_web_users(self) -> Settings:

@@ -51,6 +51,10 @@ class LockedScheduler(PersistentScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings = self._settings = get_settings()
+        problem = settings.model_batch_leader_problem()
+        if problem is not None:
+            # The bulk lane's runs would wait for batches no leader forms.
+            raise ValueError(f"beat: {problem}")
         self._redis = Redis.from_url(
             settings.broker_url, socket_timeout=5, socket_connect_timeout=5
         )
