@@ -75,10 +75,17 @@ class Job:
 class BedrockBatchServer(LoopbackServer):
     """The server, its jobs and its script. Thread-safe."""
 
-    def __init__(self, s3_endpoint: str, *, delay: float = 0.0) -> None:
+    def __init__(
+        self, s3_endpoint: str, *, delay: float = 0.0, keys: dict[str, str] | None = None
+    ) -> None:
+        """`keys`: the S3 keys it reads and writes with (`AWS_ACCESS_KEY_ID`,
+        `AWS_SECRET_ACCESS_KEY`), as Bedrock uses the role a job passes it."""
         self.delay = delay
+        keys = keys or {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local"}
         self._s3 = boto3.session.Session(
-            aws_access_key_id="local", aws_secret_access_key="local", region_name=REGION
+            aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
+            region_name=REGION,
         ).client("s3", endpoint_url=s3_endpoint)
         self._lock = threading.Lock()
         self._scripts: deque[JobScript] = deque()
