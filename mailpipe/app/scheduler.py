@@ -83,7 +83,9 @@ class LockedScheduler(PersistentScheduler):
         self._declare_queues()
         next_report = self._reporter.tick()
         next_pass = self._housekeeper.tick()
-        next_batches = self._batches.tick() if self._settings.model_batch_on else check_every
+        # With batches switched off, the pass sends the emails still waiting through real-time.
+        bedrock = self._settings.model_backend == "bedrock"
+        next_batches = self._batches.tick() if bedrock else check_every
         return min(super().tick(*args, **kwargs), check_every, next_report, next_pass, next_batches)
 
     def close(self) -> None:

@@ -112,8 +112,12 @@ def tick(res: Resources, enqueue: Enqueue, model: BatchModel) -> TickResult:
     if not _may_submit(res):
         return result
     for batch_id, state in open_batches:
-        if state is BatchState.FORMING:
+        if state is not BatchState.FORMING:
+            continue
+        if res.settings.model_batch_on:
             _submit(res, model, batch_id, result)
+        else:
+            _end(res, batch_id, None, "never submitted: batches were switched off")
     _form(res, model, enqueue, result)
     return result
 
@@ -121,8 +125,6 @@ def tick(res: Resources, enqueue: Enqueue, model: BatchModel) -> TickResult:
 def _may_submit(res: Resources) -> bool:
     """Batches are submitted, and leftovers sent, only with model calls on and the model stage
     not paused."""
-    if not res.settings.model_batch_on:
-        return False
     with res.db.session() as session:
         if not flags.model_calls_enabled(session):
             return False
@@ -146,11 +148,12 @@ def _forget_closed(res: Resources) -> None:
 
 
 def _form(res: Resources, model: BatchModel, enqueue: Enqueue, result: TickResult) -> None:
+    """Form batches of the waiting records while enough wait, or send a leftover through
+    real-time; with batches switched off, every waiting record goes through real-time."""
     settings = res.settings
     now = utcnow()
-    leftover: list[int] = []
-    places: dict[int, Place] = {}
     while True:
+        leftover: list[int] = []
         with res.db.transaction() as session:
             waiting = session.execute(
                 select(_RECORD.email_id, _RECORD.since)
@@ -163,20 +166,25 @@ def _form(res: Resources, model: BatchModel, enqueue: Enqueue, result: TickResul
                 return
             waited = (now - waiting[0].since).total_seconds()
             enough = len(waiting) >= settings.model_batch_min
-            if len(waiting) >= settings.model_batch_size or (
+            if not settings.model_batch_on or (
+                not enough and waited >= settings.model_batch_max_wait
+            ):
+                leftover = [row.email_id for row in waiting]
+                places = _realtime(session, leftover)
+            elif len(waiting) >= settings.model_batch_size or (
                 enough and waited >= settings.model_batch_wait
             ):
                 batch_id = _formed(session, [row.email_id for row in waiting])
-            elif not enough and waited >= settings.model_batch_max_wait:
-                leftover = [row.email_id for row in waiting]
-                places = _realtime(session, leftover)
-                break
             else:
                 return
-        result.formed += 1
-        _submit(res, model, batch_id, result)
-    # After the commit that says so: a leftover's model stage is sent through real-time.
-    result.realtime += len(in_lanes(enqueue, leftover, places, TaskName.CLASSIFY_EMAIL))
+        if leftover:
+            # After the commit that says so: a leftover's model stage is sent through real-time.
+            result.realtime += len(in_lanes(enqueue, leftover, places, TaskName.CLASSIFY_EMAIL))
+            if len(leftover) < settings.model_batch_size:
+                return
+        else:
+            result.formed += 1
+            _submit(res, model, batch_id, result)
 
 
 def _formed(session: Session, email_ids: list[int]) -> int:
@@ -290,12 +298,13 @@ def _stop(model: BatchModel, batch_id: int, arn: str) -> None:
         log.warning("model batch %s: job %s not stopped: %s", batch_id, job_id(arn), describe(exc))
 
 
-def _end(res: Resources, batch_id: int, status: str, message: str | None) -> None:
-    """A job that failed, stopped or expired: its records wait for the next batch, as they
-    were (their wait still counts from when it began), and its objects are deleted."""
+def _end(res: Resources, batch_id: int, status: str | None, message: str | None) -> None:
+    """A job that failed, stopped or expired, or a batch never submitted (`status` None): its
+    records wait for the next batch, as they were (their wait still counts from when it
+    began), and its objects are deleted."""
     with res.db.transaction() as session:
         batch = session.get_one(ModelBatch, batch_id, with_for_update=True)
-        if batch.state is not BatchState.SUBMITTED:
+        if batch.state not in (BatchState.FORMING, BatchState.SUBMITTED):
             return
         session.execute(update(_RECORD).where(_RECORD.batch_id == batch_id).values(batch_id=None))
         batch.state, batch.job_status, batch.error = BatchState.ENDED, status, message

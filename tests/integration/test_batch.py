@@ -352,18 +352,25 @@ def test_a_leftover_goes_real_time_and_nothing_is_submitted_while_model_calls_ar
         bres.close()
 
 
-def test_with_batches_off_the_bulk_lane_is_real_time(
-    res: Resources, stand_ins: tuple[BedrockBatchServer, BedrockServer]
+def test_with_batches_off_the_bulk_lane_is_real_time_and_so_are_the_emails_left_waiting(
+    res: Resources, bres: Resources, stand_ins: tuple[BedrockBatchServer, BedrockServer]
 ) -> None:
     batch, converse = stand_ins
+    left_waiting = waiting_for_batch(bres, 2)
     off = resources(res, model_batch="off")
     try:
-        email_ids = store_emails(off, invoices(2), Lane.BULK)
-        for email_id in email_ids:
+        fresh = store_emails(off, invoices(2), Lane.BULK)
+        for email_id in fresh:
             job.process_email(off, email_id, lane=Lane.BULK)
             assert job.classify_email(off, email_id, lane=Lane.BULK).kind is Kind.SUCCEEDED
         assert len(converse.requests) == 2
+        # The leader sends the emails still waiting through real-time.
+        assert leader(off).realtime == 2
+        for email_id in left_waiting:
+            assert job.classify_email(off, email_id, lane=Lane.BULK).kind is Kind.SUCCEEDED
+        assert len(converse.requests) == 4
         assert batch.jobs == []
-        assert_applied_once(off, email_ids)
+        leader(off)
+        assert_applied_once(off, [*left_waiting, *fresh])
     finally:
         off.close()
