@@ -11,7 +11,7 @@
   leader that dies between the two and its successor create one job. A leftover under the
   minimum that has waited MAILPIPE_MODEL_BATCH_MAX_WAIT goes through real-time Converse: its
   model stage is sent as any other, and its record says so. Nothing is submitted while model
-  calls are off or the model stage is paused.
+  calls are off or the model stage is paused, and no email of a paused mailbox.
 - **Following and applying.** The leader reads each job's status. A completed job's records are
   applied one email at a time, as a `converse` answer is: under the email's lease and a claim of
   the run (mailpipe.pipeline.runs), the classification stored, the labels synced, the run closed
@@ -31,9 +31,10 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 from redis import RedisError
-from sqlalchemy import delete, exists, func, select, update
+from sqlalchemy import ColumnElement, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from mailpipe.broker import mailboxes
 from mailpipe.broker.queues import Lane, Stage, TaskName
 from mailpipe.broker.sending import Enqueue, Place, in_lanes
 from mailpipe.classifiers import input_from_json
@@ -41,7 +42,7 @@ from mailpipe.classifiers.batch import COMPLETED, ENDED, BatchModel, job_id
 from mailpipe.coordination import leases
 from mailpipe.coordination.leases import LeaseHeld
 from mailpipe.errors import BatchUnanswered, MailpipeError, PermanentError, describe, error_class
-from mailpipe.pipeline import policy, runs, stage_pauses
+from mailpipe.pipeline import mailbox_pauses, policy, runs, stage_pauses
 from mailpipe.pipeline.classify import store_classification
 from mailpipe.pipeline.labels import sync_model_labels
 from mailpipe.resources import Resources
@@ -152,15 +153,17 @@ def _form(res: Resources, model: BatchModel, enqueue: Enqueue, result: TickResul
     real-time; with batches switched off, every waiting record goes through real-time."""
     settings = res.settings
     now = utcnow()
+    unheld = _of_mailboxes_not_paused(res)
     while True:
         leftover: list[int] = []
         with res.db.transaction() as session:
             waiting = session.execute(
                 select(_RECORD.email_id, _RECORD.since)
-                .where(_RECORD.batch_id.is_(None), _RECORD.realtime.is_(False))
+                .join(EmailMessage, EmailMessage.id == _RECORD.email_id)
+                .where(_RECORD.batch_id.is_(None), _RECORD.realtime.is_(False), *unheld)
                 .order_by(_RECORD.since, _RECORD.email_id)
                 .limit(settings.model_batch_size)
-                .with_for_update(skip_locked=True)
+                .with_for_update(of=_RECORD, skip_locked=True)
             ).all()
             if not waiting:
                 return
@@ -185,6 +188,16 @@ def _form(res: Resources, model: BatchModel, enqueue: Enqueue, result: TickResul
         else:
             result.formed += 1
             _submit(res, model, batch_id, result)
+
+
+def _of_mailboxes_not_paused(res: Resources) -> list[ColumnElement[bool]]:
+    """What keeps the emails of paused mailboxes out of a batch: their work waits for the
+    resume, as their jobs do."""
+    held = {mailboxes.stored(name) for name in mailbox_pauses.in_force(res)}
+    column = EmailMessage.mailbox
+    named = sorted(name for name in held if name is not None)
+    unheld = [or_(column.is_(None), column.not_in(named))] if named else []
+    return [*unheld, column.is_not(None)] if None in held else unheld
 
 
 def _formed(session: Session, email_ids: list[int]) -> int:

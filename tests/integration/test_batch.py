@@ -22,13 +22,13 @@ import pytest
 from sqlalchemy import func, select
 
 from mailpipe.broker import layout
-from mailpipe.broker.queues import Lane, job_queues
+from mailpipe.broker.queues import Lane, Stage, job_queues
 from mailpipe.celery import app
 from mailpipe.classifiers.batch import BatchModel
 from mailpipe.cli.demo import fleet as localfleet
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import enqueue_emails, sender
-from mailpipe.operations import status, sweeper
+from mailpipe.operations import actions, status, sweeper
 from mailpipe.pipeline import batches, job
 from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
@@ -350,6 +350,23 @@ def test_a_leftover_goes_real_time_and_nothing_is_submitted_while_model_calls_ar
         assert_applied_once(bres, [email_id])
     finally:
         bres.close()
+
+
+def test_nothing_is_submitted_while_the_model_stage_or_the_emails_mailbox_is_paused(
+    bres: Resources, stand_ins: tuple[BedrockBatchServer, BedrockServer]
+) -> None:
+    batch, _ = stand_ins
+    email_ids = waiting_for_batch(bres, 2)
+    actions.pause(bres, Stage.MODEL, "by the test", user="test")
+    assert leader(bres).submitted == 0
+    actions.resume(bres, Stage.MODEL, user="test")
+    actions.pause_mailbox(bres, "default", "by the test", user="test")
+    assert leader(bres).submitted == 0
+    assert batch.jobs == []
+    actions.resume_mailbox(bres, "default", enqueue=sender(bres), user="test")
+    assert leader(bres).submitted == 1
+    assert leader(bres).applied == 2
+    assert_applied_once(bres, email_ids)
 
 
 def test_with_batches_off_the_bulk_lane_is_real_time_and_so_are_the_emails_left_waiting(
