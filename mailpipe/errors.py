@@ -94,6 +94,11 @@ class ModelAccessDenied(DependencyError):
     dependency = Dependency.MODEL
 
 
+class BatchUnanswered(TransientError):
+    """A batch inference job left an email's record without an answer: that email's failed
+    attempt, retried in a later batch."""
+
+
 class RunFailed(MailpipeError):
     """Raised by the task after its run was recorded as failed, so that Flower and task events
     list the job as FAILURE with the run's error (nothing is retried: the message is acked)."""

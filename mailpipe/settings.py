@@ -101,6 +101,24 @@ class Settings(BaseSettings):
     # on|off` reaches every worker within this; 0 reads it on every job.
     model_calls_cache_seconds: Seconds = Field(5.0, ge=0)
 
+    # The bulk lane's model stage through Bedrock batch inference (docs/batch.md): `on`, `off`,
+    # or unset for on with the `bedrock` backend and a batch role. Batches of at most `size` records
+    # are formed once that many wait, or `wait` seconds after the oldest began to wait, within
+    # the model's record limits per job (`min`, `max`); a leftover under `min` goes through
+    # real-time Converse once it has waited `max_wait`.
+    model_batch: Literal["on", "off"] | None = None
+    model_batch_size: int = Field(10_000, ge=1)
+    model_batch_min: int = Field(100, ge=1)
+    model_batch_max: int = Field(50_000, ge=1)
+    model_batch_wait: WholeSeconds = Field(3600, ge=0)
+    model_batch_max_wait: WholeSeconds = Field(6 * 3600, ge=0)
+    # The service role Bedrock assumes to read the input and write the output.
+    model_batch_role_arn: str | None = None
+    # Bedrock ends a job it has not finished in this many hours (Expired); 24 to 168.
+    model_batch_timeout_hours: int = Field(24, ge=24, le=168)
+    # How often beat's leader forms, submits and follows batches (seconds).
+    model_batch_interval: Seconds = Field(60.0, gt=0)
+
     # Jobs: time limits, retries and the broker's redelivery window (seconds).
     visibility_timeout: WholeSeconds = Field(1800, ge=5)
     task_soft_time_limit: WholeSeconds = Field(240, ge=1)
@@ -304,6 +322,35 @@ class Settings(BaseSettings):
         """The ceiling on model calls per second of the mailbox `mailbox` (its shown name); 0
         when it has none."""
         return dict(self.mailbox_model_rates).get(mailbox, self.mailbox_model_rate)
+
+    @model_validator(mode="after")
+    def _check_model_batch(self) -> Settings:
+        if not self.model_batch_min <= self.model_batch_size <= self.model_batch_max:
+            raise ValueError(
+                "MAILPIPE_MODEL_BATCH_SIZE must be from MAILPIPE_MODEL_BATCH_MIN to "
+                "MAILPIPE_MODEL_BATCH_MAX"
+            )
+        if self.model_batch == "on" and self.model_backend != "bedrock":
+            raise ValueError("MAILPIPE_MODEL_BATCH=on needs MAILPIPE_MODEL_BACKEND=bedrock")
+        return self
+
+    @property
+    def model_batch_on(self) -> bool:
+        """Whether the bulk lane's model stage goes through batches: as set, or unset, with the
+        `bedrock` backend and a role for Bedrock's batch jobs."""
+        if self.model_batch is not None:
+            return self.model_batch == "on"
+        return self.model_backend == "bedrock" and bool(self.model_batch_role_arn)
+
+    def model_batch_leader_problem(self) -> str | None:
+        """Why beat's leader could not form batches with these settings; None when it can."""
+        if not self.model_batch_on:
+            return None
+        if not self.blob_url.startswith("s3://"):
+            return "model batches need an s3:// MAILPIPE_BLOB_URL: Bedrock reads and writes them"
+        if not self.model_batch_role_arn:
+            return "model batches need MAILPIPE_MODEL_BATCH_ROLE_ARN, the role Bedrock assumes"
+        return None
 
     @model_validator(mode="after")
     def _check_web_users(self) -> Settings:

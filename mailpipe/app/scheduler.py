@@ -12,7 +12,9 @@ prunes what only grows every `MAILPIPE_HOUSEKEEPING_INTERVAL` (mailpipe.operatio
 from this process, which runs no jobs, each on a thread of its own
 (`mailpipe.app.periodic.Periodic`): a report never waits behind busy workers, and a slow
 CloudWatch or a long pass never delays a tick. A standby does neither, so the fleet has one report
-per interval and one housekeeper.
+per interval and one housekeeper. With model batches on, it also forms, submits, follows and
+applies the bulk lane's model batches every `MAILPIPE_MODEL_BATCH_INTERVAL`
+(mailpipe.pipeline.batches), the one leader of the batches.
 
 Each tick whose lock check reached Redis, holding the lock or standing by, touches
 `MAILPIPE_BEAT_HEALTH_FILE`: the ECS health check tests that file's age (deploy/README.md). A tick
@@ -22,6 +24,7 @@ comes at least every third of the lock timeout (20 s by default).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +34,12 @@ from redis.exceptions import LockError, LockNotOwnedError
 
 from mailpipe.app.periodic import Periodic
 from mailpipe.broker.queues import control_queue, job_queues
+from mailpipe.classifiers.batch import BatchModel
 from mailpipe.coordination import redis_keys
-from mailpipe.enqueue import declare_queue
+from mailpipe.enqueue import declare_queue, sender
 from mailpipe.operations import housekeeping, metrics, sinks
-from mailpipe.resources import get_resources
+from mailpipe.pipeline import batches
+from mailpipe.resources import Resources, get_resources
 from mailpipe.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,10 @@ class LockedScheduler(PersistentScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings = self._settings = get_settings()
+        problem = settings.model_batch_leader_problem()
+        if problem is not None:
+            # The bulk lane's runs would wait for batches no leader forms.
+            raise ValueError(f"beat: {problem}")
         self._redis = Redis.from_url(
             settings.broker_url, socket_timeout=5, socket_connect_timeout=5
         )
@@ -64,6 +73,7 @@ class LockedScheduler(PersistentScheduler):
         self._housekeeper = Periodic(
             "housekeeping", lambda: housekeeping.prune(res), settings.housekeeping_interval
         )
+        self._batches = Periodic("model batches", _batch_leader(res), settings.model_batch_interval)
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -73,7 +83,10 @@ class LockedScheduler(PersistentScheduler):
         self._declare_queues()
         next_report = self._reporter.tick()
         next_pass = self._housekeeper.tick()
-        return min(super().tick(*args, **kwargs), check_every, next_report, next_pass)
+        # With batches switched off, the pass sends the emails still waiting through real-time.
+        bedrock = self._settings.model_backend == "bedrock"
+        next_batches = self._batches.tick() if bedrock else check_every
+        return min(super().tick(*args, **kwargs), check_every, next_report, next_pass, next_batches)
 
     def close(self) -> None:
         try:
@@ -123,3 +136,16 @@ class LockedScheduler(PersistentScheduler):
             self._health_file_failed = True
         else:
             self._health_file_failed = False
+
+
+def _batch_leader(res: Resources) -> Callable[[], object]:
+    """The batches' pass, with the `bedrock` control-plane client built on its first run (on
+    the pass's thread, after beat has started)."""
+    model: list[BatchModel] = []
+
+    def run() -> object:
+        if not model:
+            model.append(BatchModel.from_settings(res.settings))
+        return batches.tick(res, sender(res), model[0])
+
+    return run

@@ -203,7 +203,7 @@ class BedrockClassifier:
         measured_ms = round((time.monotonic() - started) * 1000)
 
         tool_input = _tool_input(response)
-        labels, dropped = _labels(tool_input, self._labels)
+        labels, dropped = usable_labels(tool_input, self._labels)
         usage = response.get("usage", {})
         latency_ms = response.get("metrics", {}).get("latencyMs")
         result = ClassificationResult(
@@ -269,28 +269,34 @@ def _retry_after(headers: Mapping[str, str]) -> float:
 
 
 def _tool_input(response: Mapping[str, Any]) -> dict[str, Any]:
-    """The input of the one call of our tool in the response.
-
-    Error messages describe the output's shape, never its text: the text may quote the email.
-    """
+    """The input of the one call of our tool in the response."""
     content = response.get("output", {}).get("message", {}).get("content", [])
-    calls = [
-        block["toolUse"]
+    inputs = [
+        block["toolUse"].get("input")
         for block in content
         if isinstance(block, dict) and block.get("toolUse", {}).get("name") == TOOL_NAME
     ]
-    if len(calls) != 1:
+    return one_tool_input(inputs, len(content), f"stopReason={response.get('stopReason')}")
+
+
+def one_tool_input(inputs: Sequence[object], blocks: int, stop: str) -> dict[str, Any]:
+    """The input of the one call of our tool, given the inputs of its calls among the answer's
+    `blocks` content blocks, and how the answer stopped (`stop`, for the error).
+
+    Error messages describe the output's shape, never its text: the text may quote the email.
+    """
+    if len(inputs) != 1:
         raise PermanentError(
-            f"unusable model output: {len(calls)} calls of {TOOL_NAME} in {len(content)} content "
-            f"blocks (stopReason={response.get('stopReason')})"
+            f"unusable model output: {len(inputs)} calls of {TOOL_NAME} in {blocks} content "
+            f"blocks ({stop})"
         )
-    tool_input = calls[0].get("input")
+    tool_input = inputs[0]
     if not isinstance(tool_input, dict):
         raise PermanentError(f"unusable model output: {TOOL_NAME} input is not an object")
     return tool_input
 
 
-def _labels(
+def usable_labels(
     tool_input: Mapping[str, Any], allowed: Sequence[str]
 ) -> tuple[tuple[LabelScore, ...], int]:
     """The usable label scores in the tool input, and how many entries were left out.

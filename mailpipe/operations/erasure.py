@@ -53,6 +53,7 @@ from mailpipe.storage.models import (
     EmailMessage,
     EmailOrigin,
     ForgottenEmail,
+    ModelBatchRecord,
     ModelInput,
     PipelineRun,
     Reprocess,
@@ -73,6 +74,7 @@ BY_EMAIL: tuple[type[Base], ...] = (
     EmailLabel,
     Document,
     ModelInput,
+    ModelBatchRecord,
     PipelineRun,
 )
 

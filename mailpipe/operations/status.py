@@ -29,6 +29,8 @@ from mailpipe.storage.models import (
     EmailLabel,
     EmailMessage,
     EmailOrigin,
+    ModelBatch,
+    ModelBatchRecord,
     PipelineRun,
     Reprocess,
     RunAttempt,
@@ -565,6 +567,8 @@ def job_state(
         "email_id": email_id,
         "state": state,
         "waiting_for": waiting_for,
+        # The batch inference job its model stage waits for, once submitted.
+        "batch_job": _batch_wait(session, email_id) or None if waiting_for == "batch" else None,
         "lane": email.lane,
         "mailbox": mailboxes.shown(email.mailbox),
         "attempts": 0 if run is None else run.attempts,
@@ -594,6 +598,7 @@ def _where_the_job_is(
     - a deferred delivery is due later: waiting for `rate_limit` when its last attempt was
       deferred by a rate limit or the provider's throttling, else for `deferral`;
     - converted, with model calls off: waiting for `model_calls`;
+    - its model stage waits for a model batch: waiting for `batch` (mailpipe.pipeline.batches);
     - an error and no attempt running: retrying (a failed attempt waits for its next);
     - the job is in the broker (in one of its stage's queues, or delivered and not yet taken)
       or was sent a moment ago (its enqueue marker is that young): queued;
@@ -626,6 +631,8 @@ def _where_the_job_is(
         return "waiting", "rate_limit" if limited else "deferral"
     if run is not None and stage is Stage.MODEL and not flags.model_calls_enabled(session):
         return "waiting", "model_calls"
+    if run is not None and stage is Stage.MODEL and _batch_wait(session, email_id) is not None:
+        return "waiting", "batch"
     if run is not None and run.error is not None and run.attempt_started_at is None:
         return "retrying", None
     if marker is None:
@@ -634,6 +641,19 @@ def _where_the_job_is(
         return "queued", None
     queues = [stage_queue(stage, res.settings, each) for each in Lane]
     return ("queued" if email_id in layout.emails_in_broker(res.redis, queues) else "lost"), None
+
+
+def _batch_wait(session: Session, email_id: int) -> str | None:
+    """When the email's model stage waits for a model batch: the id of the batch inference job
+    it is in, or "" before one is submitted for it; None when it waits for none."""
+    row = session.execute(
+        select(ModelBatchRecord.realtime, ModelBatch.job_arn)
+        .outerjoin(ModelBatch, ModelBatch.id == ModelBatchRecord.batch_id)
+        .where(ModelBatchRecord.email_id == email_id)
+    ).one_or_none()
+    if row is None or row.realtime:
+        return None
+    return "" if row.job_arn is None else row.job_arn.rsplit("/", 1)[-1]
 
 
 def _last_deferred_by_a_limit(session: Session, run_id: int) -> bool:

@@ -15,6 +15,8 @@ small partial indexes:
 - with model calls on, an open run is re-added at once when the email was never classified, and
   `MAILPIPE_STALL_AFTER` seconds (default 1800) after its classification was stored when it was;
 - with model calls off, runs waiting for them are left alone;
+- a run whose model stage waits for a model batch (mailpipe.pipeline.batches) is left alone:
+  beat's leader forms, follows and applies its batch;
 - the emails of a paused mailbox are left alone, run or none: not re-added, not counted, not
   failed (their resume sends their jobs);
 - each re-add of a lost job increments the run's sweep_count, over both stages; a run already swept
@@ -38,7 +40,7 @@ from typing import NamedTuple
 
 from redis.exceptions import LockError
 from redis.lock import Lock
-from sqlalchemy import Select, and_, not_, select
+from sqlalchemy import Select, and_, exists, not_, select
 from sqlalchemy.orm import Session
 
 from mailpipe.broker import layout, mailboxes
@@ -49,7 +51,14 @@ from mailpipe.operations.metrics import read_backlog
 from mailpipe.pipeline import interventions, mailbox_pauses, runs
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
-from mailpipe.storage.models import EmailMessage, PipelineRun, RunStatus, SweepReport, utcnow
+from mailpipe.storage.models import (
+    EmailMessage,
+    ModelBatchRecord,
+    PipelineRun,
+    RunStatus,
+    SweepReport,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +206,10 @@ def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: dateti
     answered_lately = and_(
         PipelineRun.classified_at.is_not(None), PipelineRun.classified_at >= stall_cutoff
     )
+    # A run whose model stage waits for a batch has no job: beat's leader holds its work.
+    waits_for_batch = exists().where(
+        ModelBatchRecord.email_id == PipelineRun.email_id, ModelBatchRecord.realtime.is_(False)
+    )
     if model_calls:
         stalled = not_(answered_lately)
     else:
@@ -213,7 +226,10 @@ def open_runs(after_id: int, limit: int, model_calls: bool, stall_cutoff: dateti
             EmailMessage.mailbox,
         )
         .join(EmailMessage, EmailMessage.id == PipelineRun.email_id)
-        .where(and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > after_id, stalled))
+        .where(
+            and_(PipelineRun.status == RunStatus.OPEN, PipelineRun.id > after_id, stalled),
+            not_(waits_for_batch),
+        )
         .order_by(PipelineRun.id)
         .limit(limit)
     )

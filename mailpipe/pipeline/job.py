@@ -61,7 +61,15 @@ from mailpipe.errors import (
     is_transient,
 )
 from mailpipe.mail.parse import ParsedEmail, ParseLimits, parse_email
-from mailpipe.pipeline import emails, health, mailbox_pauses, policy, runs, stage_pauses
+from mailpipe.pipeline import (
+    batches,
+    emails,
+    health,
+    mailbox_pauses,
+    policy,
+    runs,
+    stage_pauses,
+)
 from mailpipe.pipeline.classify import (
     classify_remote,
     email_for_classifier,
@@ -521,6 +529,8 @@ def _classify_steps(
             # second call, the labels come from the stored answer.
             _close_with_labels(session, claim, stored_result(session, claim.run_id))
             return Verdict(Kind.SUCCEEDED)
+        if batches.waits_for_batch(res, session, claim, lane):
+            return Verdict(Kind.BATCHED)
         runs.lock_current(session, claim)  # a delivery fenced off calls no model
         email_text = input_from_json(session.get_one(ModelInput, email_id).input)
         capped = settings.mailbox_model_rate > 0 or bool(settings.mailbox_model_rates)

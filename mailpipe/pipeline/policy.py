@@ -45,6 +45,7 @@ class Kind(enum.StrEnum):
     PAUSED = "paused"  # not an attempt: the stage is paused, the job goes back to its queue
     HANDED_OFF = "handed_off"  # the CPU stage is done: send the model stage
     HELD = "held"  # nothing claimed: its mailbox is paused, and its resume sends the job again
+    BATCHED = "waiting_for_batch"  # open: the model stage waits for a batch (pipeline.batches)
 
 
 @dataclass(frozen=True)

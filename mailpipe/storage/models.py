@@ -460,6 +460,57 @@ class ModelInput(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class BatchState(enum.StrEnum):
+    """Where a batch of the bulk lane's model calls is (mailpipe.pipeline.batches)."""
+
+    FORMING = "forming"  # its records are chosen; its input is written and submitted next
+    SUBMITTED = "submitted"  # Bedrock has the job; the leader follows it
+    APPLYING = "applying"  # the job completed; its answers are being applied
+    DONE = "done"  # every record applied, or sent back to wait; its objects deleted
+    ENDED = "ended"  # the job failed, stopped or expired: its records wait again
+
+
+class ModelBatch(Base):
+    """One Bedrock batch inference job of the bulk lane's model stage."""
+
+    __tablename__ = "model_batch"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    state: Mapped[BatchState] = mapped_column(_enum(BatchState, "batch_state"))
+    job_arn: Mapped[str | None] = mapped_column(Text)
+    # The provider's status as last read (Submitted, InProgress, Completed, Failed, ...).
+    job_status: Mapped[str | None] = mapped_column(String(32))
+    input_key: Mapped[str] = mapped_column(Text)  # blob key of the JSONL input
+    output_key: Mapped[str] = mapped_column(Text)  # blob key of the folder Bedrock writes under
+    records: Mapped[int]
+    answered: Mapped[int | None]  # records applied with an answer
+    unanswered: Mapped[int | None]  # records without one: each a failed attempt of its email
+    error: Mapped[str | None] = mapped_column(Text)  # the provider's message for a job that ended
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    submitted_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+    __table_args__ = (Index("ix_model_batch_state", "state"),)
+
+
+class ModelBatchRecord(Base):
+    """An email whose model stage waits for a batch: formed into none yet (`batch_id` NULL),
+    or one record of batch `batch_id`. `realtime`: it waited past MAILPIPE_MODEL_BATCH_MAX_WAIT
+    below the batch minimum, and its model stage was sent through real-time Converse."""
+
+    __tablename__ = "model_batch_record"
+
+    email_id: Mapped[int] = mapped_column(ForeignKey("email_message.id"), primary_key=True)
+    batch_id: Mapped[int | None] = mapped_column(ForeignKey("model_batch.id"))
+    realtime: Mapped[bool] = mapped_column(default=False)
+    since: Mapped[datetime] = mapped_column(default=utcnow)  # waiting for a batch since
+
+    __table_args__ = (
+        Index("ix_model_batch_record_batch_id", "batch_id"),
+        Index("ix_model_batch_record_since", "since"),
+    )
+
+
 class Reprocess(Base):
     """An operator's re-run of ended emails from one step (`mailpipe reprocess`): what it took,
     by whom, and how many; its runs name it (`PipelineRun.reprocess_id`)."""

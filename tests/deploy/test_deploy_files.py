@@ -455,8 +455,10 @@ def test_model_settings_are_sized_for_threads(monkeypatch):
     # Threads hold a connection only for their short transactions: a few serve all 32.
     assert option(container("model")["command"], "concurrency") == "32"
     assert settings.db_pool_size == 8
-    # The model stage reads what the CPU stage stored in the database, never a blob.
+    # The model stage reads what the CPU stage stored in the database, never a blob; its
+    # bulk lane waits for the model batches that beat's leader writes and reads.
     assert "MAILPIPE_BLOB_URL" not in env("model")
+    assert settings.model_batch_on
     # Both workers call the same model in the same region.
     for name in ("MAILPIPE_BEDROCK_MODEL_ID", "MAILPIPE_BEDROCK_REGION"):
         assert env("model")[name] == env("worker")[name]
@@ -1128,7 +1130,9 @@ def test_iam_document_is_least_privilege(name):
         assert all("*" not in action for action in actions), statement
         if "Principal" in statement:  # a trust policy
             assert actions == ["sts:AssumeRole"]
-            assert statement["Principal"] == {"Service": "ecs-tasks.amazonaws.com"}
+            # ECS's tasks, or Bedrock's batch inference jobs (the model batch role).
+            service = "bedrock" if name == "bedrock-batch-trust-policy" else "ecs-tasks"
+            assert statement["Principal"] == {"Service": f"{service}.amazonaws.com"}
             continue
         if "*" in as_list(statement["Resource"]):
             assert as_list(statement["Resource"]) == ["*"]
@@ -1146,6 +1150,25 @@ def test_task_role_trust_is_limited_to_this_account():
     (statement,) = iam_document("ecs-tasks-trust-policy")["Statement"]
     assert statement["Condition"]["StringEquals"]["aws:SourceAccount"] == ACCOUNT
     assert statement["Condition"]["ArnLike"]["aws:SourceArn"].startswith("arn:aws:ecs:")
+
+
+def test_bedrock_may_assume_the_model_batch_role_for_this_account_s_jobs_only():
+    (statement,) = iam_document("bedrock-batch-trust-policy")["Statement"]
+    assert statement["Principal"] == {"Service": "bedrock.amazonaws.com"}
+    assert statement["Condition"]["StringEquals"]["aws:SourceAccount"] == ACCOUNT
+    job_arn = statement["Condition"]["ArnLike"]["aws:SourceArn"]
+    assert job_arn == f"arn:aws:bedrock:us-east-1:{ACCOUNT}:model-invocation-job/*"
+
+
+def test_beat_passes_only_the_model_batch_role_and_only_to_bedrock():
+    (statement,) = [
+        s for s in iam_document("beat-task-policy")["Statement"] if s["Action"] == "iam:PassRole"
+    ]
+    assert statement["Resource"] == f"arn:aws:iam::{ACCOUNT}:role/mailpipe-model-batch"
+    assert statement["Condition"] == {
+        "StringEquals": {"iam:PassedToService": "bedrock.amazonaws.com"}
+    }
+    assert env("beat")["MAILPIPE_MODEL_BATCH_ROLE_ARN"] == statement["Resource"]
 
 
 def test_metrics_are_limited_to_the_mailpipe_namespace():
@@ -1212,13 +1235,21 @@ def _actions_by_policy(template: dict) -> dict[str, set[str]]:
 
 
 def test_only_the_model_task_role_may_invoke_bedrock(template):
-    """The CPU stage hands the email off; only the model role's threads call the model."""
+    """The CPU stage hands the email off; only the model role's threads call the model. Beat's
+    leader creates, reads and stops the model batches' jobs, and calls no model."""
+    by_policy = _actions_by_policy(template)
     callers = {
         name
-        for name, actions in _actions_by_policy(template).items()
+        for name, actions in by_policy.items()
         if any(a.lower().startswith("bedrock:") for a in actions)
     }
-    assert callers == {"model-task-policy", "ModelTaskRole"}
+    assert callers == {"model-task-policy", "ModelTaskRole", "beat-task-policy", "BeatTaskRole"}
+    for name in ("beat-task-policy", "BeatTaskRole"):
+        assert {a for a in by_policy[name] if a.startswith("bedrock:")} == {
+            "bedrock:CreateModelInvocationJob",
+            "bedrock:GetModelInvocationJob",
+            "bedrock:StopModelInvocationJob",
+        }
     (statement,) = [
         s
         for s in template["Resources"]["ModelTaskRole"]["Properties"]["Policies"][0][
@@ -1254,6 +1285,7 @@ STANDALONE_TWINS = {
     "FlowerExecutionRole": ["flower-execution-policy"],
     "WebTaskRole": ["web-task-policy"],
     "WebExecutionRole": ["web-execution-policy"],
+    "ModelBatchRole": ["model-batch-policy"],
     "ReleaseExecutionRole": ["release-execution-policy"],
     "ExecutionCommonPolicy": ["execution-common-policy"],
 }
@@ -1272,7 +1304,9 @@ def test_standalone_iam_documents_match_the_template(template, resource):
     assert in_template == standalone
     if template["Resources"][resource]["Type"] == "AWS::IAM::Role":
         trust = (
-            "ecs-tasks-trust-policy"
+            "bedrock-batch-trust-policy"
+            if resource == "ModelBatchRole"
+            else "ecs-tasks-trust-policy"
             if resource.endswith("TaskRole")
             else "ecs-execution-trust-policy"
         )
@@ -1281,5 +1315,5 @@ def test_standalone_iam_documents_match_the_template(template, resource):
 
 def test_every_iam_document_is_used():
     used = {n for names in STANDALONE_TWINS.values() for n in names}
-    used |= {"ecs-tasks-trust-policy", "ecs-execution-trust-policy"}
+    used |= {"ecs-tasks-trust-policy", "ecs-execution-trust-policy", "bedrock-batch-trust-policy"}
     assert set(IAM_DOCUMENTS) == used

@@ -10,8 +10,11 @@ what its file grants (`operation_names`), and nothing else; moto does not check 
 batch delete against the policy, so the single deletes below are what shows each role's reach. The worker's jobs and its blob check then run with the worker's keys, and the
 web role's forget with the web's, on the test's PostgreSQL and Redis. A policy that grants too
 little fails a code path; one that grants too much fails the refusals asserted beside them.
-Beat, model and release call no S3 at all, and their policies grant no S3 action; beat's
-metrics report is sent with beat's keys (moto's name for CloudWatch's action: `operation_names`).
+Beat's leader writes and reads the model batches under `batch/` with beat's keys, and the
+stand-in for Bedrock reads and writes them with the keys of the role Bedrock assumes for them
+(`model-batch-policy.json`). Model and release call no S3 at all, and their policies grant no S3
+action; beat's metrics report is sent with beat's keys (moto's name for CloudWatch's action:
+`operation_names`).
 """
 
 from __future__ import annotations
@@ -28,21 +31,25 @@ from botocore.exceptions import ClientError
 from cfnlint.decode import decode
 from sqlalchemy import select
 
+from mailpipe.broker.queues import Lane
+from mailpipe.classifiers.batch import BatchModel
 from mailpipe.cli.ingest import store_emails
 from mailpipe.enqueue import sender
 from mailpipe.errors import BlobAccessDenied, BlobMissing, Dependency
 from mailpipe.operations import actions, sinks
 from mailpipe.operations.metrics import BacklogMetrics
-from mailpipe.pipeline import health, job
+from mailpipe.pipeline import batches, health, job
 from mailpipe.pipeline.policy import Kind
 from mailpipe.resources import Resources
 from mailpipe.storage import flags
 from mailpipe.storage.keys import document_texts
 from mailpipe.storage.models import Document, EmailMessage, PipelineRun, RunStatus
+from tests.support.bedrock_batch_server import BedrockBatchServer
 from tests.support.cloudformation import resolved
 from tests.support.document_samples import DOCX, docx_with_text
 from tests.support.emails import raw_email
 from tests.support.services import S3Server
+from tests.support.waits import run_statuses
 
 pytestmark = pytest.mark.services
 
@@ -50,9 +57,10 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # The policy files name the bucket and prefix of the worker's task definition.
 BLOB_URL = "s3://mailpipe-blobs-123456789012/mail"
 BUCKET, PREFIX = BLOB_URL.removeprefix("s3://").split("/", 1)
-ROLES = ("worker", "web")
-# Beat calls no S3: its user is there for its CloudWatch report.
-USERS = (*ROLES, "beat")
+ROLES = ("worker", "web", "beat")
+# The role Bedrock assumes for the model batches (its file: model-batch-policy.json).
+BATCH_ROLE = "model-batch"
+USERS = (*ROLES, BATCH_ROLE)
 ADMIN_POLICY = {
     "Version": "2012-10-17",
     "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
@@ -60,7 +68,8 @@ ADMIN_POLICY = {
 
 
 def policy(role: str) -> dict[str, Any]:
-    return json.loads((DEPLOY / "iam" / f"{role}-task-policy.json").read_text())
+    name = f"{role}-policy" if role == BATCH_ROLE else f"{role}-task-policy"
+    return json.loads((DEPLOY / "iam" / f"{name}.json").read_text())
 
 
 def operation_names(document: dict[str, Any]) -> dict[str, Any]:
@@ -153,13 +162,18 @@ def as_role(res, keys, monkeypatch):  # type: ignore[no-untyped-def]
     url, found = keys
     made: list[Resources] = []
 
-    def make(role: str) -> Resources:
+    def make(role: str, **settings: Any) -> Resources:
         for name, value in found[role].items():
             monkeypatch.setenv(name, value)
         monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         role_res = Resources(
             res.settings.model_copy(
-                update={"blob_url": BLOB_URL, "s3_endpoint_url": url, "doc_inline_text_bytes": 0}
+                update={
+                    "blob_url": BLOB_URL,
+                    "s3_endpoint_url": url,
+                    "doc_inline_text_bytes": 0,
+                    **settings,
+                }
             )
         )
         assert role_res.blobs is not None  # its client, made now with these keys
@@ -257,23 +271,93 @@ def test_the_web_role_forgets_under_its_own_policy(res, as_role) -> None:  # typ
     assert refused(lambda: web.blobs.put("text/1/0.txt", b"x"))
 
 
+def test_beat_runs_a_model_batch_under_its_policy_and_bedrock_under_the_batch_role(
+    res, as_role, keys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Beat's leader writes a batch's input, reads its output and deletes both with beat's
+    keys; the stand-in for Bedrock reads the input and writes the output with the batch role's.
+    Neither reaches anything else."""
+    url, found = keys
+    batch_settings = {
+        "model_backend": "bedrock",
+        "model_batch": "on",
+        "model_batch_role_arn": "arn:aws:iam::123456789012:role/mailpipe-model-batch",
+        "model_batch_min": 2,
+        "model_batch_size": 2,
+        "model_batch_wait": 0,
+    }
+    with res.db.transaction() as session:
+        flags.set_model_calls(session, True)
+    admin = as_role("admin", **batch_settings)
+    email_ids = store_emails(admin, [raw_email(f"invoice {i}") for i in range(2)], Lane.BULK)
+    for email_id in email_ids:
+        job.process_email(admin, email_id, lane=Lane.BULK)
+        assert job.classify_email(admin, email_id, lane=Lane.BULK).kind is Kind.BATCHED
+    with BedrockBatchServer(url, keys=found[BATCH_ROLE]) as bedrock:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_BEDROCK", bedrock.url)
+        beat = as_role("beat", **batch_settings)
+        model = BatchModel.from_settings(beat.settings)
+        assert batches.tick(beat, sender(beat), model).submitted == 1
+        assert batches.tick(beat, sender(beat), model).applied == 2
+    assert set(run_statuses(res, email_ids).values()) == {"succeeded"}
+    listed = admin.blobs.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}/batch/")
+    assert listed["KeyCount"] == 0
+
+    # No more than that: beat reads no email and writes nothing outside `batch/`; the batch
+    # role reads only inputs and writes only outputs.
+    with res.db.session() as session:
+        blob_key = session.get_one(EmailMessage, email_ids[0]).blob_key
+    assert refused(lambda: beat.blobs.get(blob_key))
+    assert refused(lambda: beat.blobs.put("text/1/0.txt", b"x"))
+    batch_role = as_role(BATCH_ROLE)
+    admin.blobs.put("batch/9/input/records.jsonl", b"{}")
+    assert batch_role.blobs.get("batch/9/input/records.jsonl") == b"{}"
+    batch_role.blobs.put("batch/9/output/job/records.jsonl.out", b"{}")
+    assert refused(lambda: batch_role.blobs.put("batch/9/input/records.jsonl", b"x"))
+    assert refused(lambda: batch_role.blobs.get("batch/9/output/job/records.jsonl.out"))
+    assert refused(lambda: batch_role.blobs.get(blob_key))
+
+
 def test_roles_without_blob_code_have_no_s3_action() -> None:
-    for role in ("beat", "model"):
-        assert s3_actions(policy(role)) == set(), role
+    assert s3_actions(policy("model")) == set()
     for name in ("release-execution-policy", "execution-common-policy"):
         assert s3_actions(json.loads((DEPLOY / "iam" / f"{name}.json").read_text())) == set()
 
 
-@pytest.mark.parametrize("role", ROLES)
+# The template's role of each policy file.
+TEMPLATE_ROLES = {
+    **{role: f"{role.capitalize()}TaskRole" for role in ROLES},
+    BATCH_ROLE: "ModelBatchRole",
+}
+# The parameters and pseudo-parameters the files are written for.
+FILE_PARAMETERS = {
+    "BlobBucketName": BUCKET,
+    "BlobPrefix": PREFIX,
+    "NamePrefix": "mailpipe",
+    "BedrockRegion": "us-east-1",
+    "BedrockModelId": "anthropic.claude-3-5-haiku-20241022-v1:0",
+    "MetricsNamespace": "Mailpipe",
+    "AWS::AccountId": "123456789012",
+}
+PSEUDO = {"${AWS::Partition}": "aws", "${AWS::AccountId}": "123456789012"}
+
+
+def in_the_template(document: Any) -> Any:
+    """`document`, a part of the template, resolved for the files' parameters."""
+    text = json.dumps(resolved(document, FILE_PARAMETERS))
+    for pseudo, value in PSEUDO.items():
+        text = text.replace(pseudo, value)
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("role", USERS)
 def test_the_template_grants_each_role_what_its_policy_file_grants(role: str) -> None:
     """The stack's inline policy, resolved for the files' bucket and prefix, is the file's."""
     template, matches = decode(str(DEPLOY / "cloudformation" / "mailpipe.yaml"))
     assert not matches, matches
-    resource = f"{role.capitalize()}TaskRole"
+    resource = TEMPLATE_ROLES[role]
     [inline] = template["Resources"][resource]["Properties"]["Policies"]
-    parameters = {"BlobBucketName": BUCKET, "BlobPrefix": PREFIX}
-    in_template = json.dumps(resolved(inline["PolicyDocument"]["Statement"], parameters))
-    statements = json.loads(in_template.replace("${AWS::Partition}", "aws"))
+    statements = in_the_template(inline["PolicyDocument"]["Statement"])
 
     def normal(items: list[dict[str, Any]]) -> dict[str, Any]:
         def listed(value: Any) -> list[str]:

@@ -196,7 +196,42 @@ def _id() -> str:
     return f"tooluse_{uuid.uuid4().hex[:22]}"
 
 
-class BedrockServer:
+class LoopbackServer:
+    """An HTTP server on loopback, served from a thread of its own; a subclass sets `_httpd`."""
+
+    _httpd: ThreadingHTTPServer
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> Self:
+        # A short poll interval keeps `stop` quick (it waits for the serving loop's next poll).
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=type(self).__name__,
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class BedrockServer(LoopbackServer):
     """The server and its script. Thread-safe: botocore may call it from many threads."""
 
     def __init__(
@@ -218,11 +253,6 @@ class BedrockServer:
         self._thread: threading.Thread | None = None
 
     @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    @property
     def requests(self) -> list[ConverseRequest]:
         """The requests received so far, oldest first (a copy)."""
         with self._lock:
@@ -239,29 +269,6 @@ class BedrockServer:
             self._queue.clear()
             self._requests.clear()
             self.delay, self.default = self._script
-
-    def start(self) -> Self:
-        # A short poll interval keeps `stop` quick (it waits for the serving loop's next poll).
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name="bedrock-server",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def record(self, request: ConverseRequest) -> None:
         """Keep `request` (called under the server's lock)."""

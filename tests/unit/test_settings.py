@@ -178,3 +178,34 @@ def test_a_bad_mailbox_model_rate_is_refused_without_naming_the_mailbox(
         Settings()
     assert reason in str(refused.value)
     assert "secret-customer" not in str(refused.value)
+
+
+def test_model_batches_are_on_by_default_with_the_bedrock_backend_and_a_role_only() -> None:
+    role = "arn:aws:iam::123456789012:role/mailpipe-model-batch"
+    assert not Settings().model_batch_on
+    assert not Settings(model_backend="bedrock").model_batch_on
+    assert Settings(model_backend="bedrock", model_batch_role_arn=role).model_batch_on
+    assert not Settings(
+        model_backend="bedrock", model_batch_role_arn=role, model_batch="off"
+    ).model_batch_on
+    assert Settings(model_backend="bedrock", model_batch="on").model_batch_on
+    with pytest.raises(ValidationError, match="MODEL_BATCH=on needs MAILPIPE_MODEL_BACKEND"):
+        Settings(model_batch="on")
+
+
+def test_beat_s_leader_needs_s3_blobs_and_a_role_for_model_batches() -> None:
+    on = {"model_backend": "bedrock", "model_batch": "on"}
+    local = Settings(**on, blob_url="file://var/blobs")
+    assert "s3:// MAILPIPE_BLOB_URL" in (local.model_batch_leader_problem() or "")
+    no_role = Settings(**on, blob_url="s3://bucket/mail")
+    assert "MAILPIPE_MODEL_BATCH_ROLE_ARN" in (no_role.model_batch_leader_problem() or "")
+    ready = Settings(**on, blob_url="s3://bucket/mail", model_batch_role_arn="arn:aws:iam::1:r/b")
+    assert ready.model_batch_leader_problem() is None
+    assert Settings().model_batch_leader_problem() is None  # batches off: nothing to lead
+
+
+def test_a_batch_size_outside_the_record_limits_is_refused() -> None:
+    with pytest.raises(ValidationError, match="MODEL_BATCH_SIZE must be from"):
+        Settings(model_batch_size=50, model_batch_min=100)
+    with pytest.raises(ValidationError, match="MODEL_BATCH_SIZE must be from"):
+        Settings(model_batch_size=60_000)
